@@ -1,0 +1,68 @@
+"""The one interface between the data planes and every routing policy.
+
+A policy is a small deterministic state machine (round-robin position, affinity index): it is fed a
+request summary, the current snapshot and the data plane's in-flight counts, and answers a `Decision`.
+It does no I/O and reads no clock, so every policy can be tested by feeding it plain values, and the
+offline replay can run the very same objects in virtual time.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+from proxy.core.request import RequestSummary
+from proxy.core.snapshot import Snapshot
+
+
+class Reason(str, enum.Enum):
+    """Why a backend was chosen; exported as a metric label, so keep the set small and stable."""
+
+    EXACT_HIT = "exact_hit"  # the same fingerprint was routed there recently
+    PREFIX_HIT = "prefix_hit"  # it holds the longest cached prefix of this prompt
+    SESSION = "session"  # sticky on the configured session header
+    HASH = "hash"  # consistent hash of the prompt's distinguishing prefix
+    OVERLOAD_FALLBACK = "overload_fallback"  # the affine backend was above the bounded-load limit
+    UNHEALTHY_FALLBACK = "unhealthy_fallback"  # the affine backend was unhealthy, draining or excluded
+    BALANCED = "balanced"  # a load-balancing policy with no affinity (round robin, least load, ...)
+
+
+@dataclass(slots=True)
+class Inflight:
+    """The proxy's own accounting of work it has sent to one backend and not yet seen finish.
+
+    Owned and mutated by the data plane only; policies read it. It is always fresh, unlike telemetry,
+    which is why it is the load signal of last resort for stale backends.
+    """
+
+    requests: int = 0
+    tokens: int = 0  # estimated prompt tokens + max_tokens of the in-flight requests
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    backend: str
+    reason: Reason
+    policy: str
+    # Other backends in the order this policy would try them, for retries on another backend.
+    alternates: tuple[str, ...] = ()
+    prefix_blocks_matched: int = 0
+
+
+class NoBackendAvailable(Exception):
+    """Nothing routable: the data plane answers 503 with Retry-After (gRPC UNAVAILABLE)."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def pick(
+        self,
+        req: RequestSummary,
+        snapshot: Snapshot,
+        inflight: Mapping[str, Inflight],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        """Choose a routable backend not in `exclude`, or raise NoBackendAvailable."""
+        ...

@@ -1,0 +1,129 @@
+"""The fleet as the data plane sees it: one immutable, versioned value.
+
+The control plane (poller, health checks, reload, discovery) never mutates a snapshot: it builds a new
+one with `evolve`/`replace_backend` and swaps it in with a single reference assignment. A request reads
+`current` once and routes on that value, so a decision is always made against a consistent fleet, and
+the very next request sees new weights and load even on a long-lived HTTP/2 connection (the failure mode
+of pickers that cache per connection).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping
+
+
+class Health(str, enum.Enum):
+    """Routing eligibility. UNKNOWN backends are routable: a fresh proxy must serve before its first check."""
+
+    UNKNOWN = "unknown"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # failed active checks (with hysteresis) or ejected as an outlier
+    DRAINING = "draining"  # removed by config/discovery/admin: finishes in-flight work, gets nothing new
+
+    @property
+    def routable(self) -> bool:
+        return self in (Health.UNKNOWN, Health.HEALTHY)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """What configuration (or discovery) says about a backend; never changed by telemetry."""
+
+    name: str
+    url: str  # base URL of the OpenAI-compatible HTTP server, e.g. http://10.0.0.5:8000
+    weight: float = 1.0
+    grpc_address: str | None = None  # host:port of its gRPC server, if any
+    metrics_url: str | None = None  # defaults to url + /metrics
+    models: tuple[str, ...] = ()  # models it serves; empty = any
+    max_inflight: int | None = None  # per-backend in-flight limit enforced by the data plane
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """Normalised telemetry of one backend at one instant. None means "not reported", never zero.
+
+    Missing data read as zero load is how routers send everything to a backend whose metrics broke.
+    """
+
+    scraped_at: float  # time.monotonic() of the scrape that produced these values
+    engine: str | None = None  # vllm | sglang | tgi | triton | agent | orca
+    mem_used_bytes: float | None = None
+    mem_total_bytes: float | None = None
+    kernel_queue: float | None = None  # cuda_kernel_queue_length (agent) or running+waiting (engines)
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None  # 0..1
+    kv_tokens_per_s: float | None = None
+    kv_capacity_tokens: float | None = None
+    loaded_adapters: frozenset[str] = frozenset()
+    latency_ms: float | None = None  # recent observed latency (e.g. TTFT mean), for adaptive scores
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    """A backend plus everything the control plane currently believes about it."""
+
+    spec: BackendSpec
+    health: Health = Health.UNKNOWN
+    signals: Signals | None = None
+    load_score: float | None = None  # 0 idle .. 1 full; None when unknown or stale
+    stale: bool = True  # metrics older than the staleness limit (or never scraped)
+    weight: float | None = None  # run-time override of spec.weight (admin API)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def effective_weight(self) -> float:
+        return self.spec.weight if self.weight is None else self.weight
+
+    @property
+    def routable(self) -> bool:
+        return self.health.routable and self.effective_weight > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable view of the fleet. `backends` keeps configuration order, which policies rely on."""
+
+    version: int
+    backends: tuple[BackendState, ...]
+    created_at: float = field(default_factory=time.monotonic)
+    _by_name: Mapping[str, BackendState] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate backend names in snapshot: {names}")
+        object.__setattr__(self, "_by_name", {b.name: b for b in self.backends})
+
+    def get(self, name: str) -> BackendState | None:
+        return self._by_name.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.backends)
+
+    def routable(self) -> tuple[BackendState, ...]:
+        return tuple(b for b in self.backends if b.routable)
+
+    def evolve(self, backends: Iterable[BackendState]) -> "Snapshot":
+        """The next version with a new backend list."""
+        return Snapshot(version=self.version + 1, backends=tuple(backends))
+
+    def replace_backend(self, name: str, **changes: object) -> "Snapshot":
+        """The next version with one backend's state changed (e.g. health, signals, weight)."""
+        if name not in self._by_name:
+            raise KeyError(name)
+        return self.evolve(replace(b, **changes) if b.name == name else b for b in self.backends)
+
+    @classmethod
+    def initial(cls, specs: Iterable[BackendSpec]) -> "Snapshot":
+        return cls(version=1, backends=tuple(BackendState(spec=s) for s in specs))
