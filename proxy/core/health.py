@@ -1,0 +1,619 @@
+"""Health, outlier ejection, retry budget, overload and panic: pure state machines (events in, state out).
+
+Everything here is driven by plain values: a check result with its latency, a request outcome, and the
+time `now` (seconds, any monotonic origin) passed in by the caller. Nothing reads a clock or draws a
+random number, so every transition can be tested by feeding events, and the control plane's asyncio tasks
+(proxy/control/checks.py) and the data plane stay thin adapters around these objects.
+
+Why the pieces look the way they do:
+- Hysteresis (`healthy_threshold` / `unhealthy_threshold`): one slow answer must not evict a backend and
+  one lucky answer must not re-admit a broken one.
+- Timeouts and refusals are different evidence. A refused or reset connection proves nothing is serving
+  (counts at once, `fail_fast_on_refused`); a timeout may be a GC pause or a long prefill stalling the
+  event loop, so the timeout adapts to the backend's own check latency (at least k x its p99) and
+  only `unhealthy_threshold` consecutive timeouts evict.
+- Passive outlier detection sees what active checks miss (a /health that passes while completions fail).
+  Ejections grow with repeats and are capped to a share of the fleet, so a fleet-wide problem (a bad
+  deploy, an overloaded cluster) never ejects everyone. An ejection ends with a passing health check once
+  its time is up, not blindly, so a backend that still fails is not handed traffic again on a timer.
+- The retry budget bounds retries to a share of requests, so retries cannot turn an overload into a
+  retry storm.
+- Panic: when too few backends are routable, the health signal itself is probably wrong (or all are
+  degraded); routing to all of them serves more than routing to the few survivors.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
+
+from proxy.core.decision import Inflight
+from proxy.core.snapshot import BackendState, Health, Snapshot
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def _require(cond: bool, path: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{path}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    """YAML `health_checks`. Defaults evict a hung backend in ~9 s and a refusing one at its first check."""
+
+    enabled: bool = True
+    protocol: str = "http"  # http: GET `path`, 2xx is healthy | grpc: grpc.health.v1 Check on the gRPC address
+    path: str = "/health"
+    grpc_service: str = ""  # grpc.health.v1 service name; "" asks about the whole server
+    interval_ms: int = 2000
+    jitter: float = 0.1  # each interval is drawn from interval * [1 - jitter, 1 + jitter]
+    timeout_ms: int = 1000  # floor of the timeout; the adaptive timeout only ever raises it
+    healthy_threshold: int = 2
+    unhealthy_threshold: int = 3
+    adaptive_timeout: bool = True
+    adaptive_k: float = 4.0  # timeout >= k x p99 of this backend's recent check latencies
+    adaptive_max_timeout_ms: int = 10000
+    latency_window: int = 64  # recent check latencies kept per backend for the p99
+    fail_fast_on_refused: bool = True  # a refused/reset connection marks the backend unhealthy at once
+
+    def __post_init__(self) -> None:
+        p = "health_checks"
+        _require(self.protocol in ("http", "grpc"), f"{p}.protocol", "must be 'http' or 'grpc'")
+        _require(self.path.startswith("/"), f"{p}.path", "must start with '/'")
+        _require(self.interval_ms > 0, f"{p}.interval_ms", "must be > 0")
+        _require(0 <= self.jitter < 1, f"{p}.jitter", "must be in [0, 1)")
+        _require(self.timeout_ms > 0, f"{p}.timeout_ms", "must be > 0")
+        _require(self.healthy_threshold >= 1, f"{p}.healthy_threshold", "must be >= 1")
+        _require(self.unhealthy_threshold >= 1, f"{p}.unhealthy_threshold", "must be >= 1")
+        _require(self.adaptive_k >= 1, f"{p}.adaptive_k", "must be >= 1")
+        _require(
+            self.adaptive_max_timeout_ms >= self.timeout_ms,
+            f"{p}.adaptive_max_timeout_ms",
+            "must be >= timeout_ms",
+        )
+        _require(self.latency_window >= 1, f"{p}.latency_window", "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    """YAML `outlier_detection`: passive ejection from what the data plane sees."""
+
+    enabled: bool = True
+    consecutive_5xx: int = 5
+    consecutive_connect_failures: int = 3
+    consecutive_stream_failures: int = 3  # streams that broke after the response started
+    base_ejection_ms: int = 5000  # first ejection; the n-th lasts n x base (capped)
+    max_ejection_ms: int = 300000
+    max_ejection_percent: float = 50.0  # never more than this share of the fleet ejected (at least one may be)
+    decay_ms: int = 30000  # the repeat multiplier drops by one per decay_ms without a new ejection
+    return_on_check: bool = True  # an expired ejection ends at the next passing active check (if checks run)
+
+    def __post_init__(self) -> None:
+        p = "outlier_detection"
+        for name in ("consecutive_5xx", "consecutive_connect_failures", "consecutive_stream_failures"):
+            _require(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
+        _require(self.base_ejection_ms > 0, f"{p}.base_ejection_ms", "must be > 0")
+        _require(self.max_ejection_ms >= self.base_ejection_ms, f"{p}.max_ejection_ms", "must be >= base_ejection_ms")
+        _require(0 <= self.max_ejection_percent <= 100, f"{p}.max_ejection_percent", "must be in [0, 100]")
+        _require(self.decay_ms > 0, f"{p}.decay_ms", "must be > 0")
+
+
+RETRY_CONDITIONS = ("connect-failure", "reset")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """YAML `retries`. Retries happen only before any byte reached the client, and on another backend."""
+
+    enabled: bool = True
+    max_attempts: int = 3  # including the first
+    # connect-failure: the backend could not be reached; reset: connection lost before a response status;
+    # a number: that upstream status (its body is discarded, never forwarded, when a retry happens).
+    retry_on: tuple[str, ...] = ("connect-failure", "reset", "429", "503")
+    backoff_base_ms: int = 20
+    backoff_max_ms: int = 200
+    budget_percent: float = 20.0  # retries <= this share of requests over the window ...
+    min_retries_per_s: float = 5.0  # ... plus this floor, so a quiet proxy can still retry
+    budget_window_ms: int = 10000
+
+    def __post_init__(self) -> None:
+        p = "retries"
+        _require(self.max_attempts >= 1, f"{p}.max_attempts", "must be >= 1")
+        for i, cond in enumerate(self.retry_on):
+            ok = cond in RETRY_CONDITIONS or (cond.isdigit() and 400 <= int(cond) <= 599)
+            _require(ok, f"{p}.retry_on[{i}]", f"must be one of {', '.join(RETRY_CONDITIONS)} or a 4xx/5xx status")
+        _require(self.backoff_base_ms >= 0, f"{p}.backoff_base_ms", "must be >= 0")
+        _require(self.backoff_max_ms >= self.backoff_base_ms, f"{p}.backoff_max_ms", "must be >= backoff_base_ms")
+        _require(self.budget_percent >= 0, f"{p}.budget_percent", "must be >= 0")
+        _require(self.min_retries_per_s >= 0, f"{p}.min_retries_per_s", "must be >= 0")
+        _require(self.budget_window_ms > 0, f"{p}.budget_window_ms", "must be > 0")
+
+    @property
+    def retry_statuses(self) -> frozenset[int]:
+        return frozenset(int(c) for c in self.retry_on if c.isdigit())
+
+
+@dataclass(frozen=True, slots=True)
+class OverloadConfig:
+    """YAML `overload`: when every routable backend is saturated, answer early or queue briefly."""
+
+    max_inflight_per_backend: int | None = None  # default for backends without their own max_inflight
+    max_waiting: float | None = None  # engine queue (waiting requests) above this = saturated
+    max_kv_usage: float | None = None  # KV cache usage (0..1) above this = saturated
+    action: str = "reject"  # reject: answer at once | queue: wait for capacity up to queue_timeout_ms
+    reject_status: int = 429  # 429 (client should back off) or 503
+    retry_after_s: int = 1
+    queue_size: int = 256
+    queue_timeout_ms: int = 2000
+    panic_threshold_percent: float = 50.0  # below this share of routable backends, route to all
+
+    def __post_init__(self) -> None:
+        p = "overload"
+        if self.max_inflight_per_backend is not None:
+            _require(self.max_inflight_per_backend >= 1, f"{p}.max_inflight_per_backend", "must be >= 1")
+        if self.max_waiting is not None:
+            _require(self.max_waiting >= 0, f"{p}.max_waiting", "must be >= 0")
+        if self.max_kv_usage is not None:
+            _require(0 < self.max_kv_usage <= 1, f"{p}.max_kv_usage", "must be in (0, 1]")
+        _require(self.action in ("reject", "queue"), f"{p}.action", "must be 'reject' or 'queue'")
+        _require(self.reject_status in (429, 503), f"{p}.reject_status", "must be 429 or 503")
+        _require(self.retry_after_s >= 0, f"{p}.retry_after_s", "must be >= 0")
+        _require(self.queue_size >= 1, f"{p}.queue_size", "must be >= 1")
+        _require(self.queue_timeout_ms > 0, f"{p}.queue_timeout_ms", "must be > 0")
+        _require(0 <= self.panic_threshold_percent <= 100, f"{p}.panic_threshold_percent", "must be in [0, 100]")
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """YAML `discovery`: backends whose URL host is a DNS name are re-resolved (Kubernetes headless Service)."""
+
+    enabled: bool = False
+    interval_ms: int = 5000
+    timeout_ms: int = 2000
+
+    def __post_init__(self) -> None:
+        _require(self.interval_ms > 0, "discovery.interval_ms", "must be > 0")
+        _require(self.timeout_ms > 0, "discovery.timeout_ms", "must be > 0")
+
+
+# ------------------------------------------------------------------------------------- active checks
+
+
+class CheckResult(str, enum.Enum):
+    PASS = "pass"
+    FAIL = "fail"  # answered, but not healthy (non-2xx, NOT_SERVING)
+    TIMEOUT = "timeout"  # no answer within the (adaptive) timeout: maybe a pause, maybe dead
+    REFUSED = "refused"  # connection refused or reset: certainly not serving
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile; small windows (tens of values) make sorting the cheapest correct way."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class ActiveHealth:
+    """One backend's active-check state: consecutive counters with hysteresis and its latency window.
+
+    `joining` backends (added by reload or discovery while serving) start unroutable and become healthy at
+    their first passing check: traffic must not reach an address nobody has seen answer yet. Backends
+    known at start-up start UNKNOWN (routable) instead, because a fresh proxy must serve before its first
+    check completes.
+    """
+
+    __slots__ = ("cfg", "state", "successes", "failures", "latencies_ms", "checked")
+
+    def __init__(self, cfg: HealthCheckConfig, joining: bool = False) -> None:
+        self.cfg = cfg
+        self.state = Health.UNHEALTHY if joining else Health.UNKNOWN
+        self.successes = 0
+        self.failures = 0
+        self.latencies_ms: deque[float] = deque(maxlen=cfg.latency_window)
+        self.checked = False
+
+    def timeout_ms(self) -> float:
+        """The timeout for the next check: the floor, raised to k x p99 of recent latencies, capped."""
+        cfg = self.cfg
+        if not cfg.adaptive_timeout or not self.latencies_ms:
+            return float(cfg.timeout_ms)
+        adaptive = cfg.adaptive_k * percentile(self.latencies_ms, 99)
+        return float(min(cfg.adaptive_max_timeout_ms, max(cfg.timeout_ms, adaptive)))
+
+    def observe(self, result: CheckResult, latency_ms: float | None = None) -> Health:
+        """Feed one check result; returns the (possibly new) active state."""
+        cfg = self.cfg
+        first = not self.checked
+        self.checked = True
+        if result is CheckResult.PASS:
+            if latency_ms is not None:
+                self.latencies_ms.append(max(0.0, latency_ms))
+            self.failures = 0
+            self.successes += 1
+            # The very first answer of a backend decides at once: there is no earlier evidence to outweigh.
+            if first or self.successes >= cfg.healthy_threshold:
+                self.state = Health.HEALTHY
+            return self.state
+        self.successes = 0
+        self.failures += 1
+        hard = result is CheckResult.REFUSED and cfg.fail_fast_on_refused
+        if hard or self.failures >= cfg.unhealthy_threshold:
+            self.state = Health.UNHEALTHY
+        return self.state
+
+
+# ------------------------------------------------------------------------------------ passive outliers
+
+
+class Outcome(str, enum.Enum):
+    """What the data plane saw of one attempt on a backend."""
+
+    SUCCESS = "success"  # a complete answer with a non-5xx status
+    STATUS_5XX = "5xx"
+    CONNECT_FAILURE = "connect_failure"  # refused, unreachable or timed out while connecting
+    RESET = "reset"  # the connection was lost before a response status arrived
+    STREAM_FAILURE = "stream_failure"  # the response started, then the backend broke off
+
+
+class OutlierState:
+    """One backend's passive counters and its ejection (if any)."""
+
+    __slots__ = ("cfg", "c5xx", "cconnect", "cstream", "ejected_until", "ejections", "last_ejection_at", "expired")
+
+    def __init__(self, cfg: OutlierConfig) -> None:
+        self.cfg = cfg
+        self.c5xx = 0
+        self.cconnect = 0
+        self.cstream = 0
+        self.ejected_until: float | None = None  # set while ejected
+        self.ejections = 0  # the repeat multiplier
+        self.last_ejection_at: float | None = None
+        self.expired = False  # ejection time is up, waiting for a passing check to return
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until is not None
+
+    def record(self, outcome: Outcome) -> bool:
+        """Count an outcome; True when a threshold is reached (the fleet decides whether to eject)."""
+        cfg = self.cfg
+        if outcome is Outcome.SUCCESS:
+            self.c5xx = self.cconnect = self.cstream = 0
+            return False
+        if outcome is Outcome.STATUS_5XX:
+            self.c5xx += 1
+            return self.c5xx >= cfg.consecutive_5xx
+        if outcome in (Outcome.CONNECT_FAILURE, Outcome.RESET):
+            self.cconnect += 1
+            return self.cconnect >= cfg.consecutive_connect_failures
+        self.cstream += 1
+        return self.cstream >= cfg.consecutive_stream_failures
+
+    def eject(self, now: float) -> float:
+        """Start an ejection; returns its duration in seconds."""
+        cfg = self.cfg
+        if self.last_ejection_at is not None:
+            decayed = int((now - self.last_ejection_at) * 1000 // cfg.decay_ms)
+            self.ejections = max(0, self.ejections - decayed)
+        self.ejections += 1
+        duration_ms = min(cfg.max_ejection_ms, cfg.base_ejection_ms * self.ejections)
+        self.ejected_until = now + duration_ms / 1000.0
+        self.last_ejection_at = now
+        self.expired = False
+        self.c5xx = self.cconnect = self.cstream = 0
+        return duration_ms / 1000.0
+
+    def release(self) -> None:
+        self.ejected_until = None
+        self.expired = False
+
+
+# --------------------------------------------------------------------------------------------- fleet
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    name: str
+    health: Health
+    cause: str  # check_pass, check_fail, check_timeout, check_refused, ejected, ejection_expired, ...
+
+
+class FleetHealth:
+    """Health of every backend: active state and ejections combined into the snapshot's `Health`.
+
+    Combined health: UNHEALTHY if the active checks say so or the backend is ejected; otherwise HEALTHY
+    or UNKNOWN from the active checks. DRAINING is not decided here (reload, discovery and the admin API
+    set it on the snapshot); callers must not overwrite it with what this returns.
+    """
+
+    def __init__(self, checks: HealthCheckConfig, outliers: OutlierConfig) -> None:
+        self.checks = checks
+        self.outliers = outliers
+        self._active: dict[str, ActiveHealth] = {}
+        self._outlier: dict[str, OutlierState] = {}
+
+    # --- membership
+    def add(self, name: str, joining: bool = False) -> Health:
+        """Track a backend. With active checks off a joiner is routable at once: nothing would admit it."""
+        self._active[name] = ActiveHealth(self.checks, joining=joining and self.checks.enabled)
+        self._outlier[name] = OutlierState(self.outliers)
+        return self.health(name)
+
+    def remove(self, name: str) -> None:
+        self._active.pop(name, None)
+        self._outlier.pop(name, None)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._active
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._active)
+
+    def reconfigure(self, checks: HealthCheckConfig, outliers: OutlierConfig) -> None:
+        """Apply new configs on reload, keeping each backend's counters, latencies and ejections."""
+        self.checks = checks
+        self.outliers = outliers
+        for name, act in self._active.items():
+            act.cfg = checks
+            if act.latencies_ms.maxlen != checks.latency_window:
+                act.latencies_ms = deque(act.latencies_ms, maxlen=checks.latency_window)
+            self._outlier[name].cfg = outliers
+
+    # --- queries
+    def health(self, name: str) -> Health:
+        if self._outlier[name].ejected:
+            return Health.UNHEALTHY
+        return self._active[name].state
+
+    def timeout_s(self, name: str) -> float:
+        return self._active[name].timeout_ms() / 1000.0
+
+    def ejected(self, name: str) -> bool:
+        return self._outlier[name].ejected
+
+    def ejected_count(self) -> int:
+        return sum(1 for o in self._outlier.values() if o.ejected)
+
+    def check_latencies_ms(self, name: str) -> tuple[float, ...]:
+        return tuple(self._active[name].latencies_ms)
+
+    # --- events
+    def on_check(self, name: str, result: CheckResult, latency_ms: float | None, now: float) -> HealthChange | None:
+        """An active check finished. Returns the change of combined health, if any."""
+        if name not in self._active:
+            return None  # removed while its check was in flight
+        before = self.health(name)
+        self._active[name].observe(result, latency_ms)
+        out = self._outlier[name]
+        if result is CheckResult.PASS and out.ejected and self.outliers.return_on_check:
+            if out.expired or (out.ejected_until is not None and now >= out.ejected_until):
+                out.release()
+        return self._change(name, before, f"check_{result.value}")
+
+    def on_outcome(self, name: str, outcome: Outcome, now: float) -> HealthChange | None:
+        """The data plane finished an attempt on `name`. Returns the change of combined health, if any."""
+        if not self.outliers.enabled or name not in self._outlier:
+            return None
+        out = self._outlier[name]
+        if not out.record(outcome) or out.ejected:
+            return None
+        if not self._may_eject():
+            return None
+        before = self.health(name)
+        out.eject(now)
+        return self._change(name, before, f"ejected_{outcome.value}")
+
+    def tick(self, now: float) -> list[HealthChange]:
+        """Time passes: expired ejections end (at once without active checks, else at the next pass)."""
+        changes: list[HealthChange] = []
+        for name, out in self._outlier.items():
+            if out.ejected_until is None or now < out.ejected_until:
+                continue
+            if self.checks.enabled and self.outliers.return_on_check:
+                out.expired = True
+                continue
+            before = self.health(name)
+            out.release()
+            change = self._change(name, before, "ejection_expired")
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def next_expiry(self) -> float | None:
+        pending = [o.ejected_until for o in self._outlier.values() if o.ejected_until is not None and not o.expired]
+        return min(pending) if pending else None
+
+    # --- internals
+    def _may_eject(self) -> bool:
+        """Cap ejections to max_ejection_percent of the fleet, but always allow one (Envoy's rule)."""
+        n = len(self._outlier)
+        allowed = max(1, math.floor(n * self.outliers.max_ejection_percent / 100.0 + 1e-9))
+        return self.ejected_count() + 1 <= allowed
+
+    def _change(self, name: str, before: Health, cause: str) -> HealthChange | None:
+        after = self.health(name)
+        return None if after is before else HealthChange(name, after, cause)
+
+
+# ---------------------------------------------------------------------------------------- retries
+
+
+class RetryBudget:
+    """Retries allowed over a sliding window: budget_percent of requests plus a per-second floor.
+
+    Bucketed (10 buckets per window) so memory is constant whatever the request rate.
+    """
+
+    BUCKETS = 10
+
+    def __init__(self, cfg: RetryConfig) -> None:
+        self.cfg = cfg
+        self._width = cfg.budget_window_ms / 1000.0 / self.BUCKETS
+        self._buckets: deque[list[float]] = deque()  # [bucket index, requests, retries]
+        self._requests = 0
+        self._retries = 0
+
+    def _advance(self, now: float) -> list[float]:
+        idx = math.floor(now / self._width)
+        while self._buckets and self._buckets[0][0] <= idx - self.BUCKETS:
+            _, req, ret = self._buckets.popleft()
+            self._requests -= int(req)
+            self._retries -= int(ret)
+        if not self._buckets or self._buckets[-1][0] != idx:
+            self._buckets.append([idx, 0, 0])
+        return self._buckets[-1]
+
+    def on_request(self, now: float) -> None:
+        bucket = self._advance(now)
+        bucket[1] += 1
+        self._requests += 1
+
+    def allowed(self, now: float) -> int:
+        self._advance(now)
+        window_s = self.cfg.budget_window_ms / 1000.0
+        return math.floor(self._requests * self.cfg.budget_percent / 100.0 + self.cfg.min_retries_per_s * window_s)
+
+    def try_acquire(self, now: float) -> bool:
+        """Take one retry from the budget if there is room."""
+        if self._retries >= self.allowed(now):
+            return False
+        bucket = self._advance(now)
+        bucket[2] += 1
+        self._retries += 1
+        return True
+
+    @property
+    def requests(self) -> int:
+        return self._requests
+
+    @property
+    def retries(self) -> int:
+        return self._retries
+
+
+def retryable(cfg: RetryConfig, outcome: Outcome, status: int | None = None) -> bool:
+    """May this failed attempt be retried? Only failures where nothing can have reached the client.
+
+    A STREAM_FAILURE is never retryable: part of the answer is already with the client, and a second
+    answer spliced after it would duplicate or corrupt it.
+    """
+    if not cfg.enabled:
+        return False
+    if outcome is Outcome.CONNECT_FAILURE:
+        return "connect-failure" in cfg.retry_on
+    if outcome is Outcome.RESET:
+        return "reset" in cfg.retry_on
+    if status is not None and outcome in (Outcome.STATUS_5XX, Outcome.SUCCESS):
+        return status in cfg.retry_statuses
+    return False
+
+
+def backoff_s(cfg: RetryConfig, retry: int, u: float) -> float:
+    """Full-jitter exponential backoff before retry number `retry` (1-based); `u` is uniform in [0, 1)."""
+    cap = min(cfg.backoff_max_ms, cfg.backoff_base_ms * (2 ** (retry - 1)))
+    return cap * u / 1000.0
+
+
+# --------------------------------------------------------------------------------------- overload
+
+
+def backend_limit(state: BackendState, cfg: OverloadConfig) -> int | None:
+    return state.spec.max_inflight if state.spec.max_inflight is not None else cfg.max_inflight_per_backend
+
+
+def saturated(state: BackendState, inflight: Inflight | None, cfg: OverloadConfig) -> bool:
+    """A backend that should get no new request now: at its in-flight limit, or (fresh) telemetry says
+    its engine queue or KV cache is past the configured threshold. Stale signals are ignored: a backend
+    whose metrics broke is judged by the proxy's own in-flight count only.
+    """
+    limit = backend_limit(state, cfg)
+    if limit is not None and inflight is not None and inflight.requests >= limit:
+        return True
+    sig = state.signals
+    if sig is None or state.stale:
+        return False
+    if cfg.max_waiting is not None and sig.waiting is not None and sig.waiting > cfg.max_waiting:
+        return True
+    if cfg.max_kv_usage is not None and sig.kv_usage is not None and sig.kv_usage > cfg.max_kv_usage:
+        return True
+    return False
+
+
+def saturated_names(snapshot: Snapshot, inflight: Mapping[str, Inflight], cfg: OverloadConfig) -> frozenset[str]:
+    return frozenset(b.name for b in snapshot.backends if b.routable and saturated(b, inflight.get(b.name), cfg))
+
+
+# ------------------------------------------------------------------------------------------ panic
+
+
+def in_panic(snapshot: Snapshot, threshold_percent: float) -> bool:
+    """Too few routable backends among those not draining (and with weight > 0)?"""
+    candidates = [b for b in snapshot.backends if b.health is not Health.DRAINING and b.effective_weight > 0]
+    if not candidates or threshold_percent <= 0:
+        return False
+    routable = sum(1 for b in candidates if b.health.routable)
+    return routable * 100.0 < threshold_percent * len(candidates)
+
+
+class PanicView:
+    """Swaps in a view where UNHEALTHY backends count as UNKNOWN while the fleet is in panic.
+
+    The view is computed once per published snapshot (one-entry cache on the snapshot object), so the
+    data plane pays a pointer comparison per request, not a scan of the fleet.
+    """
+
+    __slots__ = ("threshold_percent", "_source", "_view", "panicking")
+
+    def __init__(self, threshold_percent: float) -> None:
+        self.threshold_percent = threshold_percent
+        self._source: Snapshot | None = None
+        self._view: Snapshot | None = None
+        self.panicking = False
+
+    def __call__(self, snapshot: Snapshot) -> Snapshot:
+        if snapshot is self._source and self._view is not None:
+            return self._view
+        self.panicking = in_panic(snapshot, self.threshold_percent)
+        if self.panicking:
+            view = Snapshot(
+                version=snapshot.version,
+                backends=tuple(
+                    replace(b, health=Health.UNKNOWN) if b.health is Health.UNHEALTHY else b for b in snapshot.backends
+                ),
+                created_at=snapshot.created_at,
+            )
+        else:
+            view = snapshot
+        self._source, self._view = snapshot, view
+        return view
+
+
+__all__ = [
+    "ActiveHealth",
+    "CheckResult",
+    "DiscoveryConfig",
+    "FleetHealth",
+    "HealthChange",
+    "HealthCheckConfig",
+    "Outcome",
+    "OutlierConfig",
+    "OutlierState",
+    "OverloadConfig",
+    "PanicView",
+    "RetryBudget",
+    "RetryConfig",
+    "backend_limit",
+    "backoff_s",
+    "in_panic",
+    "percentile",
+    "retryable",
+    "saturated",
+    "saturated_names",
+]
