@@ -1,0 +1,141 @@
+"""The `routing:` section of the configuration, owned by the routing core.
+
+Plain frozen dataclasses with defaults, so that proxy/config.py can parse YAML into them by field names
+and types alone, and so that tests and the offline replay can build a policy without any YAML. Bounds sit
+in field metadata (the config parser reports them at the offending YAML line) and are checked again in
+`__post_init__`, because a policy built directly in code must be just as impossible to misconfigure.
+
+Everything that shapes the deterministic part of a routing decision (block size, fingerprint fields, the
+distinguishing-prefix cap, the seed) lives here: two proxy replicas with the same `RoutingConfig` and the
+same backend set hash every prompt to the same backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+POLICY_NAMES: tuple[str, ...] = (
+    "affinity",
+    "round_robin",
+    "weighted_round_robin",
+    "least_request",
+    "random",
+    "power_of_two",
+    "least_load",
+)
+
+# Request fields that can take part in the exact fingerprint. "prompt" is the prompt bytes; the others are
+# the RequestSummary attributes of the same name.
+FINGERPRINT_FIELDS: tuple[str, ...] = ("prompt", "model", "adapter", "max_tokens", "temperature")
+
+
+def _check_bounds(obj: Any) -> None:
+    """Enforce the ge/gt/le/lt metadata of every field; the message names the field (ValueError)."""
+    for f in fields(obj):
+        meta = f.metadata
+        value = getattr(obj, f.name)
+        if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for key, ok, sign in (
+            ("ge", lambda v, b: v >= b, ">="),
+            ("gt", lambda v, b: v > b, ">"),
+            ("le", lambda v, b: v <= b, "<="),
+            ("lt", lambda v, b: v < b, "<"),
+        ):
+            if key in meta and not ok(value, meta[key]):
+                raise ValueError(f"{f.name} must be {sign} {meta[key]}, got {value}")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the proxy's own in-flight accounting is turned into load, next to the telemetry score.
+
+    The telemetry score (0 idle .. 1 full) is at best one scrape interval old; the in-flight counts are
+    exact and current. `effective_load` adds them, normalised by these figures, so that a burst of requests
+    sent since the last scrape already counts, and a backend whose telemetry is stale or missing is ranked
+    by what the proxy knows it sent there plus an assumed score, never as idle.
+    """
+
+    # In-flight requests that count as one full backend (load 1.0) when the backend has no max_inflight.
+    inflight_requests_full: int = field(default=64, metadata={"gt": 0})
+    # In-flight estimated tokens that count as one full backend when telemetry reports no KV capacity.
+    inflight_tokens_full: int = field(default=262144, metadata={"gt": 0})
+    # Telemetry score assumed for a backend whose metrics are stale or were never scraped, when no fresh
+    # backend gives a fleet mean to assume instead. Deliberately not 0: missing data is not an idle GPU.
+    stale_score: float = field(default=0.5, metadata={"ge": 0.0, "le": 1.0})
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    """Knobs of the affinity policy (see proxy/core/affinity.py for the algorithm)."""
+
+    # Bounded-load slack (Mirrokni et al., "Consistent Hashing with Bounded Loads"): a backend takes new
+    # affine work only while its in-flight requests stay within ceil((1+epsilon) * fair share), and its
+    # load score within (1+epsilon) * fleet mean (+ overload_margin).
+    epsilon: float = field(default=0.25, metadata={"gt": 0.0})
+    # Prefix block size in prompt bytes; the default is justified in proxy/core/fingerprint.py.
+    block_bytes: int = field(default=256, metadata={"ge": 16})
+    # A prefix match shorter than this many blocks is not worth leaving the hash home for.
+    min_prefix_blocks: int = field(default=4, metadata={"ge": 1})
+    # Request fields combined into the exact fingerprint.
+    fingerprint_fields: tuple[str, ...] = ("prompt", "model", "adapter", "max_tokens", "temperature")
+    # Exact fingerprints remembered (fleet-wide, approximate LRU).
+    exact_entries: int = field(default=65536, metadata={"ge": 1})
+    # Prefix blocks remembered per backend when telemetry reports no KV capacity.
+    index_blocks: int = field(default=16384, metadata={"ge": 1})
+    # Upper bound per backend when sized from the reported KV capacity (bounds memory whatever it reports).
+    index_max_blocks: int = field(default=65536, metadata={"ge": 1})
+    # Index slots per KV-capacity block: >1 remembers a little more than the cache can hold, because the
+    # proxy's byte blocks only approximate the engine's token blocks.
+    index_capacity_factor: float = field(default=1.0, metadata={"gt": 0.0})
+    # Cap, in blocks, on the distinguishing prefix hashed for prompts without chat structure.
+    hash_prefix_max_blocks: int = field(default=64, metadata={"ge": 1})
+    # Load score at or above which a backend is saturated and gets no affine work.
+    saturation: float = field(default=0.95, metadata={"gt": 0.0})
+    # Absolute slack added to (1+epsilon) * mean load score, so near-idle fleets do not flap on noise.
+    overload_margin: float = field(default=0.1, metadata={"ge": 0.0})
+    # Keep requests carrying the session header on one backend (hash of the session key).
+    session_affinity: bool = True
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        if not self.fingerprint_fields:
+            raise ValueError("fingerprint_fields must not be empty")
+        for name in self.fingerprint_fields:
+            if name not in FINGERPRINT_FIELDS:
+                raise ValueError(
+                    f"fingerprint_fields: unknown field {name!r} (known: {', '.join(FINGERPRINT_FIELDS)})"
+                )
+        if len(set(self.fingerprint_fields)) != len(self.fingerprint_fields):
+            raise ValueError("fingerprint_fields must not repeat a field")
+        if self.index_max_blocks < self.index_blocks:
+            raise ValueError(
+                f"index_max_blocks ({self.index_max_blocks}) must be >= index_blocks ({self.index_blocks})"
+            )
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The `routing:` section."""
+
+    policy: str = "affinity"
+    # Request header whose value keeps a session on one backend; null disables session stickiness.
+    session_header: str | None = "x-session-id"
+    # Seed of the policies that draw random numbers (random, power_of_two). Every worker and replica uses
+    # the same seed; nothing in routing is salted per process.
+    seed: int = 0
+    # Alternates carried by each Decision for retries on another backend.
+    max_alternates: int = field(default=3, metadata={"ge": 0})
+    load: LoadConfig = LoadConfig()
+    affinity: AffinityConfig = AffinityConfig()
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+        if self.session_header is not None and not self.session_header.strip():
+            raise ValueError("session_header must be a header name or null")
