@@ -29,6 +29,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
 
 __all__ = [
@@ -127,17 +128,11 @@ class TimeoutsConfig:
 @dataclass(frozen=True)
 class UpstreamConfig:
     connections_per_backend: int = field(default=256, metadata={"ge": 1})
-    # Idle upstream connections are reused only this long. It must stay below the backends' own keep-alive
+    # Idle upstream connections are reused for at most this long and then closed (the idle TTL: no ghost
+    # connections to a backend that went quiet or left). It must stay below the backends' own keep-alive
     # (uvicorn, behind vLLM/SGLang, closes after 5 s): reusing a connection the server is closing fails a
-    # POST with ServerDisconnectedError.
+    # POST with ServerDisconnectedError. Hence 4 s by default.
     keepalive_s: float = field(default=4.0, metadata={"gt": 0})
-    # Idle connections are closed after this TTL, so a backend that left (or a pool that went quiet) keeps
-    # no ghost connections. Must be >= keepalive_s.
-    idle_ttl_s: float = field(default=5.0, metadata={"gt": 0})
-
-    def validate(self) -> Iterable[tuple[str, str]]:
-        if self.idle_ttl_s < self.keepalive_s:
-            yield "idle_ttl_s", f"must be >= keepalive_s ({self.keepalive_s})"
 
 
 @dataclass(frozen=True)
@@ -149,6 +144,7 @@ class Config:
     admin: AdminConfig = AdminConfig()
     debug_headers: bool = False
     backends: tuple[BackendConfig, ...] = ()
+    routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
