@@ -29,6 +29,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
 
@@ -148,6 +149,11 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    health_checks: HealthCheckConfig = HealthCheckConfig()
+    outlier_detection: OutlierConfig = OutlierConfig()
+    retries: RetryConfig = RetryConfig()
+    overload: OverloadConfig = OverloadConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     def validate(self) -> Iterable[tuple[str, str]]:
         seen: set[str] = set()

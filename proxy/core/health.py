@@ -26,19 +26,26 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Iterable, Mapping
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Literal, Mapping
 
 from proxy.core.decision import Inflight
 from proxy.core.snapshot import BackendState, Health, Snapshot
 
 # --------------------------------------------------------------------------------------------- config
+# Frozen dataclasses with defaults, parsed from YAML by proxy/config.py: simple bounds live in the field
+# metadata (reported at the offending line), cross-field rules in `validate()`.
 
 
-def _require(cond: bool, path: str, message: str) -> None:
-    if not cond:
-        raise ValueError(f"{path}: {message}")
+def _ge(default: Any, bound: float) -> Any:
+    return field(default=default, metadata={"ge": bound})
+
+
+def _gt(default: Any, bound: float) -> Any:
+    return field(default=default, metadata={"gt": bound})
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,36 +53,25 @@ class HealthCheckConfig:
     """YAML `health_checks`. Defaults evict a hung backend in ~9 s and a refusing one at its first check."""
 
     enabled: bool = True
-    protocol: str = "http"  # http: GET `path`, 2xx is healthy | grpc: grpc.health.v1 Check on the gRPC address
-    path: str = "/health"
+    protocol: Literal["http", "grpc"] = "http"  # grpc: grpc.health.v1 Check on the backend's gRPC address
+    path: str = "/health"  # http: GET this path, 2xx is healthy
     grpc_service: str = ""  # grpc.health.v1 service name; "" asks about the whole server
-    interval_ms: int = 2000
-    jitter: float = 0.1  # each interval is drawn from interval * [1 - jitter, 1 + jitter]
-    timeout_ms: int = 1000  # floor of the timeout; the adaptive timeout only ever raises it
-    healthy_threshold: int = 2
-    unhealthy_threshold: int = 3
+    interval_ms: int = _gt(2000, 0)
+    jitter: float = field(default=0.1, metadata={"ge": 0, "lt": 1})  # interval * [1 - jitter, 1 + jitter]
+    timeout_ms: int = _gt(1000, 0)  # floor of the timeout; the adaptive timeout only ever raises it
+    healthy_threshold: int = _ge(2, 1)
+    unhealthy_threshold: int = _ge(3, 1)
     adaptive_timeout: bool = True
-    adaptive_k: float = 4.0  # timeout >= k x p99 of this backend's recent check latencies
-    adaptive_max_timeout_ms: int = 10000
-    latency_window: int = 64  # recent check latencies kept per backend for the p99
+    adaptive_k: float = _ge(4.0, 1)  # timeout >= k x p99 of this backend's recent check latencies
+    adaptive_max_timeout_ms: int = _gt(10000, 0)
+    latency_window: int = _ge(64, 1)  # recent check latencies kept per backend for the p99
     fail_fast_on_refused: bool = True  # a refused/reset connection marks the backend unhealthy at once
 
-    def __post_init__(self) -> None:
-        p = "health_checks"
-        _require(self.protocol in ("http", "grpc"), f"{p}.protocol", "must be 'http' or 'grpc'")
-        _require(self.path.startswith("/"), f"{p}.path", "must start with '/'")
-        _require(self.interval_ms > 0, f"{p}.interval_ms", "must be > 0")
-        _require(0 <= self.jitter < 1, f"{p}.jitter", "must be in [0, 1)")
-        _require(self.timeout_ms > 0, f"{p}.timeout_ms", "must be > 0")
-        _require(self.healthy_threshold >= 1, f"{p}.healthy_threshold", "must be >= 1")
-        _require(self.unhealthy_threshold >= 1, f"{p}.unhealthy_threshold", "must be >= 1")
-        _require(self.adaptive_k >= 1, f"{p}.adaptive_k", "must be >= 1")
-        _require(
-            self.adaptive_max_timeout_ms >= self.timeout_ms,
-            f"{p}.adaptive_max_timeout_ms",
-            "must be >= timeout_ms",
-        )
-        _require(self.latency_window >= 1, f"{p}.latency_window", "must be >= 1")
+    def validate(self) -> Iterable[tuple[str, str]]:
+        if not self.path.startswith("/"):
+            yield "path", f"must start with '/', got {self.path!r}"
+        if self.adaptive_max_timeout_ms < self.timeout_ms:
+            yield "adaptive_max_timeout_ms", f"must be >= timeout_ms ({self.timeout_ms})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +79,19 @@ class OutlierConfig:
     """YAML `outlier_detection`: passive ejection from what the data plane sees."""
 
     enabled: bool = True
-    consecutive_5xx: int = 5
-    consecutive_connect_failures: int = 3
-    consecutive_stream_failures: int = 3  # streams that broke after the response started
-    base_ejection_ms: int = 5000  # first ejection; the n-th lasts n x base (capped)
-    max_ejection_ms: int = 300000
-    max_ejection_percent: float = 50.0  # never more than this share of the fleet ejected (at least one may be)
-    decay_ms: int = 30000  # the repeat multiplier drops by one per decay_ms without a new ejection
+    consecutive_5xx: int = _ge(5, 1)
+    consecutive_connect_failures: int = _ge(3, 1)
+    consecutive_stream_failures: int = _ge(3, 1)  # streams that broke after the response started
+    base_ejection_ms: int = _gt(5000, 0)  # first ejection; the n-th lasts n x base (capped)
+    max_ejection_ms: int = _gt(300000, 0)
+    # Never more than this share of the fleet ejected at once (one backend always may be).
+    max_ejection_percent: float = field(default=50.0, metadata={"ge": 0, "le": 100})
+    decay_ms: int = _gt(30000, 0)  # the repeat multiplier drops by one per decay_ms without a new ejection
     return_on_check: bool = True  # an expired ejection ends at the next passing active check (if checks run)
 
-    def __post_init__(self) -> None:
-        p = "outlier_detection"
-        for name in ("consecutive_5xx", "consecutive_connect_failures", "consecutive_stream_failures"):
-            _require(getattr(self, name) >= 1, f"{p}.{name}", "must be >= 1")
-        _require(self.base_ejection_ms > 0, f"{p}.base_ejection_ms", "must be > 0")
-        _require(self.max_ejection_ms >= self.base_ejection_ms, f"{p}.max_ejection_ms", "must be >= base_ejection_ms")
-        _require(0 <= self.max_ejection_percent <= 100, f"{p}.max_ejection_percent", "must be in [0, 100]")
-        _require(self.decay_ms > 0, f"{p}.decay_ms", "must be > 0")
+    def validate(self) -> Iterable[tuple[str, str]]:
+        if self.max_ejection_ms < self.base_ejection_ms:
+            yield "max_ejection_ms", f"must be >= base_ejection_ms ({self.base_ejection_ms})"
 
 
 RETRY_CONDITIONS = ("connect-failure", "reset")
@@ -110,27 +102,23 @@ class RetryConfig:
     """YAML `retries`. Retries happen only before any byte reached the client, and on another backend."""
 
     enabled: bool = True
-    max_attempts: int = 3  # including the first
+    max_attempts: int = _ge(3, 1)  # including the first
     # connect-failure: the backend could not be reached; reset: connection lost before a response status;
     # a number: that upstream status (its body is discarded, never forwarded, when a retry happens).
     retry_on: tuple[str, ...] = ("connect-failure", "reset", "429", "503")
-    backoff_base_ms: int = 20
-    backoff_max_ms: int = 200
-    budget_percent: float = 20.0  # retries <= this share of requests over the window ...
-    min_retries_per_s: float = 5.0  # ... plus this floor, so a quiet proxy can still retry
-    budget_window_ms: int = 10000
+    backoff_base_ms: int = _ge(20, 0)
+    backoff_max_ms: int = _ge(200, 0)
+    budget_percent: float = _ge(20.0, 0)  # retries <= this share of requests over the window ...
+    min_retries_per_s: float = _ge(5.0, 0)  # ... plus this floor, so a quiet proxy can still retry
+    budget_window_ms: int = _gt(10000, 0)
 
-    def __post_init__(self) -> None:
-        p = "retries"
-        _require(self.max_attempts >= 1, f"{p}.max_attempts", "must be >= 1")
+    def validate(self) -> Iterable[tuple[str, str]]:
         for i, cond in enumerate(self.retry_on):
-            ok = cond in RETRY_CONDITIONS or (cond.isdigit() and 400 <= int(cond) <= 599)
-            _require(ok, f"{p}.retry_on[{i}]", f"must be one of {', '.join(RETRY_CONDITIONS)} or a 4xx/5xx status")
-        _require(self.backoff_base_ms >= 0, f"{p}.backoff_base_ms", "must be >= 0")
-        _require(self.backoff_max_ms >= self.backoff_base_ms, f"{p}.backoff_max_ms", "must be >= backoff_base_ms")
-        _require(self.budget_percent >= 0, f"{p}.budget_percent", "must be >= 0")
-        _require(self.min_retries_per_s >= 0, f"{p}.min_retries_per_s", "must be >= 0")
-        _require(self.budget_window_ms > 0, f"{p}.budget_window_ms", "must be > 0")
+            if not (cond in RETRY_CONDITIONS or (cond.isdigit() and 400 <= int(cond) <= 599)):
+                yield "retry_on", (f"item {i} ({cond!r}) must be one of {', '.join(RETRY_CONDITIONS)} "
+                                   "or a 4xx/5xx status")
+        if self.backoff_max_ms < self.backoff_base_ms:
+            yield "backoff_max_ms", f"must be >= backoff_base_ms ({self.backoff_base_ms})"
 
     @property
     def retry_statuses(self) -> frozenset[int]:
@@ -141,30 +129,20 @@ class RetryConfig:
 class OverloadConfig:
     """YAML `overload`: when every routable backend is saturated, answer early or queue briefly."""
 
-    max_inflight_per_backend: int | None = None  # default for backends without their own max_inflight
-    max_waiting: float | None = None  # engine queue (waiting requests) above this = saturated
-    max_kv_usage: float | None = None  # KV cache usage (0..1) above this = saturated
-    action: str = "reject"  # reject: answer at once | queue: wait for capacity up to queue_timeout_ms
+    max_inflight_per_backend: int | None = _ge(None, 1)  # default for backends without their own max_inflight
+    max_waiting: float | None = _ge(None, 0)  # engine queue (waiting requests) above this = saturated
+    max_kv_usage: float | None = field(default=None, metadata={"gt": 0, "le": 1})  # KV usage above = saturated
+    action: Literal["reject", "queue"] = "reject"  # reject at once | wait for capacity up to queue_timeout_ms
     reject_status: int = 429  # 429 (client should back off) or 503
-    retry_after_s: int = 1
-    queue_size: int = 256
-    queue_timeout_ms: int = 2000
-    panic_threshold_percent: float = 50.0  # below this share of routable backends, route to all
+    retry_after_s: int = _ge(1, 0)
+    queue_size: int = _ge(256, 1)
+    queue_timeout_ms: int = _gt(2000, 0)
+    # Below this share of routable backends (not draining) the health signal is distrusted: route to all.
+    panic_threshold_percent: float = field(default=50.0, metadata={"ge": 0, "le": 100})
 
-    def __post_init__(self) -> None:
-        p = "overload"
-        if self.max_inflight_per_backend is not None:
-            _require(self.max_inflight_per_backend >= 1, f"{p}.max_inflight_per_backend", "must be >= 1")
-        if self.max_waiting is not None:
-            _require(self.max_waiting >= 0, f"{p}.max_waiting", "must be >= 0")
-        if self.max_kv_usage is not None:
-            _require(0 < self.max_kv_usage <= 1, f"{p}.max_kv_usage", "must be in (0, 1]")
-        _require(self.action in ("reject", "queue"), f"{p}.action", "must be 'reject' or 'queue'")
-        _require(self.reject_status in (429, 503), f"{p}.reject_status", "must be 429 or 503")
-        _require(self.retry_after_s >= 0, f"{p}.retry_after_s", "must be >= 0")
-        _require(self.queue_size >= 1, f"{p}.queue_size", "must be >= 1")
-        _require(self.queue_timeout_ms > 0, f"{p}.queue_timeout_ms", "must be > 0")
-        _require(0 <= self.panic_threshold_percent <= 100, f"{p}.panic_threshold_percent", "must be in [0, 100]")
+    def validate(self) -> Iterable[tuple[str, str]]:
+        if self.reject_status not in (429, 503):
+            yield "reject_status", f"must be 429 or 503, got {self.reject_status}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,12 +150,25 @@ class DiscoveryConfig:
     """YAML `discovery`: backends whose URL host is a DNS name are re-resolved (Kubernetes headless Service)."""
 
     enabled: bool = False
-    interval_ms: int = 5000
-    timeout_ms: int = 2000
+    interval_ms: int = _gt(5000, 0)
+    timeout_ms: int = _gt(2000, 0)
 
-    def __post_init__(self) -> None:
-        _require(self.interval_ms > 0, "discovery.interval_ms", "must be > 0")
-        _require(self.timeout_ms > 0, "discovery.timeout_ms", "must be > 0")
+
+def config_errors(cfg: Any) -> list[str]:
+    """Check a config built in code (not parsed from YAML) against the same bounds and rules."""
+    errors: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value, meta = getattr(cfg, f.name), f.metadata
+        if value is None or not meta:
+            continue
+        for key, ok, sign in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="),
+                              ("lt", operator.lt, "<")):
+            if key in meta and not ok(value, meta[key]):
+                errors.append(f"{f.name}: must be {sign} {meta[key]}, got {value}")
+    validate = getattr(cfg, "validate", None)
+    if callable(validate):
+        errors.extend(f"{name}: {message}" for name, message in validate())
+    return errors
 
 
 # ------------------------------------------------------------------------------------- active checks
@@ -611,6 +602,7 @@ __all__ = [
     "RetryConfig",
     "backend_limit",
     "backoff_s",
+    "config_errors",
     "in_panic",
     "percentile",
     "retryable",
