@@ -310,7 +310,14 @@ class _Parser:
         try:
             obj = cls(**kwargs)
         except (TypeError, ValueError) as exc:
-            self.error(path, node, str(exc))
+            # A __post_init__ check that names its field first ("epsilon must be > 0") is reported at that
+            # field's line, the same as a metadata bound.
+            message = str(exc)
+            name = message.split(" ", 1)[0].rstrip(":")
+            if name in nodes:
+                self.error(f"{path}.{name}" if path else name, nodes[name], message[len(name):].lstrip(": "))
+            else:
+                self.error(path, node, message)
             return _MISSING
         validate = getattr(obj, "validate", None)
         if callable(validate):

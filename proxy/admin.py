@@ -1,0 +1,94 @@
+"""The admin listener: Prometheus `/metrics`, the routing snapshot, and a liveness probe.
+
+It is a separate aiohttp Application on its own port (loopback by default) so that scraping and operator
+calls never queue behind data-plane traffic and are never exposed on the public listener. Write endpoints
+(drain, weight, reload: RESILIENCE) are added to `AffinityProxy.admin_app` before the proxy starts, and
+should be wrapped with `require_token` so a configured bearer token protects them.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from proxy.control.store import SnapshotStore
+from proxy.core.snapshot import Snapshot
+from proxy.inflight import InflightTable
+from proxy.metrics import ProxyMetrics
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def snapshot_json(snapshot: Snapshot, inflight: InflightTable) -> dict[str, Any]:
+    backends = []
+    for b in snapshot.backends:
+        entry = inflight.get(b.name)
+        s = b.signals
+        backends.append(
+            {
+                "name": b.name,
+                "url": b.spec.url,
+                "grpc": b.spec.grpc_address,
+                "models": list(b.spec.models),
+                "weight": b.effective_weight,
+                "health": b.health.value,
+                "routable": b.routable,
+                "load_score": b.load_score,
+                "stale": b.stale,
+                "inflight_requests": entry.requests if entry else 0,
+                "inflight_tokens": entry.tokens if entry else 0,
+                "max_inflight": b.spec.max_inflight,
+                "signals": None if s is None else {
+                    "engine": s.engine,
+                    "running": s.running,
+                    "waiting": s.waiting,
+                    "kv_usage": s.kv_usage,
+                    "kernel_queue": s.kernel_queue,
+                    "mem_used_bytes": s.mem_used_bytes,
+                    "mem_total_bytes": s.mem_total_bytes,
+                    "loaded_adapters": sorted(s.loaded_adapters),
+                },
+            }
+        )
+    return {"version": snapshot.version, "backends": backends}
+
+
+def require_token(token: str | None, handler: Handler) -> Handler:
+    """Wrap a write endpoint: with a token configured, demand `Authorization: Bearer <token>`."""
+    if token is None:
+        return handler
+    expected = f"Bearer {token}".encode()
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return web.json_response(
+                {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
+                           "param": None, "code": "unauthorized"}},
+                status=401,
+            )
+        return await handler(request)
+
+    return guarded
+
+
+def build_admin_app(store: SnapshotStore, inflight: InflightTable, metrics: ProxyMetrics) -> web.Application:
+    app = web.Application()
+
+    async def get_metrics(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def get_backends(request: web.Request) -> web.Response:
+        return web.json_response(snapshot_json(store.current, inflight), dumps=lambda o: json.dumps(o, indent=1))
+
+    async def get_health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": store.current.version})
+
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/admin/backends", get_backends)
+    app.router.add_get("/healthz", get_health)
+    return app

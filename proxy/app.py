@@ -1,0 +1,190 @@
+"""Runtime wiring: one `AffinityProxy` per process holds everything a running proxy is made of.
+
+    config ──► SnapshotStore (backends) ──► Router(policy, InflightTable, ProxyMetrics)
+                                               │
+                     HTTP data plane (proxy/http) ─┤── gRPC data plane (proxy/grpc, optional service)
+                                               │
+    control-plane services (poller, health checks, reload, discovery) publish into the store
+    admin listener: /metrics, /admin/backends, /healthz (+ write endpoints added to `admin_app`)
+
+Hook points for the other subsystems (use these names; wire new ones in `_install_subsystems`):
+  - `proxy.store`      SnapshotStore: control-plane tasks `publish`/`update` new snapshots here.
+  - `proxy.router`     Router: data planes do `async with proxy.router.route(summary) as lease:`.
+  - `proxy.inflight`   InflightTable (Mapping[str, Inflight]) shared by every data plane.
+  - `proxy.metrics`    ProxyMetrics: `.registry` for new metrics, `register_collector` for scrape-time ones.
+  - `proxy.admin_app`  aiohttp Application of the admin listener: add routes before `start()`, guarded with
+                       `proxy.admin.require_token(proxy.admin_token, handler)`.
+  - `proxy.add_service(svc, data_plane=False)`  anything with `async start()` / `async stop()`. Control-plane
+                       services start after the listeners are bound and stop after the data planes drained;
+                       data-plane services (the gRPC listener) are stopped concurrently with the HTTP drain,
+                       and their `stop()` must drain within `config.timeouts.drain_s`.
+  - `proxy.add_task(name, coro_fn)`  a coroutine that runs for the proxy's lifetime and is cancelled on stop.
+  - `proxy.session`    the upstream aiohttp ClientSession (after `start()`), for HTTP health checks etc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from proxy.admin import build_admin_app
+from proxy.config import Config
+from proxy.control.store import SnapshotStore
+from proxy.core.decision import Policy
+from proxy.core.policies import build_policy
+from proxy.core.snapshot import Snapshot
+from proxy.dispatch import Router
+from proxy.http.server import HttpDataPlane
+from proxy.http.upstream import create_session
+from proxy.inflight import InflightTable
+from proxy.metrics import ProxyMetrics
+
+log = logging.getLogger("affinity_proxy")
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass
+class _Task:
+    name: str
+    factory: Callable[[], Awaitable[None]]
+    task: asyncio.Task[None] | None = None
+
+
+class AffinityProxy:
+    def __init__(self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False) -> None:
+        self.config = config
+        self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/workers.py)
+        self.store = SnapshotStore(Snapshot.initial(config.backend_specs()))
+        self.policy = policy if policy is not None else build_policy(config.routing)
+        self.inflight = InflightTable()
+        self.metrics = ProxyMetrics()
+        self.metrics.watch(self.store, self.inflight)
+        self.router = Router(
+            self.store, self.policy, self.inflight, self.metrics, max_inflight_total=config.limits.max_inflight_total
+        )
+        self.admin_token = config.admin.resolved_token()
+        self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
+        self.session: aiohttp.ClientSession | None = None
+        self.http: HttpDataPlane | None = None
+        self._services: list[tuple[Service, bool]] = []
+        self._tasks: list[_Task] = []
+        self._http_runner: web.ServerRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self._started = False
+        self._install_subsystems()
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    def add_service(self, service: Service, *, data_plane: bool = False) -> None:
+        if self._started:
+            raise RuntimeError("services must be added before start()")
+        self._services.append((service, data_plane))
+
+    def add_task(self, name: str, factory: Callable[[], Awaitable[None]]) -> None:
+        if self._started:
+            raise RuntimeError("tasks must be added before start()")
+        self._tasks.append(_Task(name, factory))
+
+    def _install_subsystems(self) -> None:
+        """Where optional subsystems are wired from the config (telemetry poller, health checks, reload,
+        discovery, the gRPC listener): one guarded line each, e.g.
+        ``if self.config.grpc_listen is not None: self.add_service(GrpcListener(self), data_plane=True)``."""
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._started = True
+        cfg = self.config
+        self.session = create_session(cfg, self.metrics.upstream)
+        self.http = HttpDataPlane(cfg, self.router, self.session, self.metrics, cfg.routing.session_header)
+        self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
+        await self._http_runner.setup()
+        await web.TCPSite(
+            self._http_runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_port=self.reuse_port or None
+        ).start()
+        self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
+        await self._admin_runner.setup()
+        await web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port).start()
+        for service, _ in self._services:
+            await service.start()
+        for t in self._tasks:
+            t.task = asyncio.create_task(self._guard(t), name=t.name)
+        log.info("affinity-proxy listening on %s (admin %s)", self.http_url, self.admin_url)
+
+    async def _guard(self, t: _Task) -> None:
+        try:
+            await t.factory()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("background task %s crashed", t.name)
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests and streams finish (up to timeouts.drain_s), then close."""
+        drains: list[Awaitable[None]] = []
+        if self._http_runner is not None:
+            drains.append(self._http_runner.cleanup())
+        drains.extend(s.stop() for s, data_plane in self._services if data_plane)
+        results = await asyncio.gather(*drains, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("error while draining: %r", r)
+        for t in self._tasks:
+            if t.task is not None:
+                t.task.cancel()
+        await asyncio.gather(*(t.task for t in self._tasks if t.task is not None), return_exceptions=True)
+        for service, data_plane in reversed(self._services):
+            if not data_plane:
+                try:
+                    await service.stop()
+                except Exception:
+                    log.exception("error stopping %r", service)
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+        if self.session is not None:
+            await self.session.close()
+        self._http_runner = self._admin_runner = None
+
+    async def serve_until_signal(self) -> None:
+        """Run until SIGTERM or SIGINT, then drain and stop."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            await stop.wait()
+            log.info("signal received: draining for up to %.0f s", self.config.timeouts.drain_s)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+    # ------------------------------------------------------------------------------------------ addresses
+
+    @staticmethod
+    def _url(runner: web.BaseRunner | None) -> str:
+        if runner is None or not runner.addresses:
+            raise RuntimeError("not started")
+        host, port = runner.addresses[0][:2]
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{port}"
+
+    @property
+    def http_url(self) -> str:
+        return self._url(self._http_runner)
+
+    @property
+    def admin_url(self) -> str:
+        return self._url(self._admin_runner)

@@ -1,0 +1,274 @@
+"""The HTTP/1.1 data plane: OpenAI-compatible endpoints in, the chosen backend out, bytes untouched.
+
+Per request: check header size, read the body once (bounded), parse it once for the routing inputs
+(`summary_from_openai`), route (`Router.route`), forward the ORIGINAL bytes, and relay the answer. A JSON
+answer is read whole and sent in one write; anything else (SSE, chunked) is relayed chunk by chunk as it
+arrives, never compressed or buffered, so the first token reaches the client when the backend emits it.
+
+Why aiohttp's low-level `web.Server` and not `web.Application`: there is one handler, so the router,
+middlewares and signals of an Application are pure per-request overhead. `handler_cancellation=True` makes a
+client disconnect cancel the handler at once, which exits the upstream `async with` and closes the upstream
+connection, so the backend sees the cancellation and stops generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.config import Config
+from proxy.core.decision import NoBackendAvailable
+from proxy.core.request import RequestError, RequestSummary, summary_from_openai
+from proxy.core.snapshot import BackendState
+from proxy.dispatch import Lease, Overloaded, Router, UnknownModel
+from proxy.http.errors import error_body, error_response, sse_error_event
+from proxy.http.headers import downstream_response_headers, upstream_request_headers
+from proxy.metrics import ProxyMetrics
+
+log = logging.getLogger("affinity_proxy.http")
+
+ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+RETRY_AFTER_S = "1"
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp answers malformed HTTP itself; make those answers OpenAI-shaped too (431 for big headers)."""
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong) or (isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc)):
+            resp = error_response(431, "Request header fields too large", "invalid_request_error", "headers_too_large")
+        elif status == 500:
+            log.error("error handling request", exc_info=exc)
+            resp = error_response(500, "Internal proxy error", "server_error", "internal_error")
+        else:
+            resp = error_response(status, f"Malformed HTTP request: {message or exc}", "invalid_request_error",
+                                  "bad_request")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class HttpDataPlane:
+    """Owns the listener-facing handler; the upstream session and router are injected by proxy.app."""
+
+    def __init__(
+        self, config: Config, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics,
+        session_header: str | None = None,
+    ) -> None:
+        self.config = config
+        self.router = router
+        self.session = session
+        self.metrics = metrics
+        self.counters = metrics.upstream
+        self.max_body = config.limits.max_body_bytes
+        self.max_headers = config.limits.max_header_bytes
+        self.debug_headers = config.debug_headers
+        self.session_header = session_header
+
+    def make_server(self) -> web.Server:
+        # aiohttp's own per-line limits sit above ours so that our total check answers a clean 431 first;
+        # only a single monster line hits aiohttp's parser (also answered 431 by _JsonErrorRequestHandler).
+        field_limit = max(8190, self.max_headers + 1024)
+        return _Server(
+            self.handle,
+            handler_cancellation=True,
+            access_log=None,
+            max_line_size=field_limit,
+            max_field_size=field_limit,
+            auto_decompress=False,
+        )
+
+    # ------------------------------------------------------------------------------------------ handler
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        size = 0
+        for name, value in request.raw_headers:
+            size += len(name) + len(value) + 4
+        if size > self.max_headers:
+            self.metrics.error("headers_too_large")
+            return error_response(
+                431, f"Request headers are {size} bytes; the limit is {self.max_headers}",
+                "invalid_request_error", "headers_too_large",
+            )
+        headers = request.headers
+        request_id = headers.get("x-request-id") or os.urandom(16).hex()
+        path = request.path
+        method = request.method
+        session_key = headers.get(self.session_header) if self.session_header else None
+        try:
+            body = await self._read_body(request)
+        except _BodyTooLarge:
+            self.metrics.error("body_too_large")
+            resp = error_response(
+                413, f"Request body is larger than the limit of {self.max_body} bytes",
+                "invalid_request_error", "body_too_large",
+            )
+            resp.force_close()
+            return resp
+        if method == "POST" and path in ROUTED_ENDPOINTS:
+            try:
+                parsed = json.loads(body)
+            except ValueError as exc:
+                self.metrics.error("invalid_json")
+                return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
+                                      "invalid_json")
+            try:
+                summary = summary_from_openai(path, parsed, session_key=session_key)
+            except RequestError as exc:
+                self.metrics.error("invalid_request")
+                return error_response(400, str(exc), "invalid_request_error", "invalid_value", exc.param)
+        elif path == "/v1/models" and method == "GET":
+            return await self._models(request_id)
+        else:
+            summary = RequestSummary(prompt="", endpoint=path, session_key=session_key)
+        return await self._proxy(request, method, body, summary, request_id)
+
+    async def _read_body(self, request: web.BaseRequest) -> bytes:
+        length = request.content_length
+        if length is not None:
+            if length > self.max_body:
+                raise _BodyTooLarge
+            return await request.content.readexactly(length) if length else b""
+        if not request.body_exists:
+            return b""
+        buf = bytearray()
+        while chunk := await request.content.readany():
+            buf += chunk
+            if len(buf) > self.max_body:
+                raise _BodyTooLarge
+        return bytes(buf)
+
+    async def _proxy(
+        self, request: web.BaseRequest, method: str, body: bytes, summary: RequestSummary, request_id: str
+    ) -> web.StreamResponse:
+        try:
+            async with self.router.route(summary) as lease:
+                return await self._exchange(request, method, body, lease, request_id)
+        except UnknownModel as exc:
+            return error_response(404, str(exc), "invalid_request_error", "model_not_found", "model",
+                                  headers={"x-request-id": request_id})
+        except Overloaded as exc:
+            return error_response(503, str(exc), "server_error", "overloaded",
+                                  headers={"Retry-After": RETRY_AFTER_S, "x-request-id": request_id})
+        except NoBackendAvailable as exc:
+            return error_response(503, str(exc) or "No backend is available", "server_error", "no_backend",
+                                  headers={"Retry-After": RETRY_AFTER_S, "x-request-id": request_id})
+
+    async def _exchange(
+        self, request: web.BaseRequest, method: str, body: bytes, lease: Lease, request_id: str
+    ) -> web.StreamResponse:
+        backend = lease.backend
+        up_headers = upstream_request_headers(request.headers, request.remote, request.scheme, request_id)
+        self.counters.requests += 1
+        try:
+            async with self.session.request(
+                method, backend.spec.url + request.raw_path, data=body if body else None,
+                headers=up_headers, allow_redirects=False,
+            ) as up:
+                headers = downstream_response_headers(up.headers)
+                headers["x-request-id"] = request_id
+                if self.debug_headers:
+                    headers["x-affinity-backend"] = backend.name
+                lease.status = up.status
+                ctype = up.headers.get("Content-Type", "")
+                if up.content_length is not None and not ctype.startswith("text/event-stream"):
+                    data = await up.read()
+                    return web.Response(status=up.status, body=data, headers=headers)
+                return await self._relay(request, up, headers, lease, ctype.startswith("text/event-stream"))
+        except asyncio.CancelledError:
+            lease.status = 499
+            raise
+        except _UPSTREAM_ERRORS as exc:
+            self.metrics.error("upstream_unreachable")
+            lease.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            log.warning("backend %s failed before responding: %r", backend.name, exc)
+            return error_response(
+                lease.status, f"Backend {backend.name} failed: {type(exc).__name__}", "server_error",
+                "upstream_timeout" if lease.status == 504 else "upstream_error",
+                headers={"x-request-id": request_id},
+            )
+
+    async def _relay(
+        self, request: web.BaseRequest, up: aiohttp.ClientResponse, headers: Any, lease: Lease, sse: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, headers=headers)
+        await resp.prepare(request)
+        content = up.content
+        try:
+            while chunk := await content.readany():
+                await resp.write(chunk)
+        except _UPSTREAM_ERRORS as exc:
+            # Headers are gone already: end the stream with an error the client can parse, then close cleanly.
+            self.metrics.error("upstream_midstream")
+            lease.status = 502
+            log.warning("backend %s failed mid-stream: %r", lease.backend.name, exc)
+            if sse:
+                await resp.write(sse_error_event(
+                    f"The backend {lease.backend.name} failed while streaming: {type(exc).__name__}",
+                    "upstream_stream_error",
+                ))
+            else:
+                resp.force_close()
+        await resp.write_eof()
+        return resp
+
+    # ------------------------------------------------------------------------------------------ models
+
+    async def _models(self, request_id: str) -> web.Response:
+        """Union of the models of routable backends: configured lists, else what each backend reports."""
+        snapshot = self.router.store.current
+        models: dict[str, dict[str, Any]] = {}
+        ask: list[BackendState] = []
+        for b in snapshot.routable():
+            if b.spec.models:
+                for m in b.spec.models:
+                    models.setdefault(m, {"id": m, "object": "model", "created": 0, "owned_by": b.name})
+            else:
+                ask.append(b)
+        answers = await asyncio.gather(*(self._backend_models(b) for b in ask))
+        for entries in answers:
+            for entry in entries:
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                    models.setdefault(entry["id"], entry)
+        return web.Response(
+            body=json.dumps({"object": "list", "data": list(models.values())}).encode(),
+            content_type="application/json",
+            headers={"x-request-id": request_id},
+        )
+
+    async def _backend_models(self, backend: BackendState) -> list[Any]:
+        try:
+            async with self.session.get(
+                backend.spec.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=self.config.timeouts.connect_s)
+            ) as resp:
+                if resp.status != 200:
+                    return []
+                data = json.loads(await resp.read())
+        except (*_UPSTREAM_ERRORS, ValueError) as exc:
+            log.info("GET /v1/models from %s failed: %r", backend.name, exc)
+            return []
+        return data.get("data", []) if isinstance(data, dict) and isinstance(data.get("data"), list) else []
+
+
+__all__ = ["HttpDataPlane", "ROUTED_ENDPOINTS", "error_body"]

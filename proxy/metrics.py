@@ -1,0 +1,141 @@
+"""Prometheus metrics of one proxy process, in their own registry.
+
+A registry per `ProxyMetrics` (not prometheus_client's global one) lets tests and the in-process demo run
+several proxies side by side. Hot-path counters keep their label children cached, because `.labels()` costs
+more than the increment itself. Values that already live somewhere (in-flight counts, the snapshot,
+connection counters) are read at scrape time by a collector instead of being mirrored on every request.
+
+Other modules add their metrics as attributes created on `self.registry` (e.g. the telemetry poller's
+scrape durations), or register a collector with `register_collector`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.control.store import SnapshotStore
+from proxy.core.decision import Reason
+from proxy.inflight import InflightTable
+
+# Latency buckets span a cached short completion (tens of ms) to a long generation (minutes).
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _FnCollector(Collector):
+    def __init__(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        self._fn = fn
+
+    def collect(self) -> Iterable[Metric]:
+        return self._fn()
+
+
+class UpstreamCounters:
+    """Plain integers bumped by the upstream pool; the reuse ratio is derived from them at scrape time."""
+
+    __slots__ = ("requests", "new_connections")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.new_connections = 0
+
+    @property
+    def reuse_ratio(self) -> float:
+        if self.requests == 0:
+            return 0.0
+        return max(0.0, 1.0 - self.new_connections / self.requests)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "affinity_proxy_requests", "Requests proxied, by backend and HTTP status.", ["backend", "status"], registry=r
+        )
+        self.decisions = Counter(
+            "affinity_proxy_routing_decisions", "Routing decisions, by policy and reason.", ["policy", "reason"], registry=r
+        )
+        self.errors = Counter(
+            "affinity_proxy_errors", "Requests the proxy answered with an error itself, by kind.", ["kind"], registry=r
+        )
+        self.duration = Histogram(
+            "affinity_proxy_request_duration_seconds",
+            "Time from routing to the end of the response (streams included), by backend.",
+            ["backend"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.upstream = UpstreamCounters()
+        self._decision_children: dict[tuple[str, Reason], Counter] = {}
+        self._request_children: dict[tuple[str, int], Counter] = {}
+        self._duration_children: dict[str, Histogram] = {}
+        self._error_children: dict[str, Counter] = {}
+        r.register(_FnCollector(self._collect_upstream))
+
+    def register_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
+        """Add metrics computed at scrape time from state owned elsewhere."""
+        self.registry.register(_FnCollector(fn))
+
+    def watch(self, store: SnapshotStore, inflight: InflightTable) -> None:
+        def collect() -> Iterable[Metric]:
+            snap = store.current
+            version = GaugeMetricFamily("affinity_proxy_snapshot_version", "Version of the routing snapshot in use.")
+            version.add_metric([], snap.version)
+            yield version
+            g = GaugeMetricFamily("affinity_proxy_inflight_requests", "Requests in flight, by backend.", labels=["backend"])
+            for b in snap.backends:
+                g.add_metric([b.name], inflight.requests(b.name))
+            yield g
+            h = GaugeMetricFamily(
+                "affinity_proxy_backend_routable", "1 if the backend may receive new requests.", labels=["backend"]
+            )
+            for b in snap.backends:
+                h.add_metric([b.name], 1.0 if b.routable else 0.0)
+            yield h
+
+        self.register_collector(collect)
+
+    def _collect_upstream(self) -> Iterable[Metric]:
+        u = self.upstream
+        req = GaugeMetricFamily("affinity_proxy_upstream_requests", "Upstream requests sent (counter).")
+        req.add_metric([], u.requests)
+        new = GaugeMetricFamily("affinity_proxy_upstream_connections_opened", "Upstream connections opened (counter).")
+        new.add_metric([], u.new_connections)
+        ratio = GaugeMetricFamily(
+            "affinity_proxy_upstream_connection_reuse_ratio",
+            "Share of upstream requests that reused a pooled keep-alive connection.",
+        )
+        ratio.add_metric([], u.reuse_ratio)
+        return (req, new, ratio)
+
+    # Hot-path helpers with cached label children.
+    def decision(self, policy: str, reason: Reason) -> None:
+        key = (policy, reason)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self.decisions.labels(policy, reason.value)
+        child.inc()
+
+    def finished(self, backend: str, status: int, seconds: float) -> None:
+        key = (backend, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(backend, str(status))
+        child.inc()
+        hist = self._duration_children.get(backend)
+        if hist is None:
+            hist = self._duration_children[backend] = self.duration.labels(backend)
+        hist.observe(seconds)
+
+    def error(self, kind: str) -> None:
+        child = self._error_children.get(kind)
+        if child is None:
+            child = self._error_children[kind] = self.errors.labels(kind)
+        child.inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
