@@ -60,6 +60,8 @@ class Signals:
     kv_capacity_tokens: float | None = None
     loaded_adapters: frozenset[str] = frozenset()
     latency_ms: float | None = None  # recent observed latency (e.g. TTFT mean), for adaptive scores
+    qps: float | None = None  # requests/s the backend completed recently (counter rate), for qps_memory
+    gpu_utilization: float | None = None  # 0..1 share of time a kernel ran (NVML / busy-time counter)
 
 
 @dataclass(frozen=True, slots=True)
