@@ -207,7 +207,7 @@ class _Parser:
                 return _MISSING
             if value not in args:
                 self.error(path, node, f"must be one of {', '.join(map(repr, args))}, got {value!r}"
-                           + _suggest(value, [str(a) for a in args]))
+                           + _suggest(str(value), [str(a) for a in args]))
                 return _MISSING
             return value
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -219,7 +219,7 @@ class _Parser:
                 return tp(value)
             except ValueError:
                 self.error(path, node, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
-                           + _suggest(value, [str(c) for c in choices]))
+                           + _suggest(str(value), [str(c) for c in choices]))
                 return _MISSING
         if origin in (tuple, list):
             if not isinstance(node, SequenceNode):

@@ -1,0 +1,158 @@
+"""`affinity-proxy` command line: run, check-config, demo (and gpu-agent, added by the telemetry module).
+
+Each subcommand is a small function taking the parsed arguments and returning an exit code, registered in
+`build_parser`; a new subcommand is one `add_parser` block plus one function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+import uvloop
+
+from proxy.config import Config, ConfigError, dump_config, load_config, parse_config
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        print(f"{exc.source}: invalid configuration", file=sys.stderr)
+        for err in exc.errors:
+            print(f"  {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(f"# {args.file}: valid; effective configuration:")
+    print(dump_config(config), end="")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    _setup_logging(args.log_level)
+    from proxy.app import AffinityProxy
+
+    async def main() -> None:
+        await AffinityProxy(config).serve_until_signal()
+
+    uvloop.run(main())
+    return 0
+
+
+def demo_config(backend_urls: Sequence[tuple[str, str]], policy: str, port: int, admin_port: int) -> Config:
+    """The built-in demo configuration: loopback listeners, debug headers on, the given backends."""
+    backends = "\n".join(f"  - {{name: {name}, url: '{url}'}}" for name, url in backend_urls)
+    return parse_config(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        f"admin: {{host: 127.0.0.1, port: {admin_port}}}\n"
+        "debug_headers: true\n"
+        f"routing: {{policy: {policy}}}\n"
+        f"backends:\n{backends}\n",
+        "<demo>",
+    )
+
+
+def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, str]], policy: str, model: str) -> str:
+    lines = [
+        f"affinity-proxy demo: {len(backends)} simulated backends, policy {policy}",
+        *(f"  backend {name:<8} {url}" for name, url in backends),
+        "",
+        f"proxy  {proxy_url}   (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/models)",
+        f"admin  {admin_url}/admin/backends   {admin_url}/metrics",
+        "",
+        "try it (the x-affinity-backend response header names the backend that answered):",
+        f"  curl -si {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'",
+        "",
+        "  python3 - <<'PY'",
+        "  from openai import OpenAI",
+        f"  client = OpenAI(base_url=\"{proxy_url}/v1\", api_key=\"unused\")",
+        f"  stream = client.chat.completions.create(model=\"{model}\", stream=True, max_tokens=32,",
+        "      messages=[{\"role\": \"user\", \"content\": \"Tell me about KV caches.\"}])",
+        "  for chunk in stream:",
+        "      print(chunk.choices[0].delta.content or \"\", end=\"\", flush=True)",
+        "  print()",
+        "  PY",
+        "",
+        "Ctrl-C stops the proxy and the backends.",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    from loadtest.sim.fleet import start_fleet
+    from proxy.app import AffinityProxy
+
+    async def main() -> None:
+        fleet = await start_fleet(args.backends, host="127.0.0.1", port=0)
+        try:
+            backends = [(s.name, s.url) for s in fleet.servers]
+            config = demo_config(backends, args.policy, args.port, args.admin_port)
+            proxy = AffinityProxy(config)
+            async def announce() -> None:
+                model = getattr(fleet, "model", None) or "sim-model"
+                print(demo_banner(proxy.http_url, proxy.admin_url, backends, args.policy, model), flush=True)
+
+            proxy.add_task("demo-banner", announce)
+            await proxy.serve_until_signal()
+        finally:
+            await fleet.stop()
+
+    uvloop.run(main())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="affinity-proxy",
+        description="L7 reverse proxy for LLM inference servers: routes by prompt affinity and live GPU load.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the proxy from a YAML configuration")
+    p.add_argument("--config", "-c", required=True, metavar="FILE")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check-config", help="validate a configuration; print it with defaults, or every error")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=cmd_check_config)
+
+    p = sub.add_parser("demo", help="start simulated backends and the proxy in front of them (no GPU needed)")
+    p.add_argument("--backends", type=int, default=4, metavar="N", help="simulated backends (default 4)")
+    p.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
+    p.add_argument("--port", type=int, default=8080, help="proxy port (default 8080; 0 = any free port)")
+    p.add_argument("--admin-port", type=int, default=9090, help="admin port (default 9090; 0 = any free port)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_demo)
+
+    # gpu-agent: registered by the telemetry module (proxy/gpu_agent.py) with one add_parser block here.
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
