@@ -221,6 +221,8 @@ class _Parser:
                 self.error(path, node, f"must be one of {', '.join(map(repr, choices))}, got {value!r}"
                            + _suggest(str(value), [str(c) for c in choices]))
                 return _MISSING
+        if origin in (tuple, list, dict) and _is_null(node):
+            return origin()  # `backends:` with nothing under it is an empty list, not an error
         if origin in (tuple, list):
             if not isinstance(node, SequenceNode):
                 self.error(path, node, "must be a list")

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
+from yarl import URL
 
 from proxy.config import Config
 from proxy.core.decision import NoBackendAvailable
@@ -183,7 +184,7 @@ class HttpDataPlane:
         self.counters.requests += 1
         try:
             async with self.session.request(
-                method, backend.spec.url + request.raw_path, data=body if body else None,
+                method, URL(backend.spec.url + request.raw_path, encoded=True), data=body if body else None,
                 headers=up_headers, allow_redirects=False,
             ) as up:
                 headers = downstream_response_headers(up.headers)

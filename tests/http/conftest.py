@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from typing import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from proxy.app import AffinityProxy
+from proxy.config import parse_config
+from tests.http.fakes import FakeBackend
+
+ProxyFactory = Callable[..., Awaitable[AffinityProxy]]
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[list[FakeBackend]]:
+    fakes = [FakeBackend("b0"), FakeBackend("b1")]
+    for f in fakes:
+        await f.start()
+    yield fakes
+    for f in fakes:
+        await f.stop()
+
+
+@pytest.fixture
+async def make_proxy() -> AsyncIterator[ProxyFactory]:
+    """Start a proxy on free ports in front of the given fakes; `extra` is appended to the YAML."""
+    started: list[AffinityProxy] = []
+
+    async def make(fakes: list[FakeBackend], extra: str = "", policy: str = "round_robin",
+                   backend_extra: str = "") -> AffinityProxy:
+        lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'{backend_extra}}}" for f in fakes)
+        text = (f"listen: {{port: 0}}\nadmin: {{port: 0}}\nrouting: {{policy: {policy}}}\n"
+                f"backends:\n{lines}\n{extra}")
+        proxy = AffinityProxy(parse_config(text))
+        await proxy.start()
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for p in started:
+        await p.stop()
