@@ -42,6 +42,11 @@ class RequestSummary:
     session_key: str | None = None
     prompt_tokens_est: int = 0
     endpoint: str = ""
+    # Length in characters of the prompt's distinguishing prefix, when the request's structure says where
+    # it ends (chat: through the first message that is not a system/developer message). Consistent hashing
+    # keys on it so a conversation's turns share a backend while conversations that only share a system
+    # prompt spread (see proxy/core/fingerprint.py). None: no structure, the core decides.
+    key_prefix_chars: int | None = None
 
     @property
     def prompt_bytes(self) -> bytes:
@@ -49,6 +54,8 @@ class RequestSummary:
 
 
 def estimate_tokens(text: str) -> int:
+    if text.isascii():  # O(1) in CPython: skips encoding a long prompt just to count its bytes
+        return (len(text) + BYTES_PER_TOKEN_ESTIMATE - 1) // BYTES_PER_TOKEN_ESTIMATE
     return (len(text.encode("utf-8", "surrogatepass")) + BYTES_PER_TOKEN_ESTIMATE - 1) // BYTES_PER_TOKEN_ESTIMATE
 
 
@@ -86,18 +93,29 @@ def _prompt_from_completions(prompt: Any) -> str:
     raise RequestError("'prompt' must be a string, a list of strings or a list of token ids", "prompt")
 
 
-def _prompt_from_messages(messages: Any) -> str:
+# Roles whose messages are typically shared by many conversations (the system prompt).
+_SHARED_ROLES = frozenset({"system", "developer"})
+
+
+def _prompt_from_messages(messages: Any) -> tuple[str, int | None]:
+    """The flattened prompt and the end (in characters) of its first non-system message."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     parts: list[str] = []
+    length = 0
+    key_end: int | None = None
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise RequestError(f"messages[{i}] must be an object", f"messages[{i}]")
         role = msg.get("role")
         if not isinstance(role, str):
             raise RequestError(f"messages[{i}].role must be a string", f"messages[{i}].role")
-        parts.append(f"{role}\n{_flatten_content(msg.get('content'), f'messages[{i}].content')}\n")
-    return "".join(parts)
+        part = f"{role}\n{_flatten_content(msg.get('content'), f'messages[{i}].content')}\n"
+        parts.append(part)
+        length += len(part)
+        if key_end is None and role not in _SHARED_ROLES:
+            key_end = length
+    return "".join(parts), key_end
 
 
 def _opt_int(body: Mapping[str, Any], *keys: str) -> int | None:
@@ -138,8 +156,9 @@ def summary_from_openai(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
+    key_prefix_chars: int | None = None
     if endpoint.endswith("/chat/completions"):
-        prompt = _prompt_from_messages(body.get("messages"))
+        prompt, key_prefix_chars = _prompt_from_messages(body.get("messages"))
     elif endpoint.endswith("/completions"):
         if "prompt" not in body:
             raise RequestError("'prompt' is required", "prompt")
@@ -163,4 +182,5 @@ def summary_from_openai(
         session_key=session_key,
         prompt_tokens_est=estimate_tokens(prompt),
         endpoint=endpoint,
+        key_prefix_chars=key_prefix_chars,
     )

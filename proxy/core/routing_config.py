@@ -81,6 +81,10 @@ class AffinityConfig:
     block_bytes: int = field(default=256, metadata={"ge": 16})
     # A prefix match shorter than this many blocks is not worth leaving the hash home for.
     min_prefix_blocks: int = field(default=4, metadata={"ge": 1})
+    # For prompts without chat structure, a prefix hit must also cover this share of the prompt's blocks;
+    # a mere shared preamble is left to consistent hashing (for chat, the match must cover the first user
+    # turn instead). Keeps one backend from collecting every prompt that shares a long system prompt.
+    min_prefix_ratio: float = field(default=0.5, metadata={"ge": 0.0, "le": 1.0})
     # Request fields combined into the exact fingerprint.
     fingerprint_fields: tuple[str, ...] = ("prompt", "model", "adapter", "max_tokens", "temperature")
     # Exact fingerprints remembered (fleet-wide, approximate LRU).

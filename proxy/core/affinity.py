@@ -1,0 +1,322 @@
+"""The affinity policy: send a prompt where its KV cache lives, unless that GPU is overloaded.
+
+One decision, in order:
+
+1. **Session** — with `session_affinity` on and a session key on the request, the key is placed by
+   rendezvous hashing (reason SESSION); the learned indexes are not consulted.
+2. **Exact hit** — the request's exact fingerprint was routed recently: its backend (EXACT_HIT).
+3. **Prefix hit** — the backend whose prefix index holds the longest run of the prompt's leading block
+   hashes, if the run is long enough: at least `min_prefix_blocks`, and covering the first user turn (chat)
+   or `min_prefix_ratio` of the prompt (other prompts), so that a merely shared system prompt does not pull
+   every request to one GPU. Ties go to the backend ranked higher for this prompt by rendezvous hashing.
+4. **Hash** — otherwise the top backend in the rendezvous ranking of the prompt's distinguishing prefix.
+
+Then the **bounded-load rule** (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads")
+on that primary choice: it must be routable and not excluded (else UNHEALTHY_FALLBACK), not saturated
+(its `max_inflight` reached or telemetry score >= `saturation`), and within the bound: its in-flight
+requests + 1 <= ceil((1+ε) · (fleet in-flight + 1) · weight/total weight), and its fresh telemetry score
+<= (1+ε) · fleet mean + `overload_margin` (else OVERLOAD_FALLBACK). A primary that fails goes to the next
+backend in the prompt's rendezvous order that passes; if none does, to the least-loaded eligible backend.
+Since some backend is always at or below its fair in-flight share, the in-flight bound is always
+satisfiable: no backend ever receives work beyond ceil((1+ε)·mean).
+
+**Determinism and what is learned.** Rendezvous hashing (xxh3 of the key with a per-backend seed derived
+from the backend's *name*, weighted by -w/ln(u)) is a pure function of (config, backend set, prompt): the
+same in every worker process and every replica, with no per-process salt, and removing or adding one of N
+backends moves only the keys whose top-ranked backend changed, ~1/N of them. The ranking is over all
+configured backends serving the model, healthy or not, so a health flap moves only the keys of the backend
+that flapped (to their next-ranked backend) and they come back when it recovers.
+The exact and prefix indexes are learned, per process: they only ever point a prompt at a backend that
+recently received it (or its prefix), and on a fresh process a prompt lands on its hash home. Two workers
+therefore agree on every prompt placed by hashing, and on repeats of it; they can differ only after a
+fallback or a prefix hit one of them saw and the other did not. The exact index records the *primary*
+choice, not the fallback, so keys shed by an overloaded backend return to it as soon as it recovers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Mapping
+
+import xxhash
+
+from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
+from proxy.core.fingerprint import Fingerprinter
+from proxy.core.load import effective_load, assumed_score, telemetry_score
+from proxy.core.policies import eligible
+from proxy.core.prefix_index import GenerationalMap, PrefixIndex
+from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
+from proxy.core.routing_config import RoutingConfig
+from proxy.core.snapshot import BackendState, Snapshot
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
+_BACKEND_DOMAIN = b"affinity-proxy/backend/v1\xff"
+_TWO_POW_M64 = 2.0**-64
+_NO_INFLIGHT = Inflight()
+
+
+def backend_seed(name: str) -> int:
+    """The rendezvous seed of a backend: a function of its name only, identical in every process."""
+    return _xxh3(_BACKEND_DOMAIN + name.encode("utf-8", "surrogatepass"))
+
+
+class _Ring:
+    """Rendezvous-hashing candidates for one (snapshot, model): backends with weight > 0 serving it."""
+
+    __slots__ = ("names", "seeds", "weights", "uniform", "members")
+
+    def __init__(self, states: list[BackendState]) -> None:
+        self.names = [s.name for s in states]
+        self.seeds = [backend_seed(s.name) for s in states]
+        self.weights = [s.effective_weight for s in states]
+        self.uniform = len(set(self.weights)) <= 1
+        self.members = frozenset(self.names)
+
+    def scores(self, key: int) -> list[float]:
+        """Higher is better. Weighted: w / -ln(u) gives backend i a share w_i / sum(w) of the keys."""
+        kb = key.to_bytes(8, "little")
+        if self.uniform:
+            return [_xxh3(kb, s) for s in self.seeds]
+        log = math.log
+        return [w / -log((_xxh3(kb, s) + 0.5) * _TWO_POW_M64) for s, w in zip(self.seeds, self.weights)]
+
+
+def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[str]:
+    """Every backend in rendezvous order for `key` (used by tests and tools; the policy ranks lazily)."""
+    ring = _Ring.__new__(_Ring)
+    ring.names, ring.seeds, ring.weights = names, [backend_seed(n) for n in names], weights
+    ring.uniform = len(set(weights)) <= 1
+    scores = ring.scores(key)
+    return [names[i] for i in sorted(range(len(names)), key=lambda i: scores[i], reverse=True)]
+
+
+class AffinityPolicy:
+    name = "affinity"
+
+    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+        self._cfg = cfg
+        a = cfg.affinity
+        self._a = a
+        self._fp = Fingerprinter(a)
+        self._exact: GenerationalMap[str] = GenerationalMap(a.exact_entries)
+        self._indexes: dict[str, PrefixIndex] = {}
+        self._snapshot: Snapshot | None = None
+        self._rings: dict[str | None, _Ring] = {}
+        self._bound_factor = 1.0 + a.epsilon
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def _sync(self, snapshot: Snapshot) -> None:
+        """Follow a new snapshot: rings, per-backend indexes (created, resized to KV capacity, dropped)."""
+        if snapshot is self._snapshot:
+            return
+        self._snapshot = snapshot
+        self._rings = {}
+        a = self._a
+        indexes = self._indexes
+        for b in snapshot.backends:
+            cap = a.index_blocks
+            kv = b.signals.kv_capacity_tokens if b.signals is not None else None
+            if kv:
+                cap = int(kv * BYTES_PER_TOKEN_ESTIMATE / a.block_bytes * a.index_capacity_factor)
+                cap = max(1, min(a.index_max_blocks, cap))
+            idx = indexes.get(b.name)
+            if idx is None:
+                indexes[b.name] = PrefixIndex(cap)
+            else:
+                idx.resize(cap)
+        gone = [n for n in indexes if n not in snapshot]
+        for name in gone:
+            del indexes[name]
+            self._exact.discard_value(name)
+
+    def _ring(self, snapshot: Snapshot, model: str | None) -> _Ring:
+        ring = self._rings.get(model)
+        if ring is None:
+            if len(self._rings) >= 1024:  # model names come from clients: keep the cache bounded
+                self._rings.clear()
+            ring = self._rings[model] = _Ring(
+                [
+                    b
+                    for b in snapshot.backends
+                    if b.effective_weight > 0 and (model is None or not b.spec.models or model in b.spec.models)
+                ]
+            )
+        return ring
+
+    def index_of(self, backend: str) -> PrefixIndex | None:
+        """The prefix index of one backend (for the admin API, tests and the benchmark)."""
+        return self._indexes.get(backend)
+
+    # ------------------------------------------------------------------------------------------- pick
+
+    def pick(
+        self,
+        req: RequestSummary,
+        snapshot: Snapshot,
+        inflight: Mapping[str, Inflight],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        self._sync(snapshot)
+        ring = self._ring(snapshot, req.model)
+        if not ring.names:
+            eligible(req, snapshot, exclude)  # raises with the precise reason
+        a = self._a
+        keys = self._fp.keys(req)
+        blocks = keys.blocks
+        matched = 0
+        scores: list[float] | None = None
+        primary: str | None = None
+        record_exact = True
+
+        if a.session_affinity and req.session_key is not None:
+            key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
+            scores = ring.scores(key)
+            primary = ring.names[max(range(len(scores)), key=scores.__getitem__)]
+            reason = Reason.SESSION
+            record_exact = False
+        else:
+            exact = self._exact.get(keys.fingerprint)
+            scores = ring.scores(keys.hash_key)
+            if exact is not None and exact in ring.members:
+                primary, reason = exact, Reason.EXACT_HIT
+            else:
+                need = a.min_prefix_blocks
+                if keys.structured:
+                    # The match must reach past the end of the first user turn, i.e. include the block
+                    # holding its last byte: a run that stops inside the shared system prompt is no hit.
+                    need = max(need, keys.key_blocks + 1)
+                else:
+                    need = max(need, math.ceil(a.min_prefix_ratio * len(blocks)))
+                best_i = -1
+                if 0 < need <= len(blocks):
+                    indexes = self._indexes
+                    best_m, best_s = need, -1.0
+                    for i, name in enumerate(ring.names):
+                        m = indexes[name].match(blocks, best_m)
+                        if m and (m > best_m or scores[i] > best_s):
+                            best_i, best_m, best_s = i, m, scores[i]
+                    if best_i >= 0:
+                        matched = best_m
+                if best_i >= 0:
+                    primary, reason = ring.names[best_i], Reason.PREFIX_HIT
+                else:
+                    primary = ring.names[max(range(len(scores)), key=scores.__getitem__)]
+                    reason = Reason.HASH
+
+        chosen, reason = self._bounded(primary, reason, ring, scores, snapshot, inflight, exclude, req)
+        if record_exact:
+            self._exact.put(keys.fingerprint, primary)
+        idx = self._indexes.get(chosen)
+        if idx is not None and blocks:
+            idx.add(blocks)
+        return Decision(
+            chosen,
+            reason,
+            self.name,
+            self._alternates(chosen, ring, scores, snapshot, exclude),
+            matched if chosen == primary else 0,
+        )
+
+    # ------------------------------------------------------------------------------------ bounded load
+
+    def _bounded(
+        self,
+        primary: str,
+        reason: Reason,
+        ring: _Ring,
+        scores: list[float],
+        snapshot: Snapshot,
+        inflight: Mapping[str, Inflight],
+        exclude: frozenset[str],
+        req: RequestSummary,
+    ) -> tuple[str, Reason]:
+        """Apply the bounded-load rule to `primary`; the chosen backend and the decision's reason."""
+        a = self._a
+        # Fleet figures over the backends that could take this request now.
+        total_req = 0
+        total_w = 0.0
+        score_sum = 0.0
+        score_n = 0
+        states: dict[str, BackendState] = {}
+        for name in ring.names:
+            b = snapshot.get(name)
+            if b is None or not b.routable or name in exclude:
+                continue
+            states[name] = b
+            total_req += inflight.get(name, _NO_INFLIGHT).requests
+            total_w += b.effective_weight
+            s = telemetry_score(b)
+            if s is not None:
+                score_sum += s
+                score_n += 1
+        if not states:
+            eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
+            raise NoBackendAvailable("no routable backend serves this request")
+        score_limit = (
+            self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
+        )
+        share = self._bound_factor * (total_req + 1) / total_w
+
+        def admits(name: str) -> bool:
+            b = states[name]
+            r = inflight.get(name, _NO_INFLIGHT).requests
+            mx = b.spec.max_inflight
+            if mx is not None and r >= mx:
+                return False
+            s = telemetry_score(b)
+            if s is not None and (s >= a.saturation or s > score_limit):
+                return False
+            return r + 1 <= math.ceil(share * b.effective_weight - 1e-9)
+
+        if primary in states:
+            if admits(primary):
+                return primary, reason
+            fallback = Reason.OVERLOAD_FALLBACK
+        else:
+            fallback = Reason.UNHEALTHY_FALLBACK
+        names = ring.names
+        k = min(len(names), self._cfg.max_alternates + 2)
+        for pass_ in (0, 1):
+            if pass_ == 0:
+                order = heapq.nlargest(k, range(len(names)), key=scores.__getitem__)
+            else:
+                order = sorted(range(len(names)), key=scores.__getitem__, reverse=True)[k:]
+            for i in order:
+                name = names[i]
+                if name != primary and name in states and admits(name):
+                    return name, fallback
+        # Everything eligible is saturated: the least-loaded one, by telemetry plus in-flight work.
+        load_cfg = self._cfg.load
+        assumed = assumed_score(states.values(), load_cfg)
+        best = min(
+            states.values(),
+            key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
+        )
+        return best.name, fallback
+
+    def _alternates(
+        self, chosen: str, ring: _Ring, scores: list[float], snapshot: Snapshot, exclude: frozenset[str]
+    ) -> tuple[str, ...]:
+        """Other eligible backends in the prompt's rendezvous order: where a retry keeps most affinity."""
+        limit = self._cfg.max_alternates
+        if limit == 0:
+            return ()
+        names = ring.names
+        out: list[str] = []
+        for wanted in (limit + 2, len(names)):
+            out.clear()
+            for i in heapq.nlargest(min(wanted, len(names)), range(len(names)), key=scores.__getitem__):
+                name = names[i]
+                if name == chosen or name in exclude:
+                    continue
+                b = snapshot.get(name)
+                if b is not None and b.routable:
+                    out.append(name)
+                    if len(out) == limit:
+                        return tuple(out)
+            if wanted >= len(names):
+                break
+        return tuple(out)

@@ -1,0 +1,141 @@
+"""What the affinity policy keys on: an exact fingerprint, chained prefix-block hashes, a hash key.
+
+All three are xxh3_64 (the `xxhash` package) of the UTF-8 prompt bytes: fast in C, and, unlike Python's
+`hash()`, not salted per process, so every worker process and every proxy replica computes the same values
+for the same request (`PYTHONHASHSEED` plays no part anywhere in routing).
+
+**Exact fingerprint** — the design's "prompt hash + max_tokens + temperature": xxh3 of the prompt bytes,
+then xxh3 of the other configured fields (`AffinityConfig.fingerprint_fields`) seeded with it. A repeat of
+the very same request finds the backend that served it (exact-repeat affinity).
+
+**Prefix blocks** — the prompt bytes cut into fixed-size blocks; block i's hash is xxh3(block i) seeded by
+block i-1's hash, and block 0 is seeded by a hash of (model, adapter). A block hash therefore names the
+whole prefix up to and including that block, for that model and adapter: two prompts share their leading
+block hashes exactly as long as they share their leading bytes, and a backend's index of block hashes
+answers "how much of this prompt's prefix did I recently send there" with one set lookup per probe. Only
+full blocks are hashed; engines cache full KV blocks only, and a partial tail would just waste index slots.
+
+Why 256 bytes per block (the default `block_bytes`):
+
+- KV alignment: at ~4 bytes per token (the tokenizer rule of thumb used by `estimate_tokens`) a block is
+  ~64 tokens, i.e. four of vLLM's 16-token KV blocks (SGLang's radix cache is token-granular). Byte blocks
+  can never align exactly with token blocks anyway (token boundaries move with the text), so a finer
+  granularity than a few KV blocks buys no precision, only cost; a coarser one loses up to a block of
+  matchable prefix at every divergence point.
+- Hashing cost: the chain is one Python-level xxh3 call per block (~0.1 µs each). A 64k-token prompt is
+  ~256 KiB: 1024 blocks at 256 bytes is ~0.1 ms here, against ~0.4 ms at 64 bytes (16 tokens, one KV
+  block) — a 64-byte block would spend the whole 1 ms budget of a 64k-token request on hashing alone.
+  At 4k tokens it is 64 blocks, ~7 µs.
+- Index memory: one entry per block per backend. A GPU with ~1M tokens of KV capacity needs ~16k entries
+  (~1–1.5 MB of Python set + ints) to remember what fits in its cache; at 64 bytes per block that would be
+  four times as much, at every backend and in every worker process.
+
+**Hash key** — the "distinguishing prefix" that consistent hashing places when no learned state applies.
+Not the first block: in real traffic most requests start with the same system prompt, and keying on it
+sends everything to one GPU. For chat requests the data plane marks, in `RequestSummary.key_prefix_chars`,
+where the first non-system message ends: a conversation keeps its first user turn as it grows, so all its
+turns share the key (and the backend holding their KV), while conversations that only share a system prompt
+get different keys and spread. Prompts without that structure are keyed on their first
+`hash_prefix_max_blocks` blocks (plus the tail when shorter), i.e. on the whole prompt unless it is long.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+from proxy.core.request import RequestSummary
+from proxy.core.routing_config import AffinityConfig
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+# Distinct domains so a fingerprint can never equal a block hash or a hash key by construction of inputs.
+_FP_DOMAIN = b"affinity-proxy/fingerprint/v1"
+_CHAIN_DOMAIN = b"affinity-proxy/prefix-chain/v1"
+_KEY_DOMAIN = b"affinity-proxy/hash-key/v1"
+
+
+def _opt_str(value: str | None) -> bytes:
+    # None and "" must differ: a request naming no model is not one naming the empty model.
+    return b"\x00" if value is None else b"\x01" + value.encode("utf-8", "surrogatepass")
+
+
+def chain_seed(model: str | None, adapter: str | None) -> int:
+    """Seed of the prefix chain: KV caches are per model and per adapter, so prefixes are too."""
+    return _xxh3(_CHAIN_DOMAIN + b"\xff" + _opt_str(model) + b"\xff" + _opt_str(adapter))
+
+
+def block_hashes(data: bytes, block_bytes: int, seed: int) -> list[int]:
+    """Chained xxh3 hashes of the full `block_bytes`-sized blocks of `data`."""
+    out: list[int] = []
+    append = out.append
+    h = seed
+    for i in range(0, len(data) - block_bytes + 1, block_bytes):
+        h = _xxh3(data[i : i + block_bytes], h)
+        append(h)
+    return out
+
+
+def exact_fingerprint(req: RequestSummary, fields: tuple[str, ...], data: bytes | None = None) -> int:
+    """xxh3 of the prompt bytes combined with the other configured request fields."""
+    h = _xxh3(_FP_DOMAIN)
+    if "prompt" in fields:
+        h = _xxh3(req.prompt_bytes if data is None else data, h)
+    rest: list[bytes] = []
+    for name in fields:
+        if name == "prompt":
+            continue
+        value = getattr(req, name)
+        # repr() of a float is exact and the same on every platform; None stays distinct from 0.
+        rest.append(name.encode() + b"=" + (b"\x00" if value is None else repr(value).encode("utf-8", "surrogatepass")))
+    if rest:
+        h = _xxh3(b"\xff".join(rest), h)
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """Everything the affinity policy derives from one request."""
+
+    fingerprint: int
+    blocks: list[int]  # chained prefix-block hashes, one per full block
+    hash_key: int  # hash of the distinguishing prefix, placed by rendezvous hashing
+    key_blocks: int  # full blocks wholly inside the distinguishing prefix
+    structured: bool  # True when the distinguishing prefix came from the request's structure
+
+
+class Fingerprinter:
+    """Computes `PromptKeys` for requests under one `AffinityConfig`."""
+
+    def __init__(self, cfg: AffinityConfig) -> None:
+        self._block = cfg.block_bytes
+        self._fields = cfg.fingerprint_fields
+        self._key_cap = cfg.hash_prefix_max_blocks * cfg.block_bytes
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
+
+    def _seed(self, model: str | None, adapter: str | None) -> int:
+        seed = self._seeds.get((model, adapter))
+        if seed is None:
+            if len(self._seeds) >= 4096:  # bounded: model names come from clients
+                self._seeds.clear()
+            seed = self._seeds[(model, adapter)] = chain_seed(model, adapter)
+        return seed
+
+    def keys(self, req: RequestSummary) -> PromptKeys:
+        data = req.prompt_bytes
+        seed = self._seed(req.model, req.adapter)
+        blocks = block_hashes(data, self._block, seed)
+        fp = exact_fingerprint(req, self._fields, data)
+        cut = req.key_prefix_chars
+        structured = cut is not None and 0 < cut <= len(req.prompt)
+        if structured:
+            assert cut is not None
+            key_bytes = len(req.prompt[:cut].encode("utf-8", "surrogatepass"))
+        else:
+            key_bytes = min(len(data), self._key_cap)
+        key_blocks = key_bytes // self._block
+        # The key hash reuses the chain where the prefix is block-aligned and hashes only the remainder.
+        base = blocks[key_blocks - 1] if key_blocks else seed
+        hash_key = _xxh3(_KEY_DOMAIN + data[key_blocks * self._block : key_bytes], base)
+        return PromptKeys(fp, blocks, hash_key, key_blocks, structured)
