@@ -21,6 +21,10 @@ from proxy.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Readiness conditions beyond "this listener answers": each returns the reasons it is not ready (empty when
+# ready). proxy/workers.py adds "every data-plane worker is serving" in the supervisor.
+ReadyCheck = Callable[[], list[str]]
+READY_CHECKS = web.AppKey("ready_checks", list)
 
 
 def snapshot_json(snapshot: Snapshot, inflight: InflightTable) -> dict[str, Any]:
@@ -78,9 +82,10 @@ def require_token(token: str | None, handler: Handler) -> Handler:
 
 def build_admin_app(store: SnapshotStore, inflight: InflightTable, metrics: ProxyMetrics) -> web.Application:
     app = web.Application()
+    app[READY_CHECKS] = []
 
     async def get_metrics(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=await metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_backends(request: web.Request) -> web.Response:
         return web.json_response(snapshot_json(store.current, inflight), dumps=lambda o: json.dumps(o, indent=1))
@@ -88,7 +93,20 @@ def build_admin_app(store: SnapshotStore, inflight: InflightTable, metrics: Prox
     async def get_health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": store.current.version})
 
+    async def get_ready(request: web.Request) -> web.Response:
+        # Deliberately not tied to backend health: every replica sees the same fleet, so failing readiness
+        # on a fleet outage would pull all of them out of the Service and turn clear 503 answers into
+        # refused connections.
+        problems = [p for check in request.app[READY_CHECKS] for p in check()]
+        snap = store.current
+        return web.json_response(
+            {"status": "not ready" if problems else "ready", "problems": problems, "version": snap.version,
+             "routable_backends": len(snap.routable())},
+            status=503 if problems else 200,
+        )
+
     app.router.add_get("/metrics", get_metrics)
     app.router.add_get("/admin/backends", get_backends)
     app.router.add_get("/healthz", get_health)
+    app.router.add_get("/readyz", get_ready)
     return app

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -48,6 +48,9 @@ from proxy.metrics import ProxyMetrics
 log = logging.getLogger("affinity_proxy")
 
 
+Role = Literal["all", "control", "data"]
+
+
 class Service(Protocol):
     async def start(self) -> None: ...
 
@@ -62,9 +65,15 @@ class _Task:
 
 
 class AffinityProxy:
-    def __init__(self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False) -> None:
+    def __init__(
+        self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all"
+    ) -> None:
         self.config = config
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/workers.py)
+        # "all": one process does everything. With --workers N (proxy/workers.py) the supervisor runs
+        # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
+        # listeners and data-plane services) on snapshots the supervisor publishes into its store.
+        self.role = role
         self.store = SnapshotStore(Snapshot.initial(config.backend_specs()))
         self.policy = policy if policy is not None else build_policy(config.routing)
         self.inflight = InflightTable()
@@ -107,20 +116,30 @@ class AffinityProxy:
         self._started = True
         cfg = self.config
         self.session = create_session(cfg, self.metrics.upstream)
-        self.http = HttpDataPlane(cfg, self.router, self.session, self.metrics, cfg.routing.session_header)
-        self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
-        await self._http_runner.setup()
-        await web.TCPSite(
-            self._http_runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_port=self.reuse_port or None
-        ).start()
-        self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
-        await self._admin_runner.setup()
-        await web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port).start()
-        for service, _ in self._services:
-            await service.start()
-        for t in self._tasks:
-            t.task = asyncio.create_task(self._guard(t), name=t.name)
-        log.info("affinity-proxy listening on %s (admin %s)", self.http_url, self.admin_url)
+        if self.role != "control":
+            self.http = HttpDataPlane(cfg, self.router, self.session, self.metrics, cfg.routing.session_header)
+            self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
+            await self._http_runner.setup()
+            await web.TCPSite(
+                self._http_runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_port=self.reuse_port or None
+            ).start()
+        if self.role != "data":
+            self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
+            await self._admin_runner.setup()
+            await web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port).start()
+        for service, data_plane in self._services:
+            if self._runs(data_plane):
+                await service.start()
+        if self.role != "data":
+            for t in self._tasks:
+                t.task = asyncio.create_task(self._guard(t), name=t.name)
+        log.info(
+            "affinity-proxy (%s) listening on %s (admin %s)", self.role,
+            self.http_url if self._http_runner else "-", self.admin_url if self._admin_runner else "-",
+        )
+
+    def _runs(self, data_plane: bool) -> bool:
+        return self.role == "all" or (self.role == "data") == data_plane
 
     async def _guard(self, t: _Task) -> None:
         try:
@@ -135,7 +154,7 @@ class AffinityProxy:
         drains: list[Awaitable[None]] = []
         if self._http_runner is not None:
             drains.append(self._http_runner.cleanup())
-        drains.extend(s.stop() for s, data_plane in self._services if data_plane)
+        drains.extend(s.stop() for s, data_plane in self._services if data_plane and self._runs(True))
         results = await asyncio.gather(*drains, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -145,7 +164,7 @@ class AffinityProxy:
                 t.task.cancel()
         await asyncio.gather(*(t.task for t in self._tasks if t.task is not None), return_exceptions=True)
         for service, data_plane in reversed(self._services):
-            if not data_plane:
+            if not data_plane and self._runs(False):
                 try:
                     await service.stop()
                 except Exception:

@@ -43,9 +43,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     _setup_logging(args.log_level)
     from proxy.app import AffinityProxy
+    from proxy.workers import default_worker_count, serve
+
+    workers = args.workers if args.workers is not None else default_worker_count()
+    if workers < 1:
+        print("--workers must be >= 1", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
 
     async def main() -> None:
-        await AffinityProxy(config).serve_until_signal()
+        if workers == 1:
+            # One process does everything: no supervisor, no channel, nothing to restart.
+            await AffinityProxy(config).serve_until_signal()
+        else:
+            await serve(config, workers)
 
     uvloop.run(main())
     return 0
@@ -125,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the proxy from a YAML configuration")
     p.add_argument("--config", "-c", required=True, metavar="FILE")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--workers", "-w", type=int, default=None, metavar="N",
+        help="data-plane processes sharing the listeners (SO_REUSEPORT) under one control plane; "
+        "default: the CPUs this process may use (affinity mask and cgroup quota); 1 = a single process",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check-config", help="validate a configuration; print it with defaults, or every error")

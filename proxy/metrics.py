@@ -11,7 +11,7 @@ scrape durations), or register a collector with `register_collector`.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -75,6 +75,9 @@ class ProxyMetrics:
         self._duration_children: dict[str, Histogram] = {}
         self._error_children: dict[str, Counter] = {}
         r.register(_FnCollector(self._collect_upstream))
+        # What the admin /metrics endpoint serves. proxy/workers.py points it, in the supervisor, at an
+        # exposition merged from every worker process (collected asynchronously over their channels).
+        self.render: Callable[[], Awaitable[bytes]] = self._render_own
 
     def register_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Add metrics computed at scrape time from state owned elsewhere."""
@@ -139,3 +142,6 @@ class ProxyMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def _render_own(self) -> bytes:
+        return self.exposition()

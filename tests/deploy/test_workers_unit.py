@@ -1,0 +1,157 @@
+"""The pieces of the multi-process proxy that need no running worker: metric merging, the CPU count, the
+reuseport listeners and the channel framing."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.core.snapshot import BackendSpec, Snapshot
+from proxy.workers import (
+    FamilyData,
+    PublishSnapshot,
+    _cgroup_cpu_quota,
+    default_worker_count,
+    families_of,
+    listening_socket,
+    merge_families,
+    read_message,
+    render,
+    reserve_port,
+    retire,
+    write_message,
+)
+
+
+def _process_registry(requests: int, inflight: int, version: int, routable: float) -> CollectorRegistry:
+    r = CollectorRegistry()
+    c = Counter("affinity_proxy_requests", "Requests.", ["backend", "status"], registry=r)
+    c.labels("gpu-0", "200").inc(requests)
+    h = Histogram("affinity_proxy_request_duration_seconds", "Dur.", ["backend"], buckets=(0.1, 1.0), registry=r)
+    for _ in range(requests):
+        h.labels("gpu-0").observe(0.5)
+    Gauge("affinity_proxy_inflight_requests", "In flight.", ["backend"], registry=r).labels("gpu-0").set(inflight)
+    Gauge("affinity_proxy_snapshot_version", "Version.", registry=r).set(version)
+    Gauge("affinity_proxy_backend_routable", "Routable.", ["backend"], registry=r).labels("gpu-0").set(routable)
+    return r
+
+
+def _values(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_merge_sums_counters_histograms_and_inflight_and_keeps_supervisor_state() -> None:
+    supervisor = families_of(_process_registry(requests=0, inflight=0, version=7, routable=0))
+    w1 = families_of(_process_registry(requests=3, inflight=2, version=6, routable=1))
+    w2 = families_of(_process_registry(requests=5, inflight=1, version=7, routable=1))
+    values = _values(render(merge_families(supervisor, [w1, w2])))
+    assert values[("affinity_proxy_requests_total", (("backend", "gpu-0"), ("status", "200")))] == 8
+    assert values[("affinity_proxy_request_duration_seconds_count", (("backend", "gpu-0"),))] == 8
+    assert values[("affinity_proxy_request_duration_seconds_bucket", (("backend", "gpu-0"), ("le", "1.0")))] == 8
+    assert values[("affinity_proxy_request_duration_seconds_bucket", (("backend", "gpu-0"), ("le", "0.1")))] == 0
+    assert values[("affinity_proxy_inflight_requests", (("backend", "gpu-0"),))] == 3
+    # Shared state is the supervisor's (it owns the snapshot), not the sum or a stale worker's value.
+    assert values[("affinity_proxy_snapshot_version", ())] == 7
+    assert values[("affinity_proxy_backend_routable", (("backend", "gpu-0"),))] == 0
+
+
+def test_gauge_without_supervisor_value_takes_the_highest_worker_value() -> None:
+    def fam(v: float) -> list[FamilyData]:
+        return [FamilyData("x_age_seconds", "gauge", "Age.", "", (("x_age_seconds", (), v),))]
+
+    values = _values(render(merge_families([], [fam(1.0), fam(4.0), fam(2.0)])))
+    assert values[("x_age_seconds", ())] == 4.0
+
+
+def test_dead_worker_counters_are_carried_forward() -> None:
+    w1 = families_of(_process_registry(requests=3, inflight=2, version=6, routable=1))
+    w2 = families_of(_process_registry(requests=5, inflight=1, version=7, routable=1))
+    retired: dict = {}
+    retire(w1, retired)  # w1 died; a restarted w1 starts from zero
+    restarted = families_of(_process_registry(requests=1, inflight=0, version=7, routable=1))
+    values = _values(render(merge_families([], [restarted, w2], retired)))
+    assert values[("affinity_proxy_requests_total", (("backend", "gpu-0"), ("status", "200")))] == 9
+    assert values[("affinity_proxy_request_duration_seconds_count", (("backend", "gpu-0"),))] == 9
+    # In-flight work of the dead worker is gone with it: gauges are not carried.
+    assert values[("affinity_proxy_inflight_requests", (("backend", "gpu-0"),))] == 1
+
+
+def test_reuse_ratio_is_recomputed_from_summed_counts() -> None:
+    def fam(requests: float, opened: float, ratio: float) -> list[FamilyData]:
+        return [
+            FamilyData("affinity_proxy_upstream_requests", "gauge", "", "",
+                       (("affinity_proxy_upstream_requests", (), requests),)),
+            FamilyData("affinity_proxy_upstream_connections_opened", "gauge", "", "",
+                       (("affinity_proxy_upstream_connections_opened", (), opened),)),
+            FamilyData("affinity_proxy_upstream_connection_reuse_ratio", "gauge", "", "",
+                       (("affinity_proxy_upstream_connection_reuse_ratio", (), ratio),)),
+        ]
+
+    values = _values(render(merge_families([], [fam(100, 10, 0.9), fam(300, 150, 0.5)])))
+    assert values[("affinity_proxy_upstream_connection_reuse_ratio", ())] == 1 - 160 / 400
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpu_quota(str(v1)) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _cgroup_cpu_quota(str(v1)) is None
+    assert default_worker_count() >= 1
+
+
+def test_reserved_port_is_shared_by_listeners_and_never_accepts() -> None:
+    reserved = reserve_port("127.0.0.1", 0)
+    port = reserved.getsockname()[1]
+    a = listening_socket("127.0.0.1", port)
+    b = listening_socket("127.0.0.1", port)
+    try:
+        accepted = 0
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        for sock in (a, b):
+            sock.setblocking(False)
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                accepted += 1
+        # Every connection went to a listening socket; none is stuck on the reserved, non-listening one.
+        assert accepted == 20
+    finally:
+        for sock in (a, b, reserved):
+            sock.close()
+
+
+async def test_channel_round_trips_a_snapshot() -> None:
+    snapshot = Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1"), BackendSpec("gpu-1", "http://127.0.0.1:2")])
+    left, right = socket.socketpair()
+    _, writer = await asyncio.open_unix_connection(sock=left)
+    reader, w2 = await asyncio.open_unix_connection(sock=right)
+    write_message(writer, PublishSnapshot(snapshot.replace_backend("gpu-1", weight=3.0)))
+    await writer.drain()
+    message = await read_message(reader)
+    assert isinstance(message, PublishSnapshot)
+    assert message.snapshot.version == 2
+    assert message.snapshot.get("gpu-1").effective_weight == 3.0
+    assert message.snapshot.names == ("gpu-0", "gpu-1")
+    writer.close()
+    w2.close()
+    assert pickle.loads(pickle.dumps(snapshot)).get("gpu-0").spec.url == "http://127.0.0.1:1"
