@@ -29,6 +29,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
@@ -154,6 +155,7 @@ class Config:
     retries: RetryConfig = RetryConfig()
     overload: OverloadConfig = OverloadConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     def validate(self) -> Iterable[tuple[str, str]]:
         seen: set[str] = set()

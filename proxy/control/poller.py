@@ -1,0 +1,310 @@
+"""The telemetry poller: every backend's metrics, every 200 ms, into the routing snapshot.
+
+One round scrapes all backends concurrently over one aiohttp ClientSession (its own, so scrapes never
+queue behind data-plane traffic in the per-backend connection limits), each bounded by `timeout_ms`, which
+config validation keeps below the interval: a slow or dead backend costs its own scrape and nothing else,
+and rounds never overlap. The round then derives rates (KV growth, request rate, recent TTFT) against the
+previous reading of each backend and publishes ONE new snapshot through `SnapshotStore.update`, whose
+change function is synchronous, so it composes with the health checker and reload writing the same store.
+
+Staleness: a backend whose last good scrape is older than `stale_after_intervals` intervals is marked
+stale and its load score set to None; the policies then fall back to the proxy's own in-flight accounting
+for it. Its last signals stay visible (admin API) with their age, but are never read as "idle".
+
+ORCA: `observe_orca(backend, header)` takes a response's `endpoint-load-metrics` header from the data plane
+and folds it into that backend's signals between scrapes; reports are coalesced so a busy proxy publishes
+at most one snapshot per `orca_flush_s`, not one per response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import aiohttp
+
+from proxy.control.adapters import Extractor, Reading, compile_metric_map
+from proxy.control.orca import parse_orca
+from proxy.control.store import SnapshotStore
+from proxy.control.telemetry_config import TelemetryConfig
+from proxy.control.telemetry_metrics import TelemetryMetrics
+from proxy.core.score import load_score
+from proxy.core.snapshot import BackendSpec, BackendState, Signals, Snapshot
+
+log = logging.getLogger("affinity_proxy.telemetry")
+
+Clock = Callable[[], float]
+
+
+def metrics_url(spec: BackendSpec) -> str:
+    return spec.metrics_url or spec.url.rstrip("/") + "/metrics"
+
+
+class ScrapeError(Exception):
+    """A scrape that produced no signals; `kind` is the metric label (timeout, connect, http_5xx, ...)."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+
+
+class Deriver:
+    """Per-backend memory of the previous reading, to turn counters and levels into rates."""
+
+    __slots__ = ("_prev", "_prev_t", "_latency_ms")
+
+    def __init__(self) -> None:
+        self._prev: Reading | None = None
+        self._prev_t = 0.0
+        self._latency_ms: float | None = None
+
+    def signals(self, r: Reading, t: float) -> Signals:
+        prev, dt = self._prev, t - self._prev_t
+        kv_used = r.kv_used_tokens
+        if kv_used is None and r.kv_usage is not None and r.kv_capacity_tokens is not None:
+            kv_used = r.kv_usage * r.kv_capacity_tokens
+            r.kv_used_tokens = kv_used
+        kv_rate = r.kv_tokens_per_s
+        qps = r.qps
+        gpu_util = r.gpu_utilization
+        if prev is not None and dt > 0:
+            if kv_rate is None and kv_used is not None and prev.kv_used_tokens is not None:
+                # Growth only: a cache draining as requests finish is not negative load.
+                kv_rate = max(0.0, (kv_used - prev.kv_used_tokens) / dt)
+            if qps is None:
+                qps = _rate(r.requests_total, prev.requests_total, dt)
+            if gpu_util is None:
+                busy = _rate(r.busy_seconds_total, prev.busy_seconds_total, dt)
+                gpu_util = None if busy is None else min(busy, 1.0)
+            if r.latency_ms is None and r.latency_count is not None and prev.latency_count is not None:
+                dc = r.latency_count - prev.latency_count
+                if dc > 0 and r.latency_sum_s is not None and prev.latency_sum_s is not None:
+                    self._latency_ms = max(0.0, (r.latency_sum_s - prev.latency_sum_s) / dc * 1000.0)
+                elif dc < 0:  # engine restarted: its old latency says nothing about the new process
+                    self._latency_ms = None
+        latency = r.latency_ms if r.latency_ms is not None else self._latency_ms
+        self._prev, self._prev_t = r, t
+        queue = r.kernel_queue
+        if queue is None and (r.running is not None or r.waiting is not None):
+            queue = (r.running or 0.0) + (r.waiting or 0.0)
+        return Signals(
+            scraped_at=t,
+            engine=r.engine,
+            mem_used_bytes=r.mem_used_bytes,
+            mem_total_bytes=r.mem_total_bytes,
+            kernel_queue=queue,
+            running=r.running,
+            waiting=r.waiting,
+            kv_usage=r.kv_usage,
+            kv_tokens_per_s=kv_rate,
+            kv_capacity_tokens=r.kv_capacity_tokens,
+            loaded_adapters=r.loaded_adapters if r.loaded_adapters is not None else frozenset(),
+            latency_ms=latency,
+            qps=qps,
+            gpu_utilization=gpu_util,
+        )
+
+
+def _rate(now: float | None, before: float | None, dt: float) -> float | None:
+    if now is None or before is None or now < before:  # missing, or a counter reset
+        return None
+    return (now - before) / dt
+
+
+def _has_signal(r: Reading) -> bool:
+    return any(
+        v is not None
+        for v in (r.mem_used_bytes, r.kernel_queue, r.running, r.waiting, r.kv_usage, r.kv_tokens_per_s,
+                  r.kv_used_tokens, r.requests_total)
+    )
+
+
+class Poller:
+    """The telemetry control-plane service (`start`/`stop`), plus `poll_once` for tests and benchmarks."""
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        config: TelemetryConfig,
+        *,
+        metrics: TelemetryMetrics | None = None,
+        session: aiohttp.ClientSession | None = None,
+        clock: Clock = time.monotonic,
+        orca_flush_s: float = 0.02,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics
+        self.clock = clock
+        self.orca_flush_s = orca_flush_s
+        self._extractor = Extractor(engine=config.engine, metric_map=compile_metric_map(config.metric_map))
+        self._session = session
+        self._own_session = session is None
+        self._derivers: dict[str, Deriver] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._orca_pending: dict[str, dict[str, float]] = {}
+        self._orca_handle: asyncio.TimerHandle | None = None
+        self.rounds = 0
+        self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
+                timeout=self._timeout,
+                headers={"Accept": "text/plain", "Accept-Encoding": "identity"},
+                skip_auto_headers=("User-Agent",),
+            )
+        self._task = asyncio.create_task(self.run(), name="telemetry-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._orca_handle is not None:
+            self._orca_handle.cancel()
+            self._orca_handle = None
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def run(self) -> None:
+        """Rounds at a fixed rate; a round that overran the interval is followed at once, never overlapped."""
+        interval = self.config.interval_s
+        next_t = self.clock()
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not end telemetry for the proxy's lifetime
+                log.exception("telemetry round failed")
+            next_t += interval
+            now = self.clock()
+            if next_t < now:
+                next_t = now
+            await asyncio.sleep(next_t - now)
+
+    # ------------------------------------------------------------------------------------ one round
+
+    async def poll_once(self) -> Snapshot:
+        snap = self.store.current
+        specs = [b.spec for b in snap.backends]
+        started = self.clock()
+        results = await asyncio.gather(*(self._scrape(spec) for spec in specs))
+        fresh = {spec.name: sig for spec, sig in zip(specs, results) if sig is not None}
+        live = {b.name for b in self.store.current.backends}
+        for name in list(self._derivers):
+            if name not in live:
+                del self._derivers[name]
+        now = self.clock()
+        published = self.store.update(lambda current: self._apply(current, fresh, now))
+        self.rounds += 1
+        if self.metrics is not None:
+            self.metrics.round_duration.observe(now - started)
+        return published
+
+    async def _scrape(self, spec: BackendSpec) -> Signals | None:
+        t0 = self.clock()
+        try:
+            text = await self._fetch(metrics_url(spec))
+            t = self.clock()
+            reading = self._extractor.read(text)
+            if not _has_signal(reading):
+                raise ScrapeError("no_signals", "no series the load score understands")
+        except ScrapeError as exc:
+            self._failed(spec.name, exc.kind, str(exc))
+            return None
+        except asyncio.TimeoutError:
+            self._failed(spec.name, "timeout", f"no answer within {self.config.timeout_ms} ms")
+            return None
+        except aiohttp.ClientConnectionError as exc:
+            self._failed(spec.name, "connect", repr(exc))
+            return None
+        except aiohttp.ClientError as exc:
+            self._failed(spec.name, "http", repr(exc))
+            return None
+        if self.metrics is not None:
+            self.metrics.scrape_duration.observe(t - t0)
+        deriver = self._derivers.get(spec.name)
+        if deriver is None:
+            deriver = self._derivers[spec.name] = Deriver()
+        return deriver.signals(reading, t)
+
+    async def _fetch(self, url: str) -> str:
+        session = self._session
+        if session is None:
+            raise RuntimeError("Poller.start() was not called")
+        async with session.get(url, timeout=self._timeout) as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"http_{resp.status // 100}xx", f"HTTP {resp.status}")
+            body = await resp.read()
+        return body.decode("utf-8", "replace")
+
+    def _failed(self, backend: str, kind: str, detail: str) -> None:
+        log.debug("scrape of %s failed: %s", backend, detail)
+        if self.metrics is not None:
+            self.metrics.scrape_error(backend, kind)
+
+    def _apply(self, snap: Snapshot, fresh: dict[str, Signals], now: float) -> Snapshot:
+        return snap.evolve(self._judge(b, fresh.get(b.name, b.signals), now) for b in snap.backends)
+
+    def _judge(self, b: BackendState, signals: Signals | None, now: float) -> BackendState:
+        stale = signals is None or now - signals.scraped_at > self.config.stale_after_s
+        score = None if stale else load_score(signals, self.config.score)
+        if signals is b.signals and stale == b.stale and score == b.load_score:
+            return b
+        return dataclasses.replace(b, signals=signals, stale=stale, load_score=score)
+
+    # ------------------------------------------------------------------------------------ ORCA
+
+    def observe_orca(self, backend: str, header: str) -> None:
+        """Fold a response's `endpoint-load-metrics` header into the backend's signals (coalesced)."""
+        if not self.config.orca:
+            return
+        values = parse_orca(header)
+        if not values:
+            return
+        if self.metrics is not None:
+            self.metrics.orca_reports.inc()
+        self._orca_pending.setdefault(backend, {}).update(values)
+        if self._orca_handle is None:
+            loop = asyncio.get_running_loop()
+            self._orca_handle = loop.call_later(self.orca_flush_s, self._flush_orca)
+
+    def _flush_orca(self) -> None:
+        self._orca_handle = None
+        pending, self._orca_pending = self._orca_pending, {}
+        if pending:
+            self.store.update(lambda snap: self._apply_orca(snap, pending))
+
+    def _apply_orca(self, snap: Snapshot, pending: dict[str, dict[str, float]]) -> Snapshot:
+        now = self.clock()
+        out = []
+        for b in snap.backends:
+            values = pending.get(b.name)
+            s = b.signals
+            # A stale backend stays stale: ORCA refreshes values between scrapes, it does not stand in for
+            # a metrics endpoint that stopped answering (its reports would cover only part of the signals).
+            if values is None or s is None or b.stale:
+                out.append(b)
+                continue
+            changes = {k: v for k, v in values.items() if k != "mem_fraction"}
+            if "mem_fraction" in values and s.mem_total_bytes:
+                changes["mem_used_bytes"] = values["mem_fraction"] * s.mem_total_bytes
+            if ("running" in changes or "waiting" in changes) and "kernel_queue" not in changes:
+                running = changes.get("running", s.running)
+                waiting = changes.get("waiting", s.waiting)
+                changes["kernel_queue"] = (running or 0.0) + (waiting or 0.0)
+            signals = dataclasses.replace(s, **changes)
+            out.append(self._judge(b, signals, now))
+        return snap.evolve(out)
