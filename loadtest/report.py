@@ -1,0 +1,280 @@
+"""Turn load runs (live or replayed) into one report: a markdown table, a JSON file and PNG plots.
+
+    python -m loadtest.report run-a.json run-b.json --out loadtest/results/my-report
+
+Every figure is defined in loadtest/stats.py and printed under the table, so a reader can tell what
+"±9%" or "6.3 points" means here. The prefix-cache hit ratio is shown next to two bounds computed from the
+workload itself: one infinite cache shared by the fleet (the trace's ideal), and one shared LRU cache as
+large as the whole fleet's KV memory (the best any router can do with these GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from loadtest import stats
+from loadtest.run import Record, RunResult
+from loadtest.workloads import Workload
+from loadtest.workloads.bound import one_cache_bound
+
+DEFINITIONS = """\
+Definitions:
+- Throughput: successful requests (and output tokens) per second between the first send and the last completion.
+- TTFT: send to first streamed token, at the client; e2e: send to end of stream; TPOT: (e2e - TTFT) / (output tokens - 1).
+- Hit ratio: prefix-cache hit tokens / query tokens summed over the backends (the engines' own counters, delta over the run).
+  Bound ∞: one infinite cache shared by the fleet; bound LRU: one shared LRU cache of the fleet's total KV capacity.
+  Both are computed from the requests sent. hit/bound = hit ratio / LRU bound (∞ bound when capacity is unknown).
+- GPU util: each backend's busy fraction (busy-time counter) per 10 s window; std = cross-backend population std-dev per
+  window averaged over windows, in percentage points.
+- p99 fluct.: coefficient of variation of the p99 TTFT of consecutive 10 s windows (by send time, windows with >= 10
+  requests); shown as ±CV.
+- Proxy CPU: CPU time of the proxy process(es) over the run, per successful request.
+"""
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1000:.0f}"
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x * 100:.{digits}f}%"
+
+
+def summarize(result: RunResult, workload: Workload | None = None, *, label: str | None = None) -> dict[str, Any]:
+    """Everything the report shows about one run, as plain JSON-able values."""
+    recs: list[Record] = result.records
+    ok = [r for r in recs if r.status == 200 and r.error is None and r.ttft is not None]
+    errors = [r for r in recs if not (r.status == 200 and r.error is None and r.ttft is not None)]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    span = None
+    if ok:
+        start = min(r.sent for r in recs)
+        end = max(r.sent + (r.e2e or 0.0) for r in ok)
+        span = end - start if end > start else None
+    out_tokens = sum(r.output_tokens for r in ok)
+    windows = stats.window_p99s([r.sent for r in ok], ttft, 10.0, 10)
+    fluct = stats.fluctuation(windows)
+
+    # Fleet counters: per backend, deltas between its first and last sample.
+    by_backend: dict[str, list[dict[str, Any]]] = {}
+    for s in result.samples:
+        by_backend.setdefault(s["backend"], []).append(s)
+    hits = queries = 0.0
+    busy_series: dict[str, list[tuple[float, float]]] = {}
+    kv_mean: dict[str, float | None] = {}
+    waiting_max: dict[str, float | None] = {}
+    util_total: dict[str, float | None] = {}
+    for name, ss in sorted(by_backend.items()):
+        ss.sort(key=lambda s: s["t"])
+        f, l = ss[0], ss[-1]
+        if f.get("prefix_hits") is not None and l.get("prefix_hits") is not None:
+            hits += l["prefix_hits"] - f["prefix_hits"]
+            queries += l["prefix_queries"] - f["prefix_queries"]
+        busy = [(s["t"], s["busy_s"]) for s in ss if s.get("busy_s") is not None]
+        if busy:
+            busy_series[name] = busy
+            span_b = busy[-1][0] - busy[0][0]
+            util_total[name] = (busy[-1][1] - busy[0][1]) / span_b if span_b > 0 else None
+        kvs = [s["kv_usage"] for s in ss if s.get("kv_usage") is not None]
+        kv_mean[name] = stats.mean_or_none(kvs)
+        ws = [s["waiting"] for s in ss if s.get("waiting") is not None]
+        waiting_max[name] = max(ws) if ws else None
+    per_window = stats.windowed_utilisation(busy_series, 10.0)
+    spread = stats.utilisation_spread(per_window)
+    whole = [u for u in util_total.values() if u is not None]
+
+    capacity = sum(result.capacity_tokens.values()) or None
+    bound_inf = bound_lru = None
+    if workload is not None:
+        sent = [workload.items[r.index] for r in recs if r.index < len(workload.items)]
+        bound_inf = one_cache_bound(sent).ratio
+        if capacity:
+            bound_lru = one_cache_bound(sent, capacity).ratio
+    hit_ratio = hits / queries if queries > 0 else None
+    cached = [r for r in ok if r.cached_tokens is not None]
+    client_hit = (sum(r.cached_tokens or 0 for r in cached) / sum(r.input_tokens for r in cached)) if cached else None
+    share = Counter(r.backend for r in ok if r.backend)
+    cpu = result.proxy_cpu_s
+    return {
+        "label": label or result.meta.get("label") or "",
+        "requests": len(recs),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_kinds": Counter((r.error or f"status {r.status}")[:80] for r in errors).most_common(5),
+        "wall_s": result.wall_s,
+        "throughput_rps": stats.safe_ratio(len(ok), span),
+        "output_tps": stats.safe_ratio(out_tokens, span),
+        "ttft_p50": stats.percentile(ttft, 50),
+        "ttft_p90": stats.percentile(ttft, 90),
+        "ttft_p99": stats.percentile(ttft, 99),
+        "ttft_mean": stats.mean_or_none(ttft),
+        "e2e_p50": stats.percentile(e2e, 50),
+        "e2e_p99": stats.percentile(e2e, 99),
+        "tpot_p50": stats.percentile(tpot, 50),
+        "tpot_p99": stats.percentile(tpot, 99),
+        "p99_windows": windows,
+        "p99_fluct_cv": fluct["cv"],
+        "p99_fluct_half_range": fluct["half_range"],
+        "hit_ratio": hit_ratio,
+        "client_hit_ratio": client_hit,
+        "bound_inf": bound_inf,
+        "bound_lru": bound_lru,
+        "capacity_tokens": capacity,
+        "hit_vs_bound": stats.safe_ratio(hit_ratio, bound_lru if bound_lru else bound_inf),
+        "gpu_util_mean": spread["mean"],
+        "gpu_util_std": spread["std"],
+        "gpu_util_whole_run": util_total,
+        "gpu_util_std_whole_run": (stats.pstdev(whole) if len(whole) > 1 else None),
+        "gpu_util_windows": per_window,
+        "kv_usage_mean": kv_mean,
+        "waiting_max": waiting_max,
+        "backend_share": dict(sorted(share.items())),
+        "proxy_cpu_s": cpu,
+        "proxy_cpu_us_per_req": (cpu / len(ok) * 1e6) if cpu is not None and ok else None,
+        "proxy_cpu_cores": (cpu / result.wall_s) if cpu is not None and result.wall_s else None,
+        "meta": result.meta,
+    }
+
+
+def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
+    head = (
+        "| policy | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | hit ratio | bound ∞ / LRU | hit/bound "
+        "| GPU util mean | GPU util std (pts) | p99 fluct. | errors | proxy CPU µs/req |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for s in summaries:
+        bound = f"{_pct(s['bound_inf'], 0)} / {_pct(s['bound_lru'], 0)}"
+        std = "–" if s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
+        cpu = "–" if s["proxy_cpu_us_per_req"] is None else f"{s['proxy_cpu_us_per_req']:.0f}"
+        fl = "–" if s["p99_fluct_cv"] is None else f"±{s['p99_fluct_cv'] * 100:.0f}%"
+        rows.append(
+            f"| {s['label']} | {s['throughput_rps'] or 0:.2f} | {s['output_tps'] or 0:.0f} | {_ms(s['ttft_p50'])} | "
+            f"{_ms(s['ttft_p99'])} | {_ms(s['e2e_p99'])} | {_pct(s['hit_ratio'])} | {bound} | "
+            f"{_pct(s['hit_vs_bound'], 0)} | {_pct(s['gpu_util_mean'], 0)} | {std} | {fl} | {s['errors']} | {cpu} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(summaries: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [s["label"] for s in summaries]
+    x = range(len(labels))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
+    ax = axes[0][0]
+    ax.bar([i - 0.2 for i in x], [(s["ttft_p50"] or 0) * 1000 for s in summaries], 0.4, label="p50")
+    ax.bar([i + 0.2 for i in x], [(s["ttft_p99"] or 0) * 1000 for s in summaries], 0.4, label="p99")
+    ax.set_title("TTFT (ms)")
+    ax.legend()
+    ax = axes[0][1]
+    ax.bar(list(x), [(s["hit_ratio"] or 0) * 100 for s in summaries], 0.6, label="measured")
+    for key, style, name in (("bound_lru", "--", "one LRU cache of fleet size"), ("bound_inf", ":", "one infinite cache")):
+        vals = [s[key] for s in summaries if s[key] is not None]
+        if vals:
+            ax.axhline(max(vals) * 100, linestyle=style, color="k", label=name)
+    ax.set_title("prefix-cache hit ratio (%)")
+    ax.legend(fontsize=8)
+    ax = axes[1][0]
+    ax.bar(list(x), [(s["gpu_util_std"] or 0) * 100 for s in summaries], 0.6)
+    ax.set_title("GPU utilisation std-dev across backends (points)")
+    ax = axes[1][1]
+    for s in summaries:
+        ws = s["p99_windows"]
+        ax.plot([10 * i for i in range(len(ws))], [w * 1000 for w in ws], marker=".", label=s["label"])
+    ax.set_title("p99 TTFT per 10 s window (ms)")
+    ax.set_xlabel("s")
+    ax.legend(fontsize=8)
+    for a in (axes[0][0], axes[0][1], axes[1][0]):
+        a.set_xticks(list(x))
+        a.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    main = out / "report.png"
+    fig.savefig(main, dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(summaries), 1, figsize=(10, 2.2 * len(summaries)), squeeze=False)
+    for a, s in zip(axes[:, 0], summaries):
+        for name, ws in sorted(s["gpu_util_windows"].items()):
+            a.plot([10 * i for i in range(len(ws))], [None if w is None else w * 100 for w in ws], label=name)
+        a.set_ylim(0, 105)
+        a.set_ylabel("busy %")
+        a.set_title(s["label"], fontsize=9)
+    axes[0][0].legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    util = out / "gpu_util.png"
+    fig.savefig(util, dpi=80)
+    plt.close(fig)
+    return [main, util]
+
+
+def write_report(
+    summaries: Sequence[dict[str, Any]],
+    out: str | Path,
+    *,
+    title: str,
+    workload: Workload | None = None,
+    preface: str = "",
+    appendix: str = "",
+) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot(summaries, out)
+    md = [f"# {title}", ""]
+    if preface:
+        md += [preface, ""]
+    if workload is not None:
+        w = workload.summary()
+        md.append(
+            f"Workload: `{w['name']}` ({w['source']}), {w['requests']} requests over {w['duration_s']:.0f} s of trace time, "
+            f"mean input {w['input_tokens_mean']:.0f} tokens (p50 {w['input_tokens_p50']}), mean output {w['output_tokens_mean']:.0f}."
+        )
+        md.append("")
+    md.append(markdown_table(summaries))
+    md.append(DEFINITIONS)
+    for s in summaries:
+        if s["errors"]:
+            md.append(f"- {s['label']} errors: {s['error_kinds']}")
+    md.append("")
+    md += [f"![{p.stem}]({p.name})" for p in pngs]
+    if appendix:
+        md += ["", appendix]
+    path = out / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    slim = [{k: v for k, v in s.items()} for s in summaries]
+    (out / "report.json").write_text(json.dumps({"title": title, "summaries": slim}, indent=1, default=str))
+    return path
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.report", description="report from saved runs")
+    ap.add_argument("runs", nargs="+", type=Path, help="run JSON files written by loadtest.run --out")
+    ap.add_argument("--workload", help="the workload spec the runs used (for the one-cache bounds)")
+    ap.add_argument("--window")
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    workload = None
+    if args.workload:
+        from loadtest.workloads import load_workload, parse_window
+
+        workload = load_workload(args.workload)
+        start, end = parse_window(args.window)
+        if start is not None or end is not None or args.limit:
+            workload = workload.window(start, end, args.limit)
+    summaries = [summarize(RunResult.load(p), workload) for p in args.runs]
+    path = write_report(summaries, args.out, title="load test report", workload=workload)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
