@@ -44,6 +44,7 @@ Model (what each part stands for in vLLM V1):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -53,6 +54,17 @@ from .profiles import Profile
 from .tokens import TextGenerator, request_seed, sample_output_len
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+# vLLM's time_to_first_token_seconds buckets (vllm/v1/metrics/loggers.py); +Inf is the count.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)
+# vLLM's e2e_request_latency_seconds buckets.
+E2E_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
 
 
 @dataclass(slots=True)
@@ -108,6 +120,27 @@ class StepResult:
 
 
 @dataclass(slots=True)
+class Histogram:
+    """Prometheus-style histogram state: per-bucket counts (not cumulative), count and sum."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    count: int = 0
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        i = bisect_left(self.buckets, value)  # first bucket whose upper bound is >= value
+        if i < len(self.buckets):
+            self.counts[i] += 1
+
+
+@dataclass(slots=True)
 class EngineStats:
     """Monotonic counters (Prometheus counters are derived from these)."""
 
@@ -124,7 +157,8 @@ class EngineStats:
     finished_length: int = 0
     finished_stop: int = 0
     busy_seconds: float = 0.0
-    ttft_seconds: list[float] = field(default_factory=list)  # drained by the metrics exporter
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
 
 
 class Engine:
@@ -170,6 +204,11 @@ class Engine:
     def num_tokens_in_use(self) -> int:
         """Tokens held by live sequences (SGLang's num_tokens / token_usage numerator)."""
         return sum(s.num_computed for s in self._running)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Running requests that have not produced their first token yet (TensorRT-LLM's "context")."""
+        return sum(1 for s in self._running if s.num_output == 0)
 
     def running_adapters(self) -> list[str]:
         return sorted({s.adapter for s in self._running if s.adapter})
@@ -363,7 +402,7 @@ class Engine:
             self.stats.generation_tokens += 1
             if first:
                 seq.first_token_at = end
-                self.stats.ttft_seconds.append(end - seq.arrival)
+                self.stats.ttft.observe(end - seq.arrival)
             done = seq.num_output >= seq.target_len
             reason: str | None = None
             usage: Usage | None = None
@@ -371,6 +410,7 @@ class Engine:
                 reason = "length" if seq.num_output >= seq.max_tokens else "stop"
                 usage = Usage(seq.num_prompt, seq.num_output, max(0, seq.num_cached))
                 finished.append(seq)
+                self.stats.e2e.observe(end - seq.arrival)
                 if reason == "length":
                     self.stats.finished_length += 1
                 else:

@@ -22,6 +22,7 @@ class Faults:
     metrics_absent: bool = False  # /metrics answers 404
     health_fail: bool = False  # /health (and gRPC health) answer 503 / NOT_SERVING
     refuse_connections: bool = False  # the listeners are closed: connects are refused
+    refuse_ms: float = 0.0  # write-only: with refuse_connections, reopen the listeners after this long
     background_requests: int = 0  # artificial load: this many internal requests kept running
     background_prompt_tokens: int = 512
     background_max_tokens: int = 512
@@ -29,6 +30,7 @@ class Faults:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("stall_ms")
+        out.pop("refuse_ms")
         return out
 
     def update(self, changes: Mapping[str, Any]) -> None:
@@ -45,7 +47,7 @@ class Faults:
 
 _INT_OR_NONE = {"drop_after_chunks"}
 _INTS = {"fail_status", "background_requests", "background_prompt_tokens", "background_max_tokens"}
-_FLOATS = {"stall_ms", "fail_rate", "metrics_delay_ms"}
+_FLOATS = {"stall_ms", "refuse_ms", "fail_rate", "metrics_delay_ms"}
 _BOOLS = {"metrics_absent", "health_fail", "refuse_connections"}
 
 

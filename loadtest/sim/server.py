@@ -1,0 +1,555 @@
+"""The simulated server's HTTP side (aiohttp): OpenAI API, metrics, health, peer-router endpoints, faults.
+
+Shapes follow vLLM's OpenAI server (SSE chunks, the final usage chunk, error JSON, `endpoint-load-metrics`)
+and, where peer routers ask a worker about itself, SGLang's (`/server_info`, `/model_info`, `/get_load`).
+Everything generation-related goes through `SimBackend.generate`, so the gRPC port of the same server
+(grpc.py) sees the same queue, cache and faults.
+
+Fault endpoints (not part of any real engine; every response carries `x-sim-backend: <name>`):
+  GET  /sim/faults            current switches (JSON)
+  POST /sim/faults            partial update, e.g. {"fail_rate": 0.5}, {"stall_ms": 300},
+                              {"refuse_connections": true, "refuse_ms": 1000}; `?server=NAME` addresses
+                              another server of the same fleet (useful while this one refuses)
+  GET  /sim/stats             engine counters and gauges (JSON)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from . import metrics as sim_metrics
+from .api import ConnectionDropped, InvalidRequest, SimError, SimRequest, TokenChunk, Usage, render_chat
+from .backend import SimBackend
+from .tokenizer import TOKENIZER_DIR, token_ids, token_str
+
+SIM_HEADER = "x-sim-backend"
+ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
+ORCA_RESPONSE_HEADER = "endpoint-load-metrics"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+_dumps = json.dumps
+
+
+def error_body(message: str, type_: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(err: SimError) -> web.Response:
+    return web.json_response(error_body(err.message, err.type, err.status, err.param, err.code), status=err.status)
+
+
+def _bad(message: str, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(message, param)
+
+
+def _usage_json(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+class _Parsed:
+    __slots__ = ("req", "stream", "include_usage", "model", "default_max_tokens", "chat")
+
+    def __init__(self, req: SimRequest, stream: bool, include_usage: bool, model: str, default_max: int | None, chat: bool) -> None:
+        self.req = req
+        self.stream = stream
+        self.include_usage = include_usage
+        self.model = model
+        self.default_max_tokens = default_max
+        self.chat = chat
+
+
+class SimHttpApp:
+    """Routes and handlers of one simulated server. `lookup` finds sibling servers for `?server=`."""
+
+    def __init__(
+        self,
+        backend: SimBackend,
+        *,
+        flavor: str = "vllm",
+        on_refuse_change: Callable[[], Awaitable[None]] | None = None,
+        lookup: Callable[[str], "SimHttpApp | None"] | None = None,
+    ) -> None:
+        if flavor not in sim_metrics.FLAVORS:
+            raise ValueError(f"unknown metrics flavor {flavor!r}; known: {', '.join(sim_metrics.FLAVORS)}")
+        self.backend = backend
+        self.flavor = flavor
+        self.on_refuse_change = on_refuse_change
+        self.lookup = lookup
+        self._ids = itertools.count(1)
+        self._refuse_timer: asyncio.TimerHandle | None = None
+        self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
+        self.app.on_response_prepare.append(self._tag)
+        r = self.app.router
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat_completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics)
+        for path in ("/server_info", "/get_server_info"):
+            r.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            r.add_get(path, self.model_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_post("/v1/completions/render", self.render_completions)
+        r.add_post("/v1/chat/completions/render", self.render_chat_completions)
+        r.add_get("/sim/faults", self.get_faults)
+        r.add_post("/sim/faults", self.post_faults)
+        r.add_get("/sim/stats", self.stats)
+
+    # ---- plumbing ------------------------------------------------------------------------------------
+    async def _tag(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[SIM_HEADER] = self.backend.name
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        if not request.path.startswith("/sim/"):
+            if self.backend.faults.refuse_connections:
+                # The listener is closed; a request on a connection that was already open gets a reset.
+                if request.transport is not None:
+                    request.transport.abort()
+                raise asyncio.CancelledError()
+            await self.backend.wait_stall()
+        try:
+            return await handler(request)
+        except SimError as err:
+            return error_response(err)
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.backend.name}-{next(self._ids)}"
+
+    def _orca(self, request: web.Request) -> dict[str, str]:
+        fmt = request.headers.get(ORCA_REQUEST_HEADER)
+        if not fmt:
+            return {}
+        e = self.backend.engine
+        named = (
+            ("kv_cache_usage_perc", float(e.kv_usage)),
+            ("num_requests_waiting", float(e.num_waiting)),
+            ("num_requests_running", float(e.num_running)),
+        )
+        if fmt.lower() == "json":
+            return {ORCA_RESPONSE_HEADER: "JSON " + _dumps({"named_metrics": dict(named)})}
+        if fmt.lower() == "text":
+            return {ORCA_RESPONSE_HEADER: "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named)}
+        return {}
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _bad("The request body is not valid JSON.") from None
+        if not isinstance(body, dict):
+            raise _bad("The request body must be a JSON object.")
+        return body
+
+    def _parse_common(self, body: dict[str, Any], prompt: str, chat: bool, request: web.Request) -> _Parsed:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("'model' must be a string", "model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("'stream' must be a boolean", "stream")
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+        max_tokens: int | None = None
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _bad(f"'{key}' must be an integer", key)
+            if value < 1:
+                raise _bad(f"'{key}' must be at least 1, got {value}.", key)
+            max_tokens = value
+            break
+        temperature = body.get("temperature", 1.0)
+        if temperature is None:
+            temperature = 1.0
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise _bad("'temperature' must be a non-negative number", "temperature")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise _bad("'ignore_eos' must be a boolean", "ignore_eos")
+        n = body.get("n", 1)
+        if n != 1:
+            raise _bad("The simulator generates one choice per request ('n' must be 1).", "n")
+        rid = request.headers.get("x-request-id") or self._new_id("chatcmpl" if chat else "cmpl")
+        req = SimRequest(rid, prompt, max_tokens, float(temperature), model, ignore_eos)
+        return _Parsed(
+            req,
+            stream,
+            include_usage,
+            model or self.backend.engine.model_name,
+            None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS,
+            chat,
+        )
+
+    @staticmethod
+    def _completion_prompt(body: dict[str, Any]) -> str:
+        if "prompt" not in body:
+            raise _bad("'prompt' is required", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, list):
+            if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return " ".join(f"t{t}" for t in prompt)
+            else:
+                raise _bad("The simulator takes one prompt per request: a string or a list of token ids.", "prompt")
+            if isinstance(prompt, list):
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                    raise _bad("'prompt' token ids must be integers", "prompt")
+                return " ".join(f"t{t}" for t in prompt)
+        if not isinstance(prompt, str):
+            raise _bad("'prompt' must be a string or a list of token ids", "prompt")
+        return prompt
+
+    @staticmethod
+    def _chat_prompt(body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty list", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        prompt = render_chat(messages)
+        if messages[-1].get("role") != "assistant":
+            prompt += "assistant\n"  # the generation prompt a chat template adds
+        return prompt
+
+    # ---- OpenAI API ----------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        parsed = self._parse_common(body, self._completion_prompt(body), False, request)
+        return await self._serve(request, parsed)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        parsed = self._parse_common(body, self._chat_prompt(body), True, request)
+        return await self._serve(request, parsed)
+
+    async def _serve(self, request: web.Request, p: _Parsed) -> web.StreamResponse:
+        agen = self.backend.generate(p.req, default_max_tokens=p.default_max_tokens)
+        try:
+            first = await agen.__anext__()  # errors before the first token become JSON errors
+        except StopAsyncIteration:  # pragma: no cover - generate always yields at least one chunk
+            raise SimError("the engine produced no output") from None
+        except BaseException:
+            await agen.aclose()
+            raise
+        try:
+            if p.stream:
+                return await self._stream(request, p, first, agen)
+            return await self._whole(request, p, first, agen)
+        except ConnectionDropped:
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError() from None
+        finally:
+            await agen.aclose()
+
+    async def _whole(self, request: web.Request, p: _Parsed, first: TokenChunk, agen: AsyncIterator[TokenChunk]) -> web.Response:
+        parts = [first.text]
+        last = first
+        if first.finish_reason is None:
+            async for chunk in agen:
+                parts.append(chunk.text)
+                last = chunk
+        text = "".join(parts)
+        usage = last.usage
+        assert usage is not None
+        created = int(time.time())
+        if p.chat:
+            out: dict[str, Any] = {
+                "id": p.req.request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": p.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text, "tool_calls": []},
+                        "logprobs": None,
+                        "finish_reason": last.finish_reason,
+                        "stop_reason": None,
+                    }
+                ],
+                "usage": _usage_json(usage),
+            }
+        else:
+            out = {
+                "id": p.req.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": p.model,
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason, "stop_reason": None}
+                ],
+                "usage": _usage_json(usage),
+            }
+        return web.Response(
+            body=_dumps(out).encode(), content_type="application/json", headers=self._orca(request)
+        )
+
+    async def _stream(self, request: web.Request, p: _Parsed, first: TokenChunk, agen: AsyncIterator[TokenChunk]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._orca(request)})
+        await resp.prepare(request)
+        rid = p.req.request_id
+        created = int(time.time())
+        model = p.model
+        # Fixed parts of every chunk, pre-serialised: only text and finish_reason change.
+        if p.chat:
+            head = f'data: {{"id":{_dumps(rid)},"object":"chat.completion.chunk","created":{created},"model":{_dumps(model)},"choices":[{{"index":0,"delta":'
+            await resp.write(
+                (head + '{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n').encode()
+            )
+        else:
+            head = f'data: {{"id":{_dumps(rid)},"object":"text_completion","created":{created},"model":{_dumps(model)},"choices":[{{"index":0,'
+        usage: Usage | None = None
+        chunk: TokenChunk | None = first
+        while chunk is not None:
+            reason = "null" if chunk.finish_reason is None else _dumps(chunk.finish_reason)
+            if p.chat:
+                line = f'{head}{{"content":{_dumps(chunk.text)}}},"logprobs":null,"finish_reason":{reason}}}]}}\n\n'
+            else:
+                line = f'{head}"text":{_dumps(chunk.text)},"logprobs":null,"finish_reason":{reason},"stop_reason":null}}]}}\n\n'
+            await resp.write(line.encode())
+            if chunk.finish_reason is not None:
+                usage = chunk.usage
+                break
+            chunk = await anext(agen, None)
+        if p.include_usage and usage is not None:
+            obj = "chat.completion.chunk" if p.chat else "text_completion"
+            tail = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage_json(usage)}
+            await resp.write(b"data: " + _dumps(tail).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        e = self.backend.engine
+        created = int(time.time())
+        base = {
+            "id": e.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": e.model_name,
+            "parent": None,
+            "max_model_len": self.backend.profile.model.max_model_len,
+        }
+        data = [base]
+        loaded = set(e.loaded_adapters)
+        for name in e.known_adapters:
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": name,
+                    "parent": e.model_name,
+                    "loaded": name in loaded,
+                }
+            )
+        return web.json_response({"object": "list", "data": data})
+
+    # ---- health and metrics --------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.backend.faults.health_fail or self.backend.stopped:
+            return web.json_response(error_body("unhealthy (injected)", "ServiceUnavailableError", 503), status=503)
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        faults = self.backend.faults
+        if faults.metrics_delay_ms > 0:
+            await asyncio.sleep(faults.metrics_delay_ms / 1000.0)
+        if faults.metrics_absent:
+            return web.Response(status=404, text="404: Not Found")
+        text = sim_metrics.render(self.backend, self.flavor)
+        return web.Response(body=text.encode(), headers={"Content-Type": sim_metrics.CONTENT_TYPE})
+
+    # ---- what peer routers ask a worker --------------------------------------------------------------
+    async def server_info(self, request: web.Request) -> web.Response:
+        b, e, p = self.backend, self.backend.engine, self.backend.profile
+        return web.json_response(
+            {
+                "model_path": str(TOKENIZER_DIR),
+                "tokenizer_path": str(TOKENIZER_DIR),
+                "served_model_name": e.model_name,
+                "tp_size": p.tp,
+                "dp_size": 1,
+                "page_size": p.block_size,
+                "context_length": p.model.max_model_len,
+                "max_total_num_tokens": e.pool.num_blocks * p.block_size,
+                "max_running_requests": p.max_num_seqs,
+                "chunked_prefill_size": p.max_num_batched_tokens,
+                "disable_radix_cache": False,
+                "is_embedding": False,
+                "skip_tokenizer_init": False,
+                "version": "sim",
+                "internal_states": [{"last_gen_throughput": b.tokens_per_second(), "load": e.num_running + e.num_waiting}],
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": str(TOKENIZER_DIR),
+                "tokenizer_path": str(TOKENIZER_DIR),
+                "served_model_name": self.backend.engine.model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+            }
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        e = self.backend.engine
+        return web.json_response(
+            [{"dp_rank": 0, "num_reqs": e.num_running + e.num_waiting, "num_waiting_reqs": e.num_waiting, "num_tokens": e.num_tokens_in_use}]
+        )
+
+    def _render_text(self, body: dict[str, Any]) -> tuple[str, bool]:
+        if "messages" in body:
+            return self._chat_prompt(body), True
+        return self._completion_prompt(body), False
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        text, _ = self._render_text(body)
+        ids = token_ids(text)
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.backend.profile.model.max_model_len,
+            "tokens": ids,
+            "token_strs": text.split() if body.get("return_token_strs") else None,
+        }
+        return web.json_response(out)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise _bad("'tokens' must be a list of integers", "tokens")
+        return web.json_response({"prompt": " ".join(token_str(t) for t in tokens)})
+
+    def _rendered(self, body: dict[str, Any], prefix: str, text: str) -> dict[str, Any]:
+        sampling: dict[str, Any] = {}
+        for key in ("max_tokens", "max_completion_tokens", "temperature", "ignore_eos"):
+            if key in body:
+                sampling["max_tokens" if key == "max_completion_tokens" else key] = body[key]
+        return {
+            "request_id": self._new_id(prefix),
+            "token_ids": token_ids(text),
+            "sampling_params": sampling,
+            "model": body.get("model") or self.backend.engine.model_name,
+        }
+
+    async def render_completions(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        return web.json_response([self._rendered(body, "cmpl", self._completion_prompt(body))])
+
+    async def render_chat_completions(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        return web.json_response(self._rendered(body, "chatcmpl", self._chat_prompt(body)))
+
+    # ---- fault control -------------------------------------------------------------------------------
+    async def get_faults(self, request: web.Request) -> web.Response:
+        target = self._target(request)
+        return web.json_response(target.backend.faults.to_json())
+
+    async def post_faults(self, request: web.Request) -> web.Response:
+        target = self._target(request)
+        body = await self._json_body(request)
+        try:
+            await target.apply_faults(body)
+        except ValueError as exc:
+            raise _bad(str(exc)) from None
+        return web.json_response(target.backend.faults.to_json())
+
+    def _target(self, request: web.Request) -> SimHttpApp:
+        name = request.query.get("server")
+        if not name or name == self.backend.name:
+            return self
+        other = self.lookup(name) if self.lookup is not None else None
+        if other is None:
+            raise _bad(f"no simulated server named {name!r} in this fleet", "server")
+        return other
+
+    async def apply_faults(self, changes: dict[str, Any]) -> None:
+        """Apply a fault update (same keys as POST /sim/faults) and act on the ones that need acting."""
+        b = self.backend
+        before_refuse = b.faults.refuse_connections
+        before_bg = (b.faults.background_requests, b.faults.background_prompt_tokens, b.faults.background_max_tokens)
+        b.faults.update(changes)
+        if b.faults.stall_ms:
+            b.stall(b.faults.stall_ms)
+        if (b.faults.background_requests, b.faults.background_prompt_tokens, b.faults.background_max_tokens) != before_bg:
+            b.sync_background()
+        refuse_ms = b.faults.refuse_ms
+        b.faults.refuse_ms = 0.0
+        if self._refuse_timer is not None and ("refuse_connections" in changes or refuse_ms):
+            self._refuse_timer.cancel()
+            self._refuse_timer = None
+        if refuse_ms and b.faults.refuse_connections:
+            loop = asyncio.get_running_loop()
+            self._refuse_timer = loop.call_later(refuse_ms / 1000.0, self._end_refuse)
+        if b.faults.refuse_connections != before_refuse and self.on_refuse_change is not None:
+            # After this response is on its way: closing the listener first would cut our own reply.
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.on_refuse_change()))  # type: ignore[misc]
+
+    def _end_refuse(self) -> None:
+        self._refuse_timer = None
+        asyncio.ensure_future(self.apply_faults({"refuse_connections": False}))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        b, e = self.backend, self.backend.engine
+        st = e.stats
+        return web.json_response(
+            {
+                "name": b.name,
+                "profile": b.profile.name,
+                "speed": b.speed,
+                "now": b.now(),
+                "running": e.num_running,
+                "waiting": e.num_waiting,
+                "kv_usage": e.kv_usage,
+                "num_gpu_blocks": e.pool.num_blocks,
+                "num_cached_blocks": e.pool.num_cached,
+                "evictions": e.pool.evictions,
+                "prefix_queries_tokens": st.prefix_queries_tokens,
+                "prefix_hits_tokens": st.prefix_hits_tokens,
+                "prompt_tokens": st.prompt_tokens,
+                "generation_tokens": st.generation_tokens,
+                "preemptions": st.num_preemptions,
+                "lora_loads": st.lora_loads,
+                "loaded_adapters": list(e.loaded_adapters),
+                "requests_added": st.requests_added,
+                "requests_aborted": st.requests_aborted,
+                "requests_failed": b.requests_failed,
+                "requests_dropped": b.requests_dropped,
+                "busy_seconds": b.busy_seconds(),
+                "ttft_count": st.ttft.count,
+                "ttft_sum": st.ttft.sum,
+            }
+        )
