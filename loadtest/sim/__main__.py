@@ -1,0 +1,120 @@
+"""`python -m loadtest.sim`: run a fleet of simulated GPU servers until Ctrl-C / SIGTERM.
+
+    python -m loadtest.sim --host 127.0.0.1 --port 8001 --servers 4 --grpc-port 9001 \\
+        --profile llama3-8b-h100 --flavor vllm
+
+serves HTTP on 8001..8004 and gRPC on 9001..9004 and prints one line per server
+(`name http://host:port grpc=host:port`). Port 0 picks free ports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+import uvloop
+
+from .faults import Faults
+from .fleet import grpc_available, start_fleet
+from .metrics import FLAVORS
+from .profiles import PROFILES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.sim", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001, help="first HTTP port (0 = free ports)")
+    p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--grpc-port", type=int, default=None, help="first gRPC port (0 = free ports); off if absent")
+    p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+    p.add_argument("--flavor", default="vllm", help=f"metrics flavor, or a comma list per server: {', '.join(FLAVORS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second")
+    p.add_argument("--model-name", default=None, help="served model name (default: the profile's model)")
+    p.add_argument("--lora", action="append", default=[], help="a LoRA adapter name the servers know (repeat)")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV cache size in blocks")
+    g = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
+    g.add_argument("--stall-ms", type=float, default=0.0, help="stall everything this long right after start")
+    g.add_argument("--drop-after-chunks", type=int, default=None)
+    g.add_argument("--fail-rate", type=float, default=0.0)
+    g.add_argument("--fail-status", type=int, default=500)
+    g.add_argument("--metrics-delay-ms", type=float, default=0.0)
+    g.add_argument("--metrics-absent", action="store_true")
+    g.add_argument("--health-fail", action="store_true")
+    g.add_argument("--refuse-connections", action="store_true")
+    g.add_argument("--background-requests", type=int, default=0)
+    return p
+
+
+async def _run(args: argparse.Namespace) -> int:
+    flavors = args.flavor.split(",")
+    for f in flavors:
+        if f not in FLAVORS:
+            print(f"error: unknown --flavor {f!r}; known: {', '.join(FLAVORS)}", file=sys.stderr)
+            return 2
+    if len(flavors) not in (1, args.servers):
+        print(f"error: --flavor lists {len(flavors)} flavors for {args.servers} servers", file=sys.stderr)
+        return 2
+    if args.grpc_port is not None and not grpc_available():
+        print("error: --grpc-port needs loadtest/sim/grpc.py (the simulator's gRPC front end), which is missing",
+              file=sys.stderr)
+        return 2
+    faults = Faults()
+    try:
+        faults.update(
+            {
+                "stall_ms": args.stall_ms,
+                "drop_after_chunks": args.drop_after_chunks,
+                "fail_rate": args.fail_rate,
+                "fail_status": args.fail_status,
+                "metrics_delay_ms": args.metrics_delay_ms,
+                "metrics_absent": args.metrics_absent,
+                "health_fail": args.health_fail,
+                "refuse_connections": args.refuse_connections,
+                "background_requests": args.background_requests,
+            }
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    overrides = {"num_gpu_blocks_override": args.num_gpu_blocks} if args.num_gpu_blocks else None
+    try:
+        fleet = await start_fleet(
+            args.servers,
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            profile=args.profile,
+            flavor=flavors[0] if len(flavors) == 1 else flavors,
+            seed=args.seed,
+            faults=faults,
+            speed=args.speed,
+            adapters=args.lora,
+            model_name=args.model_name,
+            profile_overrides=overrides,
+        )
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for s in fleet.servers:
+        grpc = f" grpc={s.grpc_address}" if s.grpc_address else ""
+        print(f"{s.name} {s.url}{grpc} profile={args.profile} flavor={s.flavor}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await fleet.stop()
+    print("stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return uvloop.run(_run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
