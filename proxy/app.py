@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Literal, Protocol
 
@@ -35,11 +36,14 @@ from aiohttp import web
 
 from proxy.admin import build_admin_app
 from proxy.config import Config
+from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
+from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
 from proxy.core.policies import build_policy
 from proxy.core.snapshot import Snapshot
 from proxy.dispatch import Router
+from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
 from proxy.http.upstream import create_session
 from proxy.inflight import InflightTable
@@ -109,6 +113,19 @@ class AffinityProxy:
         """Where optional subsystems are wired from the config (telemetry poller, health checks, reload,
         discovery, the gRPC listener): one guarded line each, e.g.
         ``if self.config.grpc_listen is not None: self.add_service(GrpcListener(self), data_plane=True)``."""
+        # Telemetry: the poller is a control-plane service (the supervisor's, with --workers); data-only
+        # workers get their snapshots from the supervisor, so they neither poll nor fold in ORCA reports.
+        self.telemetry: Poller | None = None
+        self.telemetry_metrics = TelemetryMetrics(self.metrics.registry)
+        self.metrics.register_collector(self.telemetry_metrics.snapshot_collector(self.store, time.monotonic))
+        if self.config.telemetry.enabled and self.role != "data":
+            self.telemetry = Poller(self.store, self.config.telemetry, metrics=self.telemetry_metrics)
+            self.add_service(self.telemetry)
+        # gRPC/h2c listener (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
+        self.grpc: GrpcListener | None = None
+        if self.config.grpc_listen is not None and self.role != "control":
+            self.grpc = GrpcListener(self)
+            self.add_service(self.grpc, data_plane=True)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -118,6 +135,8 @@ class AffinityProxy:
         self.session = create_session(cfg, self.metrics.upstream)
         if self.role != "control":
             self.http = HttpDataPlane(cfg, self.router, self.session, self.metrics, cfg.routing.session_header)
+            if self.telemetry is not None and cfg.telemetry.orca:
+                self.http.load_report = self.telemetry.observe_orca
             self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
             await self._http_runner.setup()
             await web.TCPSite(

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 HEADER = "endpoint-load-metrics"
+FORMAT_HEADER = "endpoint-load-metrics-format"  # request header asking the backend for a report (TEXT | JSON)
 
 # ORCA / engine names -> Signals field.
 _NAMED: dict[str, str] = {

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 from aiohttp import web
@@ -26,6 +26,8 @@ from aiohttp.web_protocol import RequestHandler
 from yarl import URL
 
 from proxy.config import Config
+from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
+from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
 from proxy.core.snapshot import BackendState
@@ -86,6 +88,10 @@ class HttpDataPlane:
         self.max_headers = config.limits.max_header_bytes
         self.debug_headers = config.debug_headers
         self.session_header = session_header
+        # Telemetry's ORCA hook (Poller.observe_orca): set by proxy.app when telemetry.orca is on. Upstream
+        # requests then ask for `endpoint-load-metrics`, and each response's report refreshes the backend's
+        # signals between scrapes.
+        self.load_report: Callable[[str, str], None] | None = None
 
     def make_server(self) -> web.Server:
         # aiohttp's own per-line limits sit above ours so that our total check answers a clean 431 first;
@@ -181,12 +187,19 @@ class HttpDataPlane:
     ) -> web.StreamResponse:
         backend = lease.backend
         up_headers = upstream_request_headers(request.headers, request.remote, request.scheme, request_id)
+        load_report = self.load_report
+        if load_report is not None and ORCA_FORMAT_HEADER not in up_headers:
+            up_headers[ORCA_FORMAT_HEADER] = "TEXT"
         self.counters.requests += 1
         try:
             async with self.session.request(
                 method, URL(backend.spec.url + request.raw_path, encoded=True), data=body if body else None,
                 headers=up_headers, allow_redirects=False,
             ) as up:
+                if load_report is not None:
+                    report = up.headers.get(ORCA_HEADER)
+                    if report is not None:
+                        load_report(backend.name, report)
                 headers = downstream_response_headers(up.headers)
                 headers["x-request-id"] = request_id
                 if self.debug_headers:

@@ -41,6 +41,7 @@ class FakeBackend:
 
     async def start(self) -> None:
         app = web.Application()
+        app.router.add_get("/metrics", self.metrics)  # the telemetry poller's scrapes: not counted in `seen`
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -50,6 +51,9 @@ class FakeBackend:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=404, text="no metrics here")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
