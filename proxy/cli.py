@@ -86,15 +86,15 @@ def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, st
         f"  curl -si {proxy_url}/v1/chat/completions -H 'Content-Type: application/json' \\",
         f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 16}}'",
         "",
-        "  python3 - <<'PY'",
-        "  from openai import OpenAI",
-        f"  client = OpenAI(base_url=\"{proxy_url}/v1\", api_key=\"unused\")",
-        f"  stream = client.chat.completions.create(model=\"{model}\", stream=True, max_tokens=32,",
-        "      messages=[{\"role\": \"user\", \"content\": \"Tell me about KV caches.\"}])",
-        "  for chunk in stream:",
-        "      print(chunk.choices[0].delta.content or \"\", end=\"\", flush=True)",
-        "  print()",
-        "  PY",
+        f"{sys.executable} - <<'PY'",
+        "from openai import OpenAI",
+        f"client = OpenAI(base_url=\"{proxy_url}/v1\", api_key=\"unused\")",
+        f"stream = client.chat.completions.create(model=\"{model}\", stream=True, max_tokens=32,",
+        "    messages=[{\"role\": \"user\", \"content\": \"Tell me about KV caches.\"}])",
+        "for chunk in stream:",
+        "    print(chunk.choices[0].delta.content or \"\", end=\"\", flush=True)",
+        "print()",
+        "PY",
         "",
         "Ctrl-C stops the proxy and the backends.",
     ]
@@ -113,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             config = demo_config(backends, args.policy, args.port, args.admin_port)
             proxy = AffinityProxy(config)
             async def announce() -> None:
-                model = getattr(fleet, "model", None) or "sim-model"
+                model = fleet.servers[0].backend.engine.model_name
                 print(demo_banner(proxy.http_url, proxy.admin_url, backends, args.policy, model), flush=True)
 
             proxy.add_task("demo-banner", announce)

@@ -10,6 +10,10 @@ from tests.http.fakes import FakeBackend
 
 ProxyFactory = Callable[..., Awaitable[AffinityProxy]]
 
+# Free ports, and no background traffic: the fakes record every request they get, and these tests assert
+# exactly what the data plane sent (telemetry scrapes and health checks have their own tests).
+QUIET = "listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
+
 
 @pytest.fixture
 async def backends() -> AsyncIterator[list[FakeBackend]]:
@@ -29,8 +33,7 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
     async def make(fakes: list[FakeBackend], extra: str = "", policy: str = "round_robin",
                    backend_extra: str = "") -> AffinityProxy:
         lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'{backend_extra}}}" for f in fakes)
-        text = (f"listen: {{port: 0}}\nadmin: {{port: 0}}\nrouting: {{policy: {policy}}}\n"
-                f"backends:\n{lines}\n{extra}")
+        text = f"{QUIET}routing: {{policy: {policy}}}\nbackends:\n{lines}\n{extra}"
         proxy = AffinityProxy(parse_config(text))
         await proxy.start()
         started.append(proxy)
