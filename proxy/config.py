@@ -33,6 +33,7 @@ from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
+from proxy.grpc.settings import GrpcOptions
 
 __all__ = [
     "AdminConfig",
@@ -143,6 +144,7 @@ class Config:
 
     listen: ListenConfig = ListenConfig()
     grpc_listen: ListenConfig | None = None
+    grpc: GrpcOptions = GrpcOptions()  # gRPC listener behaviour: extractors per method, windows (proxy/grpc)
     admin: AdminConfig = AdminConfig()
     debug_headers: bool = False
     backends: tuple[BackendConfig, ...] = ()

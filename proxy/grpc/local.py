@@ -1,0 +1,126 @@
+"""The gRPC services the proxy answers itself: grpc.health.v1.Health and the admin service.
+
+They run in a grpclib server on a private loopback port, and the listener relays calls for them there
+like calls to any backend (same frame path, no second HTTP/2 implementation): grpclib handles the
+protocol details (Health.Watch streaming, status codes) and these services stay plain async methods.
+
+Health is SERVING while at least one backend is routable (UNKNOWN counts: a fresh proxy must serve before
+its first health check), updated on every snapshot publish. The admin service mirrors the HTTP admin API
+and changes the fleet only through `SnapshotStore.update`, so a weight change or a drain reaches the very
+next call, on every connection.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.health.check import ServiceStatus
+from grpclib.health.service import OVERALL, Health
+from grpclib.server import Server, Stream
+
+from proxy.control.store import SnapshotStore
+from proxy.core.decision import Inflight
+from proxy.core.snapshot import BackendState, Snapshot
+from proxy.core.snapshot import Health as BackendHealth
+from proxy.protos import admin_pb2 as pb
+from proxy.protos.admin_grpc import ProxyAdminBase
+
+LOCAL_PREFIXES = ("/grpc.health.v1.Health/", "/affinity.admin.v1.ProxyAdmin/")
+
+
+def backend_status(b: BackendState, inflight: Mapping[str, Inflight]) -> pb.BackendStatus:
+    entry = inflight.get(b.name)
+    return pb.BackendStatus(
+        name=b.name,
+        url=b.spec.url,
+        grpc_address=b.spec.grpc_address or "",
+        health=b.health.value,
+        weight=b.effective_weight,
+        configured_weight=b.spec.weight,
+        routable=b.routable,
+        stale=b.stale,
+        load_score=b.load_score or 0.0,
+        has_load_score=b.load_score is not None,
+        inflight_requests=entry.requests if entry else 0,
+        inflight_tokens=max(entry.tokens, 0) if entry else 0,
+    )
+
+
+class AdminService(ProxyAdminBase):
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight]) -> None:
+        self._store = store
+        self._inflight = inflight
+
+    def _get(self, snapshot: Snapshot, name: str) -> BackendState:
+        b = snapshot.get(name)
+        if b is None:
+            raise GRPCError(Status.NOT_FOUND, f"no backend named '{name}'")
+        return b
+
+    async def ListBackends(self, stream: Stream[pb.ListBackendsRequest, pb.ListBackendsResponse]) -> None:
+        await stream.recv_message()
+        snap = self._store.current
+        await stream.send_message(pb.ListBackendsResponse(
+            snapshot_version=snap.version, backends=[backend_status(b, self._inflight) for b in snap.backends]))
+
+    async def GetBackend(self, stream: Stream[pb.GetBackendRequest, pb.BackendStatus]) -> None:
+        req = await stream.recv_message()
+        assert req is not None
+        await stream.send_message(backend_status(self._get(self._store.current, req.name), self._inflight))
+
+    async def SetWeight(self, stream: Stream[pb.SetWeightRequest, pb.BackendStatus]) -> None:
+        req = await stream.recv_message()
+        assert req is not None
+        if not req.weight >= 0 or req.weight == float("inf"):
+            raise GRPCError(Status.INVALID_ARGUMENT, "weight must be a finite number >= 0")
+        self._get(self._store.current, req.name)
+        snap = self._store.update(lambda s: s.replace_backend(req.name, weight=req.weight))
+        await stream.send_message(backend_status(self._get(snap, req.name), self._inflight))
+
+    async def Drain(self, stream: Stream[pb.DrainRequest, pb.BackendStatus]) -> None:
+        req = await stream.recv_message()
+        assert req is not None
+        current = self._get(self._store.current, req.name)
+        if req.drain:
+            health = BackendHealth.DRAINING
+        elif current.health is BackendHealth.DRAINING:
+            # Back to "not yet checked": the health checker decides from here on.
+            health = BackendHealth.UNKNOWN
+        else:
+            health = current.health
+        snap = self._store.update(lambda s: s.replace_backend(req.name, health=health))
+        await stream.send_message(backend_status(self._get(snap, req.name), self._inflight))
+
+
+class LocalServices:
+    """The private grpclib server behind the listener's local routes."""
+
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight]) -> None:
+        self.status = ServiceStatus()
+        self._store = store
+        admin = AdminService(store, inflight)
+        self._server = Server([admin, Health({admin: [self.status], OVERALL: [self.status]})])
+        self.port = 0
+        self._update(store.current)
+        store.subscribe(self._update)
+
+    def _update(self, snapshot: Snapshot) -> None:
+        self.status.set(bool(snapshot.routable()))
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        await self._server.start("127.0.0.1", 0)
+        assert self._server._server is not None  # noqa: SLF001 - grpclib exposes no bound-address accessor
+        self.port = self._server._server.sockets[0].getsockname()[1]  # noqa: SLF001
+
+    async def stop(self) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+
+__all__ = ["AdminService", "LOCAL_PREFIXES", "LocalServices", "backend_status"]

@@ -1,0 +1,684 @@
+"""The frame-level gRPC relay: one client HTTP/2 stream <-> one backend HTTP/2 stream, bytes unchanged.
+
+Life of a call (`Call`):
+
+1. HOLD: the client's HEADERS are kept until its first gRPC message is complete (or the method has no
+   extractor, or END_STREAM, or `first_message_timeout_s`). Held bytes are acknowledged to the client as
+   they arrive, bounded by `max_routing_message_bytes`.
+2. ROUTE: the extractor for the method reads routing inputs off a copy of the message (decompressed for
+   routing when ``grpc-encoding`` says so) into a `RequestSummary`; the shared router step picks a
+   backend; the in-flight table is charged.
+3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent), then
+   every DATA frame in order, each direction under the receiver's flow-control window. Data received
+   from one side is acknowledged (WINDOW_UPDATE) only once it has been handed to the other side, so a
+   slow reader holds back its writer through HTTP/2 flow control and the proxy buffers at most one
+   window per stream.
+4. END: trailers (or END_STREAM) from the backend end the client stream; a reset on either side resets
+   the other; a backend reset or crash gives the client ``UNAVAILABLE`` with a message. If the backend
+   connection fails before any response byte, the call is sent once more to another backend (its
+   request bytes are kept for that, up to `replay_buffer_bytes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Iterable
+from urllib.parse import quote
+
+import h2.errors
+import h2.events
+import h2.exceptions
+import hyperframe.frame
+
+from proxy.core.decision import NoBackendAvailable
+from proxy.core.request import RequestSummary
+from proxy.grpc import wire
+from proxy.grpc.extractors import Extractor
+from proxy.grpc.h2side import H2Side
+from proxy.grpc.upstream import BackendPool, Upstream
+
+if TYPE_CHECKING:
+    from proxy.grpc.listener import RelayContext
+
+log = logging.getLogger(__name__)
+
+# gRPC status codes used by the proxy itself.
+CANCELLED = 1
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+RESOURCE_EXHAUSTED = 8
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+
+_HOLD, _WAIT_CONN, _RELAY, _DONE = 0, 1, 2, 3
+_CANCEL = h2.errors.ErrorCodes.CANCEL
+_REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
+
+
+def grpc_message(text: str) -> bytes:
+    """grpc-message is percent-encoded UTF-8 (the spec allows printable ASCII except '%' unencoded)."""
+    return quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
+
+
+class Call:
+    """One relayed gRPC call (one stream on each side). See the module docstring for its life."""
+
+    __slots__ = (
+        "ctx", "down", "sid", "headers", "path", "ext", "started", "timeout", "encoding", "state",
+        "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
+        "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
+        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status",
+    )
+
+    def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
+                 path: str, ext: Extractor | None) -> None:
+        self.ctx = ctx
+        self.down = down
+        self.sid = sid
+        self.headers = headers
+        self.path = path
+        self.ext = ext  # None: a local service (health, admin), not routed
+        self.started = time.monotonic()
+        self.timeout: float | None = None
+        self.encoding = b"identity"
+        self.route_key: str | None = None
+        for name, value in headers:
+            if name == b"grpc-timeout":
+                self.timeout = wire.parse_timeout(value)
+            elif name == b"grpc-encoding":
+                self.encoding = value
+        self.state = _HOLD
+        self.held = bytearray()
+        self.client_ended = False
+        self.client_trailers: list[tuple[bytes, bytes]] | None = None
+        self.up: Upstream | None = None
+        self.uid = 0
+        self.pool: BackendPool | None = None
+        self.backend: str | None = None
+        self.tokens = 0
+        # [bytes, unacknowledged flow-controlled length] per queued DATA chunk.
+        self.to_up: collections.deque[list] = collections.deque()
+        self.up_sent_end = False
+        self.to_down: collections.deque[list] = collections.deque()
+        self.down_trailers: list[tuple[bytes, bytes]] | None = None
+        self.down_end = False
+        self.response_started = False
+        self.headers_sent = False
+        self.replay: list[bytes] | None = [] if ctx.options.retry_on_connect_failure else None
+        self.replay_bytes = 0
+        self.retried = False
+        self.excluded: frozenset[str] = frozenset()
+        self.timer: asyncio.TimerHandle | None = None
+        self.summary: RequestSummary | None = None
+        self.grpc_status = UNKNOWN
+
+    # ------------------------------------------------------------------------------ client -> proxy
+
+    def client_data(self, data: bytes, flow_len: int) -> None:
+        if self.state == _HOLD:
+            self.held += data
+            self.down.ack(flow_len, self.sid)
+            self._maybe_route()
+        elif self.state == _DONE:
+            self.down.ack(flow_len, self.sid)
+        else:
+            self.to_up.append([data, flow_len])
+            if self.state == _RELAY:
+                self.flush_up()
+
+    def client_end(self) -> None:
+        self.client_ended = True
+        if self.state == _HOLD:
+            self._route()
+        elif self.state == _RELAY:
+            self.flush_up()
+
+    def client_trailers_received(self, trailers: list[tuple[bytes, bytes]]) -> None:
+        self.client_trailers = trailers
+        self.client_end()
+
+    def client_reset(self) -> None:
+        """The client cancelled (RST_STREAM) or went away: cancel the backend stream too."""
+        if self.state == _DONE:
+            return
+        if self.up is not None:
+            self.up.reset(self.uid, _CANCEL)
+        elif self.pool is not None:
+            self.pool.cancel_wait(self)
+        self.grpc_status = CANCELLED
+        self._finish(remove_down=True)
+
+    def first_message_timeout(self) -> None:
+        self.timer = None
+        if self.state == _HOLD:
+            self._route()
+
+    def _maybe_route(self) -> None:
+        held = self.held
+        if len(held) < wire.GRPC_PREFIX:
+            return
+        length = wire.message_length(held)
+        assert length is not None
+        if len(held) >= wire.GRPC_PREFIX + length or length > self.ctx.options.max_routing_message_bytes:
+            self._route()
+
+    # ------------------------------------------------------------------------------------- routing
+
+    def start(self, end_stream: bool) -> None:
+        """Called once the request HEADERS are in."""
+        if end_stream:
+            self.client_ended = True
+        if self.ext is None or not self.ext.needs_message or end_stream:
+            self._route()
+        else:
+            # The first message usually arrives in the same read as the headers; the timer is only
+            # armed (by the connection, after this read) for calls still holding.
+            self.down.holding.append(self)
+
+    def arm_timer(self) -> None:
+        if self.state == _HOLD and self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(
+                self.ctx.options.first_message_timeout_s, self.first_message_timeout)
+
+    def _route(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        ctx = self.ctx
+        if self.held:
+            self.to_up.appendleft([bytes(self.held), 0])  # acknowledged while held
+            self.held = bytearray()
+        if self.ext is None:
+            self._use_pool(ctx.local_pool)
+            return
+        if self.timeout is not None and time.monotonic() - self.started >= self.timeout:
+            self.fail(DEADLINE_EXCEEDED, "deadline exceeded before the call was routed")
+            return
+        payload = None
+        if self.ext.needs_message and self.to_up:
+            held_view = self.to_up[0][0]
+            msg = wire.first_message(held_view)
+            if msg is not None:
+                compressed, payload = msg
+                if compressed:
+                    payload = wire.decompress(payload, self.encoding.decode("ascii", "replace"),
+                                              ctx.options.max_routing_message_bytes)
+        key_header = ctx.registry.route_key_header(self.ext)
+        if key_header is not None and self.route_key is None:
+            for name, value in self.headers:
+                if name == key_header:
+                    self.route_key = value.decode("utf-8", "replace")
+                    break
+        summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key)
+        self._pick(summary)
+
+    def _pick(self, summary: RequestSummary) -> None:
+        ctx = self.ctx
+        self.summary = summary
+        try:
+            name, address = ctx.pick(summary, self.excluded)
+        except NoBackendAvailable as err:
+            self.fail(UNAVAILABLE, f"no backend available: {err}" if str(err) else "no backend available")
+            return
+        self.backend = name
+        self.tokens = ctx.tokens_of(summary)
+        ctx.inflight.acquire(name, self.tokens)
+        self._use_pool(ctx.pools.get(name, address))
+
+    def _use_pool(self, pool: BackendPool) -> None:
+        self.pool = pool
+        up = pool.take()
+        if up is None:
+            self.state = _WAIT_CONN
+            pool.wait(self)
+        else:
+            self.attach(up)
+
+    def attach(self, up: Upstream) -> None:
+        """Open the backend stream on `up` and start relaying."""
+        if self.state == _DONE:
+            return
+        headers = self.headers
+        if self.timeout is not None:
+            left = self.timeout - (time.monotonic() - self.started)
+            if left <= 0:
+                self.fail(DEADLINE_EXCEEDED, "deadline exceeded before the call reached a backend")
+                return
+            value = wire.format_timeout(left)
+            headers = [(n, value if n == b"grpc-timeout" else v) for n, v in headers]
+        try:
+            self.uid = up.open_stream(self, headers)
+        except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError) as err:
+            self.up_lost(f"cannot open a stream to backend {self.backend}: {err}", refused=True)
+            return
+        self.up = up
+        self.state = _RELAY
+        self.flush_up()
+
+    def connect_failed(self, reason: str) -> None:
+        """The pool could not open a connection for this waiting call."""
+        if self.state == _DONE:
+            return
+        self.pool = None
+        self._retry_or_fail(reason)
+
+    # ------------------------------------------------------------------------------ proxy -> backend
+
+    def flush_up(self) -> None:
+        up = self.up
+        if up is None or up.paused or self.state != _RELAY:
+            return
+        conn = up.conn
+        uid = self.uid
+        to_up = self.to_up
+        down = self.down
+        try:
+            while to_up:
+                item = to_up[0]
+                data = item[0]
+                window = conn.local_flow_control_window(uid)
+                if window <= 0:
+                    break
+                n = min(len(data), window, conn.max_outbound_frame_size)
+                if n < len(data):
+                    chunk = data[:n]
+                    item[0] = data[n:]
+                    ack = min(n, item[1])
+                    item[1] -= ack
+                    end = False
+                else:
+                    chunk = data
+                    to_up.popleft()
+                    ack = item[1]
+                    end = not to_up and self.client_ended and self.client_trailers is None
+                conn.send_data(uid, chunk, end_stream=end)
+                if self.replay is not None and not self.response_started:
+                    self.replay_bytes += len(chunk)
+                    if self.replay_bytes > self.ctx.options.replay_buffer_bytes:
+                        self.replay = None
+                    else:
+                        self.replay.append(chunk)
+                if ack:
+                    down.ack(ack, self.sid)
+                if end:
+                    self.up_sent_end = True
+            if not to_up and self.client_ended and not self.up_sent_end:
+                if self.client_trailers is not None:
+                    conn.send_headers(uid, self.client_trailers, end_stream=True)
+                else:
+                    conn.end_stream(uid)
+                self.up_sent_end = True
+        except h2.exceptions.StreamClosedError:
+            # The backend already closed its side; what is left for it is moot.
+            self.up_sent_end = True
+            for item in to_up:
+                if item[1]:
+                    down.ack(item[1], self.sid)
+            to_up.clear()
+        up.mark()
+
+    # ------------------------------------------------------------------------------ backend -> proxy
+
+    def up_headers(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        self.response_started = True
+        self.replay = None
+        if ended:
+            self.grpc_status = status_of(headers)
+        down = self.down
+        try:
+            down.conn.send_headers(self.sid, headers, end_stream=ended)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._backend_side_done()
+            return
+        self.headers_sent = True
+        down.mark()
+        if ended:
+            self._finish(remove_down=True)
+
+    def up_data(self, data: bytes, flow_len: int) -> None:
+        self.response_started = True
+        self.replay = None
+        if self.state == _DONE:
+            if self.up is not None:
+                self.up.conn.acknowledge_received_data(flow_len, self.uid)
+            return
+        self.to_down.append([data, flow_len])
+        self.flush_down()
+
+    def up_trailers(self, trailers: list[tuple[bytes, bytes]]) -> None:
+        self.grpc_status = status_of(trailers)
+        self.down_trailers = trailers
+        self.down_end = True
+        self.flush_down()
+
+    def up_ended(self) -> None:
+        # END_STREAM with trailers was handled by up_trailers; a bare END_STREAM after DATA means the
+        # backend ended without trailers (not valid gRPC, but pass it on as it is).
+        if not self.down_end:
+            self.down_end = True
+            self.flush_down()
+
+    def up_reset(self, code: int) -> None:
+        if self.state == _DONE:
+            return
+        if code == _REFUSED and not self.response_started:
+            self.up_lost(f"backend {self.backend} refused the stream", refused=True)
+            return
+        self._detach_up()
+        self.fail(UNAVAILABLE, f"backend {self.backend} reset the stream (HTTP/2 error {int(code)})")
+
+    def up_lost(self, reason: str, refused: bool) -> None:
+        """The backend connection died (or refused the stream) under this call."""
+        if self.state == _DONE:
+            return
+        self._detach_up()
+        if not self.response_started:
+            self._retry_or_fail(reason)
+        else:
+            self.fail(UNAVAILABLE, reason)
+
+    def _detach_up(self) -> None:
+        if self.up is not None:
+            self.up.release(self.uid)
+            self.up = None
+
+    def _retry_or_fail(self, reason: str) -> None:
+        ctx = self.ctx
+        if (self.ext is None or self.retried or self.replay is None
+                or not ctx.options.retry_on_connect_failure or self.backend is None):
+            self.fail(UNAVAILABLE, reason)
+            return
+        self.retried = True
+        summary = self.summary
+        assert summary is not None
+        ctx.inflight.release(self.backend, self.tokens)
+        self.excluded = self.excluded | {self.backend}
+        self.backend = None
+        # Sent bytes go again, ahead of what was still queued; they were acknowledged already.
+        for chunk in reversed(self.replay):
+            self.to_up.appendleft([chunk, 0])
+        self.replay = []
+        self.replay_bytes = 0
+        self.up_sent_end = False
+        self.state = _WAIT_CONN
+        ctx.retries += 1
+        log.info("retrying call %s on another backend: %s", self.path, reason)
+        self._pick(summary)
+
+    def flush_down(self) -> None:
+        down = self.down
+        if down.paused or self.state == _DONE:
+            return
+        conn = down.conn
+        sid = self.sid
+        to_down = self.to_down
+        up = self.up
+        ended = False
+        try:
+            while to_down:
+                item = to_down[0]
+                data = item[0]
+                window = conn.local_flow_control_window(sid)
+                if window <= 0:
+                    break
+                n = min(len(data), window, conn.max_outbound_frame_size)
+                if n < len(data):
+                    chunk = data[:n]
+                    item[0] = data[n:]
+                    ack = min(n, item[1])
+                    item[1] -= ack
+                    end = False
+                else:
+                    chunk = data
+                    to_down.popleft()
+                    ack = item[1]
+                    end = not to_down and self.down_end and self.down_trailers is None
+                conn.send_data(sid, chunk, end_stream=end)
+                ended = end
+                if ack and up is not None:
+                    up.conn.acknowledge_received_data(ack, self.uid)
+                    up.mark()
+            if not to_down and self.down_end:
+                if self.down_trailers is not None:
+                    conn.send_headers(sid, self.down_trailers, end_stream=True)
+                elif not ended:
+                    conn.end_stream(sid)
+                down.mark()
+                self._finish(remove_down=True)
+                return
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            self._backend_side_done()
+            return
+        down.mark()
+
+    def _backend_side_done(self) -> None:
+        """The client stream is gone while the backend still talks: stop the backend stream."""
+        if self.up is not None:
+            self.up.reset(self.uid, _CANCEL)
+            self.up = None
+        self._finish(remove_down=True)
+
+    # ---------------------------------------------------------------------------------------- ending
+
+    def fail(self, code: int, message: str) -> None:
+        """End the client stream with a gRPC status (trailers-only when nothing was sent yet)."""
+        if self.state == _DONE:
+            return
+        if self.pool is not None and self.up is None:
+            self.pool.cancel_wait(self)
+        if self.up is not None:
+            self.up.reset(self.uid, _CANCEL)
+            self.up = None
+        self.grpc_status = code
+        status = [(b"grpc-status", str(code).encode()), (b"grpc-message", grpc_message(message))]
+        down = self.down
+        try:
+            if not self.headers_sent:
+                down.conn.send_headers(self.sid, [(b":status", b"200"), (b"content-type", b"application/grpc"),
+                                                  *status], end_stream=True)
+                self.headers_sent = True
+                self.to_down.clear()
+            else:
+                # Deliver what the backend already sent, then the status.
+                self.down_trailers = status
+                self.down_end = True
+                self.flush_down()
+                if self.state != _DONE and self.to_down:
+                    return  # flush_down finishes the call once the client has taken the data
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+        down.mark()
+        self._finish(remove_down=True)
+
+    def _finish(self, remove_down: bool) -> None:
+        if self.state == _DONE:
+            return
+        self.state = _DONE
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        ctx = self.ctx
+        if self.backend is not None:
+            ctx.inflight.release(self.backend, self.tokens)
+            ctx.finished(self.backend, self.grpc_status, self.started)
+            self.backend = None
+        if self.up is not None:
+            self.up.release(self.uid)
+            self.up = None
+        if remove_down:
+            self.down.calls.pop(self.sid, None)
+            # Anything the client sent that was never forwarded still counts against its windows.
+            for item in self.to_up:
+                if item[1]:
+                    self.down.ack(item[1], self.sid)
+            self.to_up.clear()
+
+
+def status_of(headers: list[tuple[bytes, bytes]]) -> int:
+    for name, value in headers:
+        if name == b"grpc-status":
+            return int(value) if value.isdigit() else UNKNOWN
+    return UNKNOWN
+
+
+class Downstream(H2Side):
+    """One client HTTP/2 connection on the gRPC listener."""
+
+    def __init__(self, ctx: "RelayContext") -> None:
+        super().__init__(ctx.flusher, client_side=False)
+        self.ctx = ctx
+        self.others: dict[int, object] = {}  # non-gRPC requests (HTTP bridge), by stream id
+        self.holding: list[Call] = []  # calls that started holding during the current read
+        self.draining = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        opts = self.ctx.options
+        self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
+        self.ctx.downstreams.add(self)
+        self.mark()
+
+    def ack(self, n: int, sid: int) -> None:
+        try:
+            self.conn.acknowledge_received_data(n, sid)
+        except h2.exceptions.ProtocolError:
+            return
+        self.mark()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError as err:
+            log.info("client HTTP/2 protocol error: %s", err)
+            self.mark()
+            self.flusher.run()
+            if self.transport is not None:
+                self.transport.close()
+            return
+        calls = self.calls
+        for ev in events:
+            t = type(ev)
+            if t is h2.events.DataReceived:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.client_data(ev.data, ev.flow_controlled_length)
+                else:
+                    other = self.others.get(ev.stream_id)
+                    if other is not None:
+                        other.client_data(ev.data, ev.flow_controlled_length)  # type: ignore[attr-defined]
+                    else:
+                        self.ack(ev.flow_controlled_length, ev.stream_id)
+            elif t is h2.events.RequestReceived:
+                self._request(ev.stream_id, ev.headers, ev.stream_ended is not None)
+            elif t is h2.events.StreamEnded:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.client_end()
+                else:
+                    other = self.others.get(ev.stream_id)
+                    if other is not None:
+                        other.client_end()  # type: ignore[attr-defined]
+            elif t is h2.events.WindowUpdated:
+                if ev.stream_id == 0:
+                    self.on_writable(list(calls.values()))
+                else:
+                    call = calls.get(ev.stream_id)
+                    if call is not None:
+                        call.flush_down()
+                    else:
+                        other = self.others.get(ev.stream_id)
+                        if other is not None:
+                            other.flush_down()  # type: ignore[attr-defined]
+            elif t is h2.events.StreamReset:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.client_reset()
+                else:
+                    other = self.others.pop(ev.stream_id, None)
+                    if other is not None:
+                        other.client_reset()  # type: ignore[attr-defined]
+            elif t is h2.events.TrailersReceived:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.client_trailers_received(ev.headers)
+            elif t is h2.events.RemoteSettingsChanged:
+                self.on_writable(list(calls.values()))
+            elif t is h2.events.ConnectionTerminated:
+                if not calls and not self.others and self.transport is not None:
+                    self.write_out()
+                    self.transport.close()
+        if self.holding:
+            for call in self.holding:
+                call.arm_timer()
+            self.holding.clear()
+        self.mark()
+
+    def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        if self.draining:
+            try:
+                self.conn.reset_stream(sid, _REFUSED)  # the client may retry it on a new connection
+            except h2.exceptions.ProtocolError:
+                pass
+            return
+        path = b""
+        content_type = b""
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name == b"content-type":
+                content_type = value
+        ctx = self.ctx
+        if not content_type.startswith(b"application/grpc"):
+            ctx.start_http_bridge(self, sid, headers, ended)
+            return
+        path_s = path.decode("utf-8", "replace")
+        ext = None if path_s.startswith(ctx.local_prefixes) else ctx.registry.for_method(path_s)
+        call = Call(ctx, self, sid, headers, path_s, ext)
+        self.calls[sid] = call
+        call.start(ended)
+
+    def on_writable(self, calls: Iterable[Call]) -> None:
+        for call in calls:
+            call.flush_down()
+        for other in list(self.others.values()):
+            other.flush_down()  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.ctx.downstreams.discard(self)
+        for call in list(self.calls.values()):
+            call.client_reset()
+        self.calls.clear()
+        for other in list(self.others.values()):
+            other.client_reset()  # type: ignore[attr-defined]
+        self.others.clear()
+
+    def goaway(self) -> None:
+        """Graceful drain: tell the client to open no new streams while the open ones finish.
+
+        h2's own `close_connection` moves its state machine to CLOSED, after which the streams still in
+        flight could not be answered; so the GOAWAY frame is written beside it.
+        """
+        if self.transport is None or self.closed or self.draining:
+            return
+        self.draining = True
+        self.write_out()
+        frame = hyperframe.frame.GoAwayFrame(0)
+        frame.last_stream_id = self.conn.highest_inbound_stream_id
+        frame.error_code = 0
+        self.transport.write(frame.serialize())
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            try:
+                self.conn.close_connection()
+                self.write_out()
+            except h2.exceptions.ProtocolError:
+                pass
+            self.transport.close()

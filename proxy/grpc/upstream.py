@@ -1,0 +1,312 @@
+"""Backend-facing HTTP/2 connections: many streams per connection, another connection when full.
+
+A backend's connections live in a `BackendPool`. A call takes the first connection that has received
+the backend's SETTINGS (so its MAX_CONCURRENT_STREAMS is known, instead of guessing and being refused) and
+has a free stream slot; when none has, the pool opens another connection, up to
+`grpc.max_connections_per_backend`, rather than queueing calls behind one connection's limit. Calls that
+arrive while a connection is being opened wait for it in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import h2.events
+import h2.exceptions
+
+from proxy.grpc.h2side import Flusher, H2Side
+
+if TYPE_CHECKING:
+    from proxy.grpc.relay import Call
+
+log = logging.getLogger(__name__)
+
+
+class Upstream(H2Side):
+    """One HTTP/2 connection to one backend."""
+
+    def __init__(self, pool: "BackendPool") -> None:
+        super().__init__(pool.flusher, client_side=True)
+        self.pool = pool
+        self.ready = False  # the backend's SETTINGS arrived
+        self.in_setup = True  # counted in the pool's `connecting` until ready or dead
+        self.goaway = False  # no new streams (GOAWAY received or closing)
+
+    @property
+    def capacity(self) -> int:
+        return int(self.conn.remote_settings.max_concurrent_streams) - len(self.calls)
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not self.goaway and not self.closed and self.capacity > 0
+
+    # asyncio.Protocol ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        opts = self.pool.options
+        self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
+        self.mark()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.conn.receive_data(data)
+        except h2.exceptions.ProtocolError as err:
+            log.warning("backend %s: HTTP/2 protocol error: %s", self.pool.name, err)
+            self._fail(f"protocol error from backend {self.pool.name}")
+            return
+        calls = self.calls
+        for ev in events:
+            t = type(ev)
+            if t is h2.events.DataReceived:
+                call = calls.get(ev.stream_id)
+                if call is None:
+                    self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                else:
+                    call.up_data(ev.data, ev.flow_controlled_length)
+            elif t is h2.events.ResponseReceived:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.up_headers(ev.headers, ev.stream_ended is not None)
+            elif t is h2.events.TrailersReceived:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.up_trailers(ev.headers)
+            elif t is h2.events.StreamEnded:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.up_ended()
+            elif t is h2.events.WindowUpdated:
+                if ev.stream_id == 0:
+                    self.on_writable(list(calls.values()))
+                else:
+                    call = calls.get(ev.stream_id)
+                    if call is not None:
+                        call.flush_up()
+            elif t is h2.events.StreamReset:
+                call = calls.get(ev.stream_id)
+                if call is not None:
+                    call.up_reset(ev.error_code)
+            elif t is h2.events.RemoteSettingsChanged:
+                if not self.ready:
+                    self.ready = True
+                    self.pool.connection_ready(self)
+                else:
+                    # A changed initial window may have opened every stream's window.
+                    self.on_writable(list(calls.values()))
+                    self.pool.capacity_changed()
+            elif t is h2.events.ConnectionTerminated:
+                self.goaway = True
+                last = ev.last_stream_id
+                self.pool.discard(self)
+                for sid, call in list(calls.items()):
+                    if last is None or sid > last:
+                        # Never processed by the backend: safe to send elsewhere.
+                        call.up_lost(f"backend {self.pool.name} refused the stream (GOAWAY)", refused=True)
+        self.mark()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.discard(self)
+        reason = f"connection to backend {self.pool.name} lost"
+        if exc is not None:
+            reason += f": {exc}"
+        for call in list(self.calls.values()):
+            call.up_lost(reason, refused=False)
+        self.calls.clear()
+
+    def on_writable(self, calls: Iterable["Call"]) -> None:
+        for call in calls:
+            call.flush_up()
+
+    def _fail(self, reason: str) -> None:
+        for call in list(self.calls.values()):
+            call.up_lost(reason, refused=False)
+        self.calls.clear()
+        self.pool.discard(self)
+        if self.transport is not None:
+            self.transport.abort()
+
+    # used by calls -----------------------------------------------------------------------------------
+
+    def open_stream(self, call: "Call", headers: list[tuple[bytes, bytes]]) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, headers)
+        self.calls[sid] = call
+        self.mark()
+        return sid
+
+    def release(self, sid: int) -> None:
+        if self.calls.pop(sid, None) is not None:
+            self.pool.capacity_changed()
+
+    def reset(self, sid: int, code: int) -> None:
+        try:
+            self.conn.reset_stream(sid, code)
+        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+            pass
+        self.mark()
+        self.release(sid)
+
+    def close(self) -> None:
+        self.goaway = True
+        if self.transport is not None and not self.closed:
+            try:
+                self.conn.close_connection()
+                self.write_out()
+            except h2.exceptions.ProtocolError:
+                pass
+            self.transport.close()
+
+
+class BackendPool:
+    """The HTTP/2 connections to one backend address."""
+
+    def __init__(self, name: str, address: str, options: "PoolOptions", flusher: Flusher) -> None:
+        self.name = name
+        host, _, port = address.rpartition(":")
+        self.host = host.strip("[]") or "127.0.0.1"
+        self.port = int(port)
+        self.address = address
+        self.options = options
+        self.flusher = flusher
+        self.conns: list[Upstream] = []
+        self.connecting = 0
+        self.waiters: collections.deque["Call"] = collections.deque()
+        self.closed = False
+
+    def take(self) -> Upstream | None:
+        """A connection with a free stream slot, or None (the caller then waits via `wait`)."""
+        for up in self.conns:
+            if up.usable:
+                return up
+        return None
+
+    def wait(self, call: "Call") -> None:
+        self.waiters.append(call)
+        self._maybe_connect()
+
+    def cancel_wait(self, call: "Call") -> None:
+        try:
+            self.waiters.remove(call)
+        except ValueError:
+            pass
+
+    def _maybe_connect(self) -> None:
+        if self.closed or not self.waiters:
+            return
+        # One connection being opened serves every waiter it has room for; open more only past that.
+        if self.connecting == 0 and len(self.conns) < self.options.max_connections_per_backend:
+            self.connecting += 1
+            asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(lambda: Upstream(self), self.host, self.port),
+                self.options.connect_timeout_s,
+            )
+        except (OSError, asyncio.TimeoutError) as err:
+            self.connecting -= 1
+            reason = f"cannot connect to backend {self.name} at {self.address}: {err or type(err).__name__}"
+            waiters, self.waiters = self.waiters, collections.deque()
+            for call in waiters:
+                call.connect_failed(reason)
+            return
+        # `connection_ready` (on the backend's SETTINGS) adds the connection and serves waiters.
+
+    def connection_ready(self, up: Upstream) -> None:
+        up.in_setup = False
+        self.connecting -= 1
+        if self.closed:
+            up.close()
+            return
+        self.conns.append(up)
+        self.capacity_changed()
+
+    def capacity_changed(self) -> None:
+        while self.waiters:
+            up = self.take()
+            if up is None:
+                self._maybe_connect()
+                return
+            self.waiters.popleft().attach(up)
+
+    def discard(self, up: Upstream) -> None:
+        if up in self.conns:
+            self.conns.remove(up)
+        if up.in_setup:
+            # It died before its SETTINGS: it was still counted as connecting.
+            up.in_setup = False
+            self.connecting -= 1
+            waiters, self.waiters = self.waiters, collections.deque()
+            for call in waiters:
+                call.connect_failed(f"connection to backend {self.name} closed during setup")
+        else:
+            self.capacity_changed()
+
+    def close(self) -> None:
+        self.closed = True
+        for up in list(self.conns):
+            up.close()
+        self.conns.clear()
+
+
+class PoolOptions:
+    """The pool's knobs, copied out of `GrpcOptions` / `TimeoutsConfig` once."""
+
+    __slots__ = (
+        "max_concurrent_streams",
+        "stream_window_bytes",
+        "connection_window_bytes",
+        "max_connections_per_backend",
+        "connect_timeout_s",
+    )
+
+    def __init__(
+        self,
+        max_concurrent_streams: int,
+        stream_window_bytes: int,
+        connection_window_bytes: int,
+        max_connections_per_backend: int,
+        connect_timeout_s: float,
+    ) -> None:
+        self.max_concurrent_streams = max_concurrent_streams
+        self.stream_window_bytes = stream_window_bytes
+        self.connection_window_bytes = connection_window_bytes
+        self.max_connections_per_backend = max_connections_per_backend
+        self.connect_timeout_s = connect_timeout_s
+
+
+class Pools:
+    """Every backend's pool, keyed by backend name; an address change (reload) replaces the pool."""
+
+    def __init__(self, options: PoolOptions, flusher: Flusher) -> None:
+        self.options = options
+        self.flusher = flusher
+        self._pools: dict[str, BackendPool] = {}
+
+    def get(self, name: str, address: str) -> BackendPool:
+        pool = self._pools.get(name)
+        if pool is None or pool.address != address:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[name] = BackendPool(name, address, self.options, self.flusher)
+        return pool
+
+    def prune(self, keep: Callable[[str], bool]) -> None:
+        for name in [n for n in self._pools if not keep(n)]:
+            self._pools.pop(name).close()
+
+    def all(self) -> list[BackendPool]:
+        return list(self._pools.values())
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
