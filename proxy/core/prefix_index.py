@@ -47,9 +47,8 @@ class PrefixIndex:
         self.capacity = capacity
         self._half = max(1, capacity // 2)
         if len(self._young) > self._half:
-            self._old = set()
             self._young = set()
-        elif len(self._old) > self._half:
+        if len(self._old) > self._half or capacity == 1:
             self._old = set()
 
     def add(self, blocks: Sequence[int]) -> None:
@@ -58,7 +57,8 @@ class PrefixIndex:
             # A chain longer than a generation: its leading blocks are the ones other prompts can share.
             blocks = blocks[: self._half]
         if len(self._young) + len(blocks) > self._half:
-            self._old = self._young
+            # With capacity 1 there is room for one generation only.
+            self._old = self._young if self.capacity > 1 else set()
             self._young = set()
         self._young.update(blocks)
 
@@ -113,7 +113,7 @@ class GenerationalMap(Generic[V]):
     def put(self, key: int, value: V) -> None:
         young = self._young
         if key not in young and len(young) >= self._half:
-            self._old = young
+            self._old = young if self.capacity > 1 else {}
             self._young = young = {}
         young[key] = value
 
