@@ -119,9 +119,10 @@ class SimBackend:
 
     # ---- faults that act here ------------------------------------------------------------------------
     def stall(self, ms: float) -> None:
-        """Freeze the engine and every endpoint for `ms` wall milliseconds from now (a GC pause)."""
+        """Freeze the engine and every endpoint for `ms` wall milliseconds from now (a GC pause); 0 ends
+        a stall in progress."""
         loop = asyncio.get_running_loop()
-        self._stall_until = max(self._stall_until, loop.time() + ms / 1000.0)
+        self._stall_until = loop.time() + ms / 1000.0  # 0 ends a stall early
         self.faults.stall_ms = 0.0
         self._wake.set()
 

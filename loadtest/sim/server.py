@@ -502,7 +502,7 @@ class SimHttpApp:
         before_refuse = b.faults.refuse_connections
         before_bg = (b.faults.background_requests, b.faults.background_prompt_tokens, b.faults.background_max_tokens)
         b.faults.update(changes)
-        if b.faults.stall_ms:
+        if "stall_ms" in changes:
             b.stall(b.faults.stall_ms)
         if (b.faults.background_requests, b.faults.background_prompt_tokens, b.faults.background_max_tokens) != before_bg:
             b.sync_background()
