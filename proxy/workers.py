@@ -712,10 +712,12 @@ async def serve(config: Any, workers: int) -> None:
         await stop.wait()
         log.info("signal received: draining %d workers for up to %.0f s", workers, config.timeouts.drain_s)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        # The handlers stay in place while draining: a second SIGTERM (an impatient operator, a process
+        # manager repeating itself) must not kill the supervisor and orphan its draining workers.
         await supervisor.stop()
         await proxy.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""`affinity-proxy run --workers 2` as a real process tree: one supervisor, two SO_REUSEPORT workers.
+
+The backends are the HTTP tests' scriptable fakes, running in the test's own event loop; the proxy runs in
+subprocesses exactly as a user starts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections import defaultdict
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+import pytest
+
+from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, owner_of_connection, post_json, start_proxy
+from tests.http.fakes import FakeBackend
+
+
+def _config(fakes: list[FakeBackend], policy: str) -> str:
+    lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'}}" for f in fakes)
+    return (
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
+        f"routing: {{policy: {policy}}}\ntimeouts: {{drain_s: 20}}\nbackends:\n{lines}\n"
+    )
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[list[FakeBackend]]:
+    started = [FakeBackend(f"gpu-{i}") for i in range(4)]
+    for f in started:
+        await f.start()
+    yield started
+    for f in started:
+        await f.stop()
+
+
+async def _run(tmp_path: Path, fakes: list[FakeBackend], policy: str) -> ProxyProcess:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_config(fakes, policy))
+    return await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+
+
+def _body(prompt: str, stream: bool = False) -> dict[str, object]:
+    return {"model": "fake-model", "prompt": prompt, "max_tokens": 8, "stream": stream}
+
+
+async def test_same_prompt_same_backend_in_every_worker(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    proxy = await _run(tmp_path, fakes, "affinity")
+    try:
+        workers = proxy.workers()
+        assert len(workers) == 2
+        backends: dict[str, set[str]] = defaultdict(set)
+        served_by: dict[str, set[int]] = defaultdict(set)
+        prompts = [f"request {i}: " + " ".join(f"word{i * 7 + j}" for j in range(40)) for i in range(20)]
+        # A fresh connection per request, so the kernel spreads each prompt's requests over both workers.
+        for round_ in range(6):
+            for prompt in prompts:
+                owner: list[int | None] = []
+                reply = await post_json(
+                    proxy.port, "/v1/completions", _body(prompt),
+                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
+                )
+                assert reply.status == 200, reply.body
+                assert owner[0] in workers
+                served_by[prompt].add(owner[0])
+                backends[prompt].add(reply.headers["x-affinity-backend"])
+        assert all(len(b) == 1 for b in backends.values()), dict(backends)
+        # Not trivially one backend for everything, and the same prompts really went through both workers.
+        assert len({next(iter(b)) for b in backends.values()}) >= 2
+        assert set().union(*served_by.values()) == set(workers)
+        assert sum(1 for pids in served_by.values() if len(pids) == 2) >= 10
+    finally:
+        assert await proxy.terminate() == 0
+
+
+async def _open_stream(session: aiohttp.ClientSession, url: str, prompt: str) -> aiohttp.ClientResponse:
+    resp = await session.post(f"{url}/v1/completions", json=_body(prompt, stream=True))
+    assert resp.status == 200
+    first = await resp.content.readline()
+    assert first.startswith(b"data: ")
+    return resp
+
+
+async def _finish(resp: aiohttp.ClientResponse) -> bool:
+    """True when the stream ended with the backend's [DONE]; False when the connection broke."""
+    try:
+        text = (await resp.content.read()).decode()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+        return False
+    finally:
+        resp.release()
+    return text.rstrip().endswith("data: [DONE]")
+
+
+async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
+    tmp_path: Path, fakes: list[FakeBackend]
+) -> None:
+    for f in fakes:
+        f.events, f.event_delay = 30, 0.05  # 1.5 s streams: still running when the worker dies
+    proxy = await _run(tmp_path, fakes, "round_robin")
+    try:
+        workers = proxy.workers()
+        victim, survivor = workers
+        on: dict[int, list[aiohttp.ClientResponse]] = {victim: [], survivor: []}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            # Open streams on fresh connections until each worker carries at least three of them.
+            for i in range(64):
+                resp = await _open_stream(session, proxy.http, f"stream {i}")
+                local_port = resp.connection.transport.get_extra_info("sockname")[1]
+                on[owner_of_connection(local_port, proxy.port, workers)].append(resp)
+                if min(len(v) for v in on.values()) >= 3:
+                    break
+            assert min(len(v) for v in on.values()) >= 3
+            os.kill(victim, signal.SIGKILL)
+            survived = await asyncio.gather(*(_finish(r) for r in on[survivor]))
+            lost = await asyncio.gather(*(_finish(r) for r in on[victim]))
+            assert all(survived), survived  # every stream on the other worker completed
+            assert not any(lost)  # the victim's own streams really were cut (the kill was real)
+
+            # It comes back: the supervisor restarts the slot, and the new process serves again.
+            replacement = None
+            while replacement is None:
+                now = proxy.workers()
+                new = [p for p in now if p not in workers]
+                if new and len(now) == 2:
+                    async with session.get(f"{proxy.admin}/readyz") as ready:
+                        if ready.status == 200:
+                            replacement = new[0]
+                            break
+                await asyncio.sleep(0.1)
+            hits = 0
+            for i in range(200):
+                owners: list[int | None] = []
+                reply = await post_json(
+                    proxy.port, "/v1/completions", _body(f"after {i}"),
+                    lambda r: owners.append(owner_of_connection(r.local_port, proxy.port, [replacement, survivor])),
+                )
+                assert reply.status == 200
+                hits += owners[0] == replacement
+                if hits >= 3:
+                    break
+            assert hits >= 3
+            async with session.get(f"{proxy.admin}/metrics") as resp:
+                text = await resp.text()
+            assert "affinity_proxy_worker_restarts_total 1.0" in text
+            assert 'affinity_proxy_workers{state="ready"} 2.0' in text
+    finally:
+        assert await proxy.terminate() == 0
+
+
+async def test_sigterm_drains_open_streams_in_every_worker(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    for f in fakes:
+        f.events, f.event_delay = 20, 0.05
+    proxy = await _run(tmp_path, fakes, "round_robin")
+    workers = proxy.workers()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        streams = []
+        owners = set()
+        for i in range(32):
+            resp = await _open_stream(session, proxy.http, f"drain {i}")
+            owners.add(owner_of_connection(resp.connection.transport.get_extra_info("sockname")[1], proxy.port, workers))
+            streams.append(resp)
+            if owners == set(workers):
+                break
+        assert owners == set(workers)
+        proxy.proc.send_signal(signal.SIGTERM)
+        completed = await asyncio.gather(*(_finish(r) for r in streams))
+    assert all(completed), completed
+    assert await proxy.terminate() == 0
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
+async def test_metrics_merge_requests_from_both_workers(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    proxy = await _run(tmp_path, fakes, "round_robin")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            for i in range(40):
+                async with session.post(f"{proxy.http}/v1/completions", json=_body(f"m {i}")) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            async with session.get(f"{proxy.admin}/metrics") as resp:
+                text = await resp.text()
+            async with session.get(f"{proxy.admin}/admin/backends") as resp:
+                snapshot = json.loads(await resp.text())
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("affinity_proxy_requests_total{"):
+                total += float(line.rsplit(" ", 1)[1])
+        assert total == 40
+        assert {b["name"] for b in snapshot["backends"]} == {f.name for f in fakes}
+    finally:
+        assert await proxy.terminate() == 0
