@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -27,7 +28,8 @@ ReadyCheck = Callable[[], list[str]]
 READY_CHECKS = web.AppKey("ready_checks", list)
 
 
-def snapshot_json(snapshot: Snapshot, inflight: InflightTable) -> dict[str, Any]:
+def snapshot_json(snapshot: Snapshot, inflight: InflightTable, now: float | None = None) -> dict[str, Any]:
+    now = time.monotonic() if now is None else now  # signals carry time.monotonic() of their scrape
     backends = []
     for b in snapshot.backends:
         entry = inflight.get(b.name)
@@ -43,6 +45,7 @@ def snapshot_json(snapshot: Snapshot, inflight: InflightTable) -> dict[str, Any]
                 "routable": b.routable,
                 "load_score": b.load_score,
                 "stale": b.stale,
+                "metrics_age_s": None if s is None else round(max(0.0, now - s.scraped_at), 3),
                 "inflight_requests": entry.requests if entry else 0,
                 "inflight_tokens": entry.tokens if entry else 0,
                 "max_inflight": b.spec.max_inflight,
@@ -54,6 +57,11 @@ def snapshot_json(snapshot: Snapshot, inflight: InflightTable) -> dict[str, Any]
                     "kernel_queue": s.kernel_queue,
                     "mem_used_bytes": s.mem_used_bytes,
                     "mem_total_bytes": s.mem_total_bytes,
+                    "kv_tokens_per_s": s.kv_tokens_per_s,
+                    "kv_capacity_tokens": s.kv_capacity_tokens,
+                    "latency_ms": s.latency_ms,
+                    "qps": s.qps,
+                    "gpu_utilization": s.gpu_utilization,
                     "loaded_adapters": sorted(s.loaded_adapters),
                 },
             }
