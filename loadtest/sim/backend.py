@@ -76,6 +76,7 @@ class SimBackend:
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
         self._stall_until = 0.0  # loop time
+        self._stall_changed: asyncio.Future[None] | None = None
         self._recent: deque[tuple[float, int]] = deque()  # (engine end time, tokens computed) per step
         self._bg_ids: set[str] = set()
         self._bg_seq = 0
@@ -124,13 +125,18 @@ class SimBackend:
         loop = asyncio.get_running_loop()
         self._stall_until = loop.time() + ms / 1000.0  # 0 ends a stall early
         self.faults.stall_ms = 0.0
+        changed, self._stall_changed = self._stall_changed, None
+        if changed is not None and not changed.done():
+            changed.set_result(None)  # waiters re-read the deadline
         self._wake.set()
 
     async def wait_stall(self) -> None:
         """Front ends await this before answering anything: a stalled server answers nothing."""
         loop = asyncio.get_running_loop()
         while (left := self._stall_until - loop.time()) > 0:
-            await asyncio.sleep(left)
+            if self._stall_changed is None:
+                self._stall_changed = loop.create_future()
+            await asyncio.wait((self._stall_changed,), timeout=left)
 
     def sync_background(self) -> None:
         """Top up (or trim) the internal requests that make up `faults.background_requests`."""
