@@ -46,6 +46,7 @@ from proxy.dispatch import Router
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
 from proxy.http.upstream import create_session
+from proxy.resilience import Resilience
 from proxy.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
 
@@ -70,7 +71,8 @@ class _Task:
 
 class AffinityProxy:
     def __init__(
-        self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all"
+        self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all",
+        config_path: str | None = None,
     ) -> None:
         self.config = config
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/workers.py)
@@ -78,6 +80,7 @@ class AffinityProxy:
         # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
         # listeners and data-plane services) on snapshots the supervisor publishes into its store.
         self.role = role
+        self.config_path = config_path  # the file hot reload re-reads (SIGHUP, file change, POST /admin/reload)
         self.store = SnapshotStore(Snapshot.initial(config.backend_specs()))
         self.policy = policy if policy is not None else build_policy(config.routing)
         self.inflight = InflightTable()
@@ -126,6 +129,10 @@ class AffinityProxy:
         if self.config.grpc_listen is not None and self.role != "control":
             self.grpc = GrpcListener(self)
             self.add_service(self.grpc, data_plane=True)
+        # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
+        # the admin write endpoints; retries, overload shedding and panic routing in the router.
+        self.resilience = Resilience(self, self.config_path)
+        self.add_service(self.resilience, data_plane=self.role == "data")
 
     # ------------------------------------------------------------------------------------------ lifecycle
 

@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def main() -> None:
         if workers == 1:
             # One process does everything: no supervisor, no channel, nothing to restart.
-            await AffinityProxy(config).serve_until_signal()
+            await AffinityProxy(config, config_path=args.config).serve_until_signal()
         else:
             await serve(config, workers)
 

@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
+from typing import TYPE_CHECKING, Callable
+
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Policy
+from proxy.core.health import Outcome, OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
 from proxy.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
+
+if TYPE_CHECKING:
+    from proxy.overload import AdmissionQueue
 
 
 class UnknownModel(NoBackendAvailable):
@@ -30,7 +36,13 @@ class UnknownModel(NoBackendAvailable):
 
 
 class Overloaded(NoBackendAvailable):
-    """Every candidate is at its in-flight limit, or the process is at `limits.max_inflight_total`."""
+    """Every candidate is saturated (in-flight limit, engine queue or KV usage over `overload` thresholds),
+    or the process is at `limits.max_inflight_total`. Answered with `status` and `Retry-After`."""
+
+    def __init__(self, message: str, status: int = 503, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
 class _ModelIndex:
@@ -56,7 +68,7 @@ class _ModelIndex:
 class Lease:
     """One routed request for the duration of its upstream exchange."""
 
-    __slots__ = ("router", "summary", "exclude", "decision", "backend", "status", "_tokens", "_started")
+    __slots__ = ("router", "summary", "exclude", "decision", "backend", "status", "outcome", "_tokens", "_started")
 
     def __init__(self, router: Router, summary: RequestSummary, exclude: frozenset[str]) -> None:
         self.router = router
@@ -66,6 +78,9 @@ class Lease:
         self.backend: BackendState
         # HTTP status the client got (gRPC: mapped to the HTTP equivalent); 499 = client went away.
         self.status = 499
+        # What went wrong with the backend, when the status alone cannot tell (connect failure, reset,
+        # mid-stream break); None = judge by `status`. Feeds passive outlier detection.
+        self.outcome: Outcome | None = None
         self._tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
 
     @property
@@ -74,7 +89,15 @@ class Lease:
         return self.exclude | {self.decision.backend}
 
     async def __aenter__(self) -> Lease:
-        self.decision, self.backend = self.router.pick(self.summary, self.exclude)
+        router = self.router
+        try:
+            self.decision, self.backend = router.pick(self.summary, self.exclude)
+        except Overloaded as exc:
+            if router.queue is None or not router.queue.enabled:
+                raise
+            self.decision, self.backend = await router.queue.wait_for(
+                lambda: router.pick(self.summary, self.exclude), exc
+            )
         self.router.inflight.acquire(self.decision.backend, self._tokens)
         self._started = time.perf_counter()
         return self
@@ -83,8 +106,18 @@ class Lease:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         name = self.decision.backend
-        self.router.inflight.release(name, self._tokens)
-        self.router.metrics.finished(name, self.status, time.perf_counter() - self._started)
+        router = self.router
+        router.inflight.release(name, self._tokens)
+        router.metrics.finished(name, self.status, time.perf_counter() - self._started)
+        if router.queue is not None:
+            router.queue.notify_one()
+        report = router.on_outcome
+        if report is not None:
+            outcome = self.outcome
+            if outcome is None and self.status != 499:  # 499: the client left, says nothing of the backend
+                outcome = Outcome.STATUS_5XX if self.status >= 500 else Outcome.SUCCESS
+            if outcome is not None:
+                report(name, outcome)
 
 
 class Router:
@@ -102,6 +135,12 @@ class Router:
         self.metrics = metrics
         self.max_inflight_total = max_inflight_total
         self._models = _ModelIndex(store.current)
+        # RESILIENCE hooks (proxy/resilience.py): saturation thresholds, panic routing, the overload queue
+        # and the passive outlier reports. Defaults keep the plain behaviour (spec.max_inflight only).
+        self.overload = OverloadConfig()
+        self.panic: PanicView | None = None
+        self.queue: AdmissionQueue | None = None
+        self.on_outcome: Callable[[str, Outcome], None] | None = None
 
     def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset()) -> Lease:
         return Lease(self, summary, exclude)
@@ -121,8 +160,10 @@ class Router:
         """Choose a backend for `summary` against the current snapshot, honouring in-flight limits."""
         if self.max_inflight_total is not None and self.inflight.total_requests >= self.max_inflight_total:
             self.metrics.error("overloaded")
-            raise Overloaded(f"the proxy is at its limit of {self.max_inflight_total} requests in flight")
+            raise self._overloaded(f"the proxy is at its limit of {self.max_inflight_total} requests in flight")
         snapshot = self.store.current
+        if self.panic is not None:
+            snapshot = self.panic(snapshot)  # too few healthy: the unhealthy ones count as routable again
         model = summary.model
         if model is not None:
             index = self._index(snapshot)
@@ -145,11 +186,13 @@ class Router:
             backend = snapshot.get(decision.backend)
             if backend is None:
                 raise RuntimeError(f"policy {self.policy.name} picked {decision.backend!r}, not in the snapshot")
-            limit = backend.spec.max_inflight
-            if limit is None or self.inflight.requests(backend.name) < limit:
+            if not saturated(backend, self.inflight.get(backend.name), self.overload):
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, backend
             exclude = exclude | {backend.name}
             limited = True
         self.metrics.error("overloaded")
-        raise Overloaded("every backend that serves this request is at its in-flight limit")
+        raise self._overloaded("every backend that serves this request is saturated")
+
+    def _overloaded(self, message: str) -> Overloaded:
+        return Overloaded(message, self.overload.reject_status, self.overload.retry_after_s)

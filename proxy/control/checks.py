@@ -178,6 +178,10 @@ class HealthChecker:
         if self._session is not None:
             await self._session.close()
 
+    def refresh(self) -> None:
+        """Re-evaluate which backends to probe (after a reload switched checks on or off)."""
+        self._on_snapshot(self.store.current)
+
     def _on_snapshot(self, snapshot: Snapshot) -> None:
         """Keep one task per backend that is tracked and not draining (draining ones get no traffic)."""
         if not self._running:

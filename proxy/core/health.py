@@ -133,7 +133,7 @@ class OverloadConfig:
     max_waiting: float | None = _ge(None, 0)  # engine queue (waiting requests) above this = saturated
     max_kv_usage: float | None = field(default=None, metadata={"gt": 0, "le": 1})  # KV usage above = saturated
     action: Literal["reject", "queue"] = "reject"  # reject at once | wait for capacity up to queue_timeout_ms
-    reject_status: int = 429  # 429 (client should back off) or 503
+    reject_status: int = 503  # 503 (server saturated) or 429 (client should slow down); both carry Retry-After
     retry_after_s: int = _ge(1, 0)
     queue_size: int = _ge(256, 1)
     queue_timeout_ms: int = _gt(2000, 0)

@@ -29,12 +29,15 @@ from proxy.config import Config
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
+from proxy.core.health import Outcome
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
 from proxy.core.snapshot import BackendState
 from proxy.dispatch import Lease, Overloaded, Router, UnknownModel
+from proxy.http.retry import classify_upstream_error, client_gone
 from proxy.http.errors import error_body, error_response, sse_error_event
 from proxy.http.headers import downstream_response_headers, upstream_request_headers
 from proxy.metrics import ProxyMetrics
+from proxy.retry import RetryController, RetryableFailure, run_with_retries
 
 log = logging.getLogger("affinity_proxy.http")
 
@@ -88,6 +91,8 @@ class HttpDataPlane:
         self.max_headers = config.limits.max_header_bytes
         self.debug_headers = config.debug_headers
         self.session_header = session_header
+        # RESILIENCE: set by proxy.resilience; None = one attempt, no retry.
+        self.retries: RetryController | None = None
         # Telemetry's ORCA hook (Poller.observe_orca): set by proxy.app when telemetry.orca is on. Upstream
         # requests then ask for `endpoint-load-metrics`, and each response's report refreshes the backend's
         # signals between scrapes.
@@ -170,14 +175,19 @@ class HttpDataPlane:
         self, request: web.BaseRequest, method: str, body: bytes, summary: RequestSummary, request_id: str
     ) -> web.StreamResponse:
         try:
+            if self.retries is not None:
+                return await run_with_retries(
+                    self.retries, self.router, summary,
+                    lambda lease: self._exchange(request, method, body, lease, request_id),  # type: ignore[arg-type]
+                )
             async with self.router.route(summary) as lease:
                 return await self._exchange(request, method, body, lease, request_id)
         except UnknownModel as exc:
             return error_response(404, str(exc), "invalid_request_error", "model_not_found", "model",
                                   headers={"x-request-id": request_id})
         except Overloaded as exc:
-            return error_response(503, str(exc), "server_error", "overloaded",
-                                  headers={"Retry-After": RETRY_AFTER_S, "x-request-id": request_id})
+            return error_response(exc.status, str(exc), "server_error", "overloaded",
+                                  headers={"Retry-After": str(exc.retry_after_s), "x-request-id": request_id})
         except NoBackendAvailable as exc:
             return error_response(503, str(exc) or "No backend is available", "server_error", "no_backend",
                                   headers={"Retry-After": RETRY_AFTER_S, "x-request-id": request_id})
@@ -191,6 +201,7 @@ class HttpDataPlane:
         if load_report is not None and ORCA_FORMAT_HEADER not in up_headers:
             up_headers[ORCA_FORMAT_HEADER] = "TEXT"
         self.counters.requests += 1
+        relaying = False
         try:
             async with self.session.request(
                 method, URL(backend.spec.url + request.raw_path, encoded=True), data=body if body else None,
@@ -205,10 +216,15 @@ class HttpDataPlane:
                 if self.debug_headers:
                     headers["x-affinity-backend"] = backend.name
                 lease.status = up.status
+                if self.retries is not None and self.retries.retry_status(up.status):
+                    # Held back, not forwarded: if another backend is tried, the client never sees this one.
+                    held = web.Response(status=up.status, body=await up.read(), headers=headers)
+                    raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
                 ctype = up.headers.get("Content-Type", "")
                 if up.content_length is not None and not ctype.startswith("text/event-stream"):
                     data = await up.read()
                     return web.Response(status=up.status, body=data, headers=headers)
+                relaying = True  # from here on bytes may reach the client: never retried
                 return await self._relay(request, up, headers, lease, ctype.startswith("text/event-stream"))
         except asyncio.CancelledError:
             lease.status = 499
@@ -217,11 +233,16 @@ class HttpDataPlane:
             self.metrics.error("upstream_unreachable")
             lease.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
             log.warning("backend %s failed before responding: %r", backend.name, exc)
-            return error_response(
+            failed = error_response(
                 lease.status, f"Backend {backend.name} failed: {type(exc).__name__}", "server_error",
                 "upstream_timeout" if lease.status == 504 else "upstream_error",
                 headers={"x-request-id": request_id},
             )
+            if not relaying:
+                lease.outcome = classify_upstream_error(exc)
+                if self.retries is not None and lease.outcome is not None:
+                    raise RetryableFailure(lease.outcome, failed) from exc
+            return failed
 
     async def _relay(
         self, request: web.BaseRequest, up: aiohttp.ClientResponse, headers: Any, lease: Lease, sse: bool
@@ -236,6 +257,8 @@ class HttpDataPlane:
             # Headers are gone already: end the stream with an error the client can parse, then close cleanly.
             self.metrics.error("upstream_midstream")
             lease.status = 502
+            if not client_gone(request):  # a write to a departed client says nothing about the backend
+                lease.outcome = Outcome.STREAM_FAILURE
             log.warning("backend %s failed mid-stream: %r", lease.backend.name, exc)
             if sse:
                 await resp.write(sse_error_event(

@@ -1,0 +1,250 @@
+"""Wiring of the resilience subsystem into one `AffinityProxy`: one object, one service, one line in app.py.
+
+Control plane (roles "all" and "control"): health monitor + active checker, membership (joins and drains),
+DNS discovery, hot reload (SIGHUP and file watch) and the admin write endpoints.
+Data plane (roles "all" and "data"): retry controller, overload queue, panic view, in-flight limits and
+passive outcome reports, all hooked into the protocol-neutral `Router` (proxy/dispatch.py) so every
+protocol gets them.
+
+With `--workers N` the data-plane processes get snapshots from the supervisor and cannot publish, so their
+passive outcome reports are not fed to ejection there (active checks, run by the supervisor, still are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from proxy.admin import require_token
+from proxy.config import Config
+from proxy.control.checks import HealthChecker, HealthMonitor
+from proxy.control.discovery import Discovery, split_services
+from proxy.control.membership import Membership, close_idle_connections
+from proxy.control.reload import Reloader
+from proxy.control.resilience_metrics import ResilienceMetrics
+from proxy.core.health import PanicView
+from proxy.core.snapshot import BackendSpec
+from proxy.overload import AdmissionQueue
+from proxy.retry import RetryController
+
+if TYPE_CHECKING:
+    from proxy.app import AffinityProxy
+
+log = logging.getLogger("affinity_proxy.resilience")
+
+# Sections that only take effect at start: a reload that changes them is applied for everything else and
+# logs that these need a restart.
+RESTART_ONLY = ("listen", "grpc_listen", "admin", "limits", "upstream", "telemetry", "debug_headers")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Resilience:
+    def __init__(self, proxy: AffinityProxy, config_path: str | None = None) -> None:
+        self.proxy = proxy
+        self.config_path = config_path
+        cfg = proxy.config
+        self.metrics = ResilienceMetrics(proxy.metrics.registry)
+        self.control = proxy.role != "data"
+        self.data = proxy.role != "control"
+        self.monitor = HealthMonitor(proxy.store, cfg.health_checks, cfg.outlier_detection, metrics=self.metrics)
+        self.checker = HealthChecker(proxy.store, self.monitor)
+        self.membership = Membership(
+            proxy.store, self.monitor, proxy.inflight, drain_timeout_s=cfg.timeouts.drain_s,
+            close_idle=self._close_idle, metrics=self.metrics,
+        )
+        static, services = split_services(cfg.backend_specs())
+        self.discovery: Discovery | None = None
+        if cfg.discovery.enabled:
+            self.membership.seed("config", static)
+            self.discovery = Discovery(self.membership, cfg.discovery, services)
+        else:
+            self.membership.seed("config", cfg.backend_specs())
+        self.reloader: Reloader | None = None
+        if config_path is not None:
+            self.reloader = Reloader(config_path, self.apply_config, lambda: proxy.store.current.version,
+                                     metrics=self.metrics)
+        self.retries = RetryController(cfg.retries, metrics=self.metrics)
+        self.queue = AdmissionQueue(cfg.overload, self.metrics)
+        self._tasks: list[asyncio.Task[None]] = []
+        router = proxy.router
+        if self.data:
+            router.overload = cfg.overload
+            router.panic = PanicView(cfg.overload.panic_threshold_percent)
+            router.queue = self.queue
+            if self.control:
+                router.on_outcome = self.monitor.report
+            proxy.store.subscribe(lambda _s: self.queue.notify_all())
+        if self.control:
+            self._add_admin_routes(proxy.admin_app, proxy.admin_token, cfg.admin.host)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self.data and self.proxy.http is not None:
+            self.proxy.http.retries = self.retries
+        if not self.control:
+            return
+        await self.checker.start()
+        spawn = asyncio.get_running_loop().create_task
+        self._tasks = [spawn(self.monitor.run_expiries(), name="outlier-expiry"),
+                       spawn(self.membership.run(), name="drains")]
+        if self.discovery is not None:
+            self._tasks.append(spawn(self.discovery.run(), name="discovery"))
+        if self.reloader is not None:
+            self.reloader.install_signal()
+            self._tasks.append(spawn(self.reloader.watch(), name="config-watch"))
+
+    async def stop(self) -> None:
+        if self.reloader is not None:
+            self.reloader.remove_signal()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.control:
+            await self.checker.stop()
+
+    async def _close_idle(self, spec: BackendSpec) -> None:
+        session = self.proxy.session
+        if session is not None:
+            n = await close_idle_connections(session, spec)
+            if n:
+                log.info("closed %d idle upstream connections to %s", n, spec.name)
+
+    # ------------------------------------------------------------------------------------------ reload
+
+    def apply_config(self, new: Config) -> int:
+        """Swap in a validated config: backends, health, outliers, retries, overload, routing, discovery."""
+        old = self.proxy.config
+        restart = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
+        if restart:
+            log.warning("reload: %s changed and take effect only after a restart", ", ".join(restart))
+        self.monitor.reconfigure(new.health_checks, new.outlier_detection)
+        self.retries.reconfigure(new.retries)
+        self.queue.cfg = new.overload
+        router = self.proxy.router
+        router.overload = new.overload
+        router.panic = PanicView(new.overload.panic_threshold_percent)
+        if new.routing != old.routing:
+            from proxy.core.policies import build_policy
+
+            router.policy = self.proxy.policy = build_policy(new.routing)
+            log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
+        self.membership.drain_timeout_s = new.timeouts.drain_s
+        if new.discovery.enabled:
+            static, services = split_services(new.backend_specs())
+            if self.discovery is None:
+                self.discovery = Discovery(self.membership, new.discovery, services)
+                self._tasks.append(asyncio.get_running_loop().create_task(self.discovery.run(), name="discovery"))
+            else:
+                self.discovery.set_services(services, new.discovery)
+        else:
+            static = list(new.backend_specs())
+            if self.discovery is not None:
+                self.discovery.set_services([], new.discovery)
+                self.membership.drop_source("discovery")
+        snapshot = self.membership.set_source("config", static)
+        self.proxy.config = new
+        self.checker.refresh()
+        return snapshot.version
+
+    # ------------------------------------------------------------------------------------------ admin API
+
+    def _add_admin_routes(self, app: web.Application, token: str | None, host: str) -> None:
+        """POST /admin/backends/{name}/drain | /restore | /weight, POST /admin/reload, GET /admin/reload.
+
+        Protected by the bearer token when one is configured. Without a token they answer only when the
+        admin listener is bound to loopback: an exposed admin port must not let anyone drain the fleet.
+        """
+        open_ok = token is not None or _loopback(host)
+
+        def guard(handler: Any) -> Any:
+            async def refuse(request: web.Request) -> web.Response:
+                return _error(403, "admin write endpoints need admin.token (or token_env) when the admin "
+                                   "listener is not on loopback", "forbidden")
+
+            return require_token(token, handler) if open_ok else refuse
+
+        store = self.proxy.store
+
+        async def drain(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            try:
+                snap = self.membership.drain(name)
+            except KeyError:
+                return _error(404, f"no backend named {name!r}", "not_found")
+            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]
+                                      "version": snap.version})
+
+        async def restore(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            try:
+                snap = self.membership.restore(name)
+            except KeyError:
+                return _error(404, f"no backend named {name!r}", "not_found")
+            except ValueError as exc:
+                return _error(409, str(exc), "conflict")
+            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]
+                                      "version": snap.version})
+
+        async def weight(request: web.Request) -> web.Response:
+            name = request.match_info["name"]
+            try:
+                body = await request.json()
+            except ValueError:
+                return _error(400, 'body must be JSON: {"weight": <number >= 0 or null>}', "invalid_json")
+            value = body.get("weight", "missing") if isinstance(body, dict) else "missing"
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return _error(400, '"weight" must be a number >= 0, or null to go back to the configured one',
+                              "invalid_value", "weight")
+            try:
+                snap = self.membership.set_weight(name, None if value is None else float(value))
+            except KeyError:
+                return _error(404, f"no backend named {name!r}", "not_found")
+            except ValueError as exc:
+                return _error(400, str(exc), "invalid_value", "weight")
+            b = snap.get(name)
+            return web.json_response({"backend": name, "weight": b.effective_weight,  # type: ignore[union-attr]
+                                      "version": snap.version})
+
+        async def reload(request: web.Request) -> web.Response:
+            if self.reloader is None:
+                return _error(409, "the proxy was not started from a config file; nothing to reload", "no_config_file")
+            result = await self.reloader.reload("admin")
+            status = 200 if result.ok else 422
+            return web.json_response({"ok": result.ok, "version": result.version, "errors": list(result.errors)},
+                                     status=status)
+
+        async def reload_status(request: web.Request) -> web.Response:
+            r = self.reloader.last_result if self.reloader is not None else None
+            return web.json_response({
+                "config_path": self.config_path, "version": store.current.version,
+                "last": None if r is None else {"ok": r.ok, "reason": r.reason, "version": r.version,
+                                                "errors": list(r.errors)},
+            })
+
+        app.router.add_post("/admin/backends/{name}/drain", guard(drain))
+        app.router.add_post("/admin/backends/{name}/restore", guard(restore))
+        app.router.add_post("/admin/backends/{name}/weight", guard(weight))
+        app.router.add_post("/admin/reload", guard(reload))
+        app.router.add_get("/admin/reload", reload_status)
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
+                                        "server_error", "param": param, "code": code}}, status=status)
+
+
+__all__ = ["Resilience"]

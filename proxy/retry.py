@@ -1,0 +1,121 @@
+"""Safe retries for every data plane: another backend, only while the client has received nothing.
+
+The data plane runs each attempt inside `run_with_retries`. An attempt that fails before a single byte went
+to the client raises `RetryableFailure` carrying the answer the client would get if no retry happens (the
+proxy's own 502, or the backend's 429/503 read in full but not forwarded). The loop then asks the
+`RetryController` whether this failure kind is retryable, whether attempts are left and whether the retry
+budget allows one more, waits a jittered backoff, and routes again excluding every backend tried so far
+(`Lease.tried`), so the policy's next choice is its alternate. Once a response has started streaming the
+attempt never raises `RetryableFailure`: a mid-stream failure ends the client's stream with an error
+event, because splicing a second answer after a partial first one would duplicate or corrupt it.
+
+Every attempt counts in the shared in-flight table and reports its outcome for outlier detection through
+its own lease, so a retried request is accounted to each backend it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Awaitable, Callable, Generic, TypeVar
+
+from proxy.control.resilience_metrics import ResilienceMetrics
+from proxy.core.decision import NoBackendAvailable
+from proxy.core.health import Outcome, RetryBudget, RetryConfig, backoff_s, retryable
+from proxy.core.request import RequestSummary
+
+T = TypeVar("T")
+
+
+class RetryableFailure(Exception, Generic[T]):
+    """An attempt failed before anything reached the client; `response` is what to send if not retried."""
+
+    def __init__(self, outcome: Outcome, response: T, status: int | None = None) -> None:
+        super().__init__(f"{outcome.value} {status or ''}".strip())
+        self.outcome = outcome
+        self.response = response
+        self.status = status
+
+
+class RetryController:
+    """Config, budget and backoff randomness of one process (the budget is shared by all protocols)."""
+
+    def __init__(
+        self,
+        cfg: RetryConfig,
+        *,
+        metrics: ResilienceMetrics | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.budget = RetryBudget(cfg)
+        self.metrics = metrics if metrics is not None else ResilienceMetrics()
+        self.rng = rng if rng is not None else random.Random()
+        self.clock = clock
+        self.retried = 0
+        self._statuses = cfg.retry_statuses
+
+    def reconfigure(self, cfg: RetryConfig) -> None:
+        if cfg != self.cfg:
+            self.cfg = cfg
+            self.budget = RetryBudget(cfg)
+            self._statuses = cfg.retry_statuses
+
+    def retry_status(self, status: int) -> bool:
+        """Should an upstream answer with this status be held back (read, not forwarded) for a retry?"""
+        return self.cfg.enabled and self.cfg.max_attempts > 1 and status in self._statuses
+
+    def on_request(self) -> None:
+        self.budget.on_request(self.clock())
+
+    def allow(self, failure: RetryableFailure[object], attempts_done: int) -> bool:
+        if not retryable(self.cfg, failure.outcome, failure.status):
+            return False
+        if attempts_done >= self.cfg.max_attempts:
+            self.metrics.retries_denied.labels("attempts").inc()
+            return False
+        if not self.budget.try_acquire(self.clock()):
+            self.metrics.retries_denied.labels("budget").inc()
+            return False
+        return True
+
+    def backoff(self, retry_number: int) -> float:
+        return backoff_s(self.cfg, retry_number, self.rng.random())
+
+
+async def run_with_retries(
+    controller: RetryController,
+    router: object,
+    summary: RequestSummary,
+    attempt: Callable[[object], Awaitable[T]],
+) -> T:
+    """Route and run `attempt(lease)`, retrying on other backends per the controller. See module doc."""
+    controller.on_request()
+    exclude: frozenset[str] = frozenset()
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            async with router.route(summary, exclude) as lease:  # type: ignore[attr-defined]
+                try:
+                    return await attempt(lease)
+                except RetryableFailure as failure:
+                    last: RetryableFailure[T] = failure
+                    exclude = lease.tried
+        except NoBackendAvailable:
+            if attempts == 1:
+                raise
+            controller.metrics.retries_denied.labels("no_backend").inc()
+            return last.response  # no other backend left: the client gets the failure it would have got
+        if not controller.allow(last, attempts):
+            return last.response
+        controller.retried += 1
+        controller.metrics.retries.labels(last.outcome.value if last.status is None else str(last.status)).inc()
+        delay = controller.backoff(attempts)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+__all__ = ["RetryController", "RetryableFailure", "run_with_retries"]
