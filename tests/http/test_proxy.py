@@ -267,7 +267,8 @@ async def test_admin_and_metrics(backends: list[FakeBackend], make_proxy: ProxyF
 async def test_per_backend_and_total_inflight_limits(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
     for b in backends:
         b.hang_stream = True
-    proxy = await make_proxy(backends, backend_extra=", max_inflight: 1", policy="round_robin")
+    proxy = await make_proxy(backends, backend_extra=", max_inflight: 1", policy="round_robin",
+                             extra="overload: {reject_status: 503}\n")
     async with aiohttp.ClientSession() as s:
         held = [await s.post(proxy.http_url + "/v1/chat/completions", json={**CHAT, "stream": True}) for _ in range(2)]
         for r in held:
