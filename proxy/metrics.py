@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Awaitable, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -75,6 +75,9 @@ class ProxyMetrics:
         self._duration_children: dict[str, Histogram] = {}
         self._error_children: dict[str, Counter] = {}
         r.register(_FnCollector(self._collect_upstream))
+        # process_cpu_seconds_total, resident memory, open fds: the proxy's own cost on the dashboard. With
+        # --workers N every process reports its own and the supervisor's merge adds them up.
+        ProcessCollector(registry=r)
         # What the admin /metrics endpoint serves. proxy/workers.py points it, in the supervisor, at an
         # exposition merged from every worker process (collected asynchronously over their channels).
         self.render: Callable[[], Awaitable[bytes]] = self._render_own
