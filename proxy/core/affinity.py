@@ -48,7 +48,7 @@ from proxy.core.policies import eligible
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
-from proxy.core.snapshot import BackendState, Snapshot
+from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -63,9 +63,14 @@ def backend_seed(name: str) -> int:
 
 
 class _Ring:
-    """Rendezvous-hashing candidates for one (snapshot, model): backends with weight > 0 serving it."""
+    """Rendezvous candidates for one (snapshot, model): backends with weight > 0 serving the model.
 
-    __slots__ = ("names", "seeds", "weights", "uniform", "members")
+    Built once per snapshot (5 times a second with telemetry), so that the per-request work is the
+    rendezvous scores plus the in-flight sum, not attribute lookups on every BackendState.
+    """
+
+    __slots__ = ("names", "seeds", "weights", "uniform", "members", "info", "routable", "routable_w",
+                 "score_sum", "score_n")
 
     def __init__(self, states: list[BackendState]) -> None:
         self.names = [s.name for s in states]
@@ -73,6 +78,15 @@ class _Ring:
         self.weights = [s.effective_weight for s in states]
         self.uniform = len(set(self.weights)) <= 1
         self.members = frozenset(self.names)
+        # name -> (routable, weight, fresh telemetry score or None, max_inflight)
+        self.info = {
+            s.name: (s.routable, s.effective_weight, telemetry_score(s), s.spec.max_inflight) for s in states
+        }
+        self.routable = [s.name for s in states if s.routable]
+        self.routable_w = sum(s.effective_weight for s in states if s.routable)
+        fresh = [x for s in states if s.routable and (x := telemetry_score(s)) is not None]
+        self.score_sum = sum(fresh)
+        self.score_n = len(fresh)
 
     def scores(self, key: int) -> list[float]:
         """Higher is better. Weighted: w / -ln(u) gives backend i a share w_i / sum(w) of the keys."""
@@ -85,9 +99,7 @@ class _Ring:
 
 def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[str]:
     """Every backend in rendezvous order for `key` (used by tests and tools; the policy ranks lazily)."""
-    ring = _Ring.__new__(_Ring)
-    ring.names, ring.seeds, ring.weights = names, [backend_seed(n) for n in names], weights
-    ring.uniform = len(set(weights)) <= 1
+    ring = _Ring([BackendState(spec=BackendSpec(n, "", w)) for n, w in zip(names, weights)])
     scores = ring.scores(key)
     return [names[i] for i in sorted(range(len(names)), key=lambda i: scores[i], reverse=True)]
 
@@ -150,6 +162,13 @@ class AffinityPolicy:
         """The prefix index of one backend (for the admin API, tests and the benchmark)."""
         return self._indexes.get(backend)
 
+    def _top(self, scores: list[float]) -> list[int]:
+        """Indexes of the best-ranked backends: enough for the primary, a fallback and the alternates."""
+        k = self._cfg.max_alternates + 2
+        if len(scores) <= k:
+            return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
+        return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)
+
     # ------------------------------------------------------------------------------------------- pick
 
     def pick(
@@ -165,24 +184,25 @@ class AffinityPolicy:
             eligible(req, snapshot, exclude)  # raises with the precise reason
         a = self._a
         keys = self._fp.keys(req)
-        blocks = keys.blocks
+        blocks: list[int] | None = None  # computed only when needed: the one cost that grows with the prompt
         matched = 0
-        scores: list[float] | None = None
-        primary: str | None = None
         record_exact = True
 
         if a.session_affinity and req.session_key is not None:
             key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
             scores = ring.scores(key)
-            primary = ring.names[max(range(len(scores)), key=scores.__getitem__)]
+            top = self._top(scores)
+            primary = ring.names[top[0]]
             reason = Reason.SESSION
             record_exact = False
         else:
             exact = self._exact.get(keys.fingerprint)
             scores = ring.scores(keys.hash_key)
+            top = self._top(scores)
             if exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
+                blocks = self._fp.blocks(keys)
                 need = a.min_prefix_blocks
                 if keys.structured:
                     # The match must reach past the end of the first user turn, i.e. include the block
@@ -203,20 +223,25 @@ class AffinityPolicy:
                 if best_i >= 0:
                     primary, reason = ring.names[best_i], Reason.PREFIX_HIT
                 else:
-                    primary = ring.names[max(range(len(scores)), key=scores.__getitem__)]
+                    primary = ring.names[top[0]]
                     reason = Reason.HASH
 
-        chosen, reason = self._bounded(primary, reason, ring, scores, snapshot, inflight, exclude, req)
+        chosen, reason = self._bounded(primary, reason, ring, scores, top, snapshot, inflight, exclude, req)
         if record_exact:
             self._exact.put(keys.fingerprint, primary)
-        idx = self._indexes.get(chosen)
-        if idx is not None and blocks:
-            idx.add(blocks)
+        if reason is not Reason.EXACT_HIT:
+            # An exact hit's chain was recorded when the prompt was first routed; any other decision
+            # (fallbacks included: the KV is built where the request actually goes) teaches the index.
+            if blocks is None:
+                blocks = self._fp.blocks(keys)
+            idx = self._indexes.get(chosen)
+            if idx is not None and blocks:
+                idx.add(blocks)
         return Decision(
             chosen,
             reason,
             self.name,
-            self._alternates(chosen, ring, scores, snapshot, exclude),
+            self._alternates(chosen, ring, scores, top, exclude),
             matched if chosen == primary else 0,
         )
 
@@ -228,6 +253,7 @@ class AffinityPolicy:
         reason: Reason,
         ring: _Ring,
         scores: list[float],
+        top: list[int],
         snapshot: Snapshot,
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str],
@@ -235,88 +261,83 @@ class AffinityPolicy:
     ) -> tuple[str, Reason]:
         """Apply the bounded-load rule to `primary`; the chosen backend and the decision's reason."""
         a = self._a
+        info = ring.info
+        get = inflight.get
         # Fleet figures over the backends that could take this request now.
-        total_req = 0
-        total_w = 0.0
-        score_sum = 0.0
-        score_n = 0
-        states: dict[str, BackendState] = {}
-        for name in ring.names:
-            b = snapshot.get(name)
-            if b is None or not b.routable or name in exclude:
-                continue
-            states[name] = b
-            total_req += inflight.get(name, _NO_INFLIGHT).requests
-            total_w += b.effective_weight
-            s = telemetry_score(b)
-            if s is not None:
-                score_sum += s
-                score_n += 1
-        if not states:
+        if exclude:
+            names_now = [n for n in ring.routable if n not in exclude]
+            total_w = sum(info[n][1] for n in names_now)
+            fresh = [x for n in names_now if (x := info[n][2]) is not None]
+            score_sum, score_n = sum(fresh), len(fresh)
+        else:
+            names_now = ring.routable
+            total_w, score_sum, score_n = ring.routable_w, ring.score_sum, ring.score_n
+        if not names_now:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
-        score_limit = (
-            self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
-        )
+        total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
+        score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._bound_factor * (total_req + 1) / total_w
+        saturation = a.saturation
 
-        def admits(name: str) -> bool:
-            b = states[name]
-            r = inflight.get(name, _NO_INFLIGHT).requests
-            mx = b.spec.max_inflight
+        def can_take(name: str) -> bool:
+            routable, w, s, mx = info[name]
+            if not routable or name in exclude:
+                return False
+            r = get(name, _NO_INFLIGHT).requests
             if mx is not None and r >= mx:
                 return False
-            s = telemetry_score(b)
-            if s is not None and (s >= a.saturation or s > score_limit):
+            if s is not None and (s >= saturation or s > score_limit):
                 return False
-            return r + 1 <= math.ceil(share * b.effective_weight - 1e-9)
+            return r + 1 <= math.ceil(share * w - 1e-9)
 
-        if primary in states:
-            if admits(primary):
+        def usable(name: str) -> bool:
+            return info[name][0] and name not in exclude
+
+        if usable(primary):
+            if can_take(primary):
                 return primary, reason
             fallback = Reason.OVERLOAD_FALLBACK
         else:
             fallback = Reason.UNHEALTHY_FALLBACK
         names = ring.names
-        k = min(len(names), self._cfg.max_alternates + 2)
-        for pass_ in (0, 1):
-            if pass_ == 0:
-                order = heapq.nlargest(k, range(len(names)), key=scores.__getitem__)
-            else:
-                order = sorted(range(len(names)), key=scores.__getitem__, reverse=True)[k:]
-            for i in order:
-                name = names[i]
-                if name != primary and name in states and admits(name):
-                    return name, fallback
+        for i in top:
+            if names[i] != primary and can_take(names[i]):
+                return names[i], fallback
+        if len(top) < len(names):
+            for i in sorted(range(len(names)), key=scores.__getitem__, reverse=True)[len(top) :]:
+                if names[i] != primary and can_take(names[i]):
+                    return names[i], fallback
         # Everything eligible is saturated: the least-loaded one, by telemetry plus in-flight work.
         load_cfg = self._cfg.load
-        assumed = assumed_score(states.values(), load_cfg)
+        states = [b for n in names_now if (b := snapshot.get(n)) is not None]
+        assumed = assumed_score(states, load_cfg)
         best = min(
-            states.values(),
+            states,
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
         return best.name, fallback
 
     def _alternates(
-        self, chosen: str, ring: _Ring, scores: list[float], snapshot: Snapshot, exclude: frozenset[str]
+        self, chosen: str, ring: _Ring, scores: list[float], top: list[int], exclude: frozenset[str]
     ) -> tuple[str, ...]:
         """Other eligible backends in the prompt's rendezvous order: where a retry keeps most affinity."""
         limit = self._cfg.max_alternates
         if limit == 0:
             return ()
-        names = ring.names
+        names, info = ring.names, ring.info
         out: list[str] = []
-        for wanted in (limit + 2, len(names)):
-            out.clear()
-            for i in heapq.nlargest(min(wanted, len(names)), range(len(names)), key=scores.__getitem__):
+        for i in top:
+            name = names[i]
+            if name != chosen and info[name][0] and name not in exclude:
+                out.append(name)
+                if len(out) == limit:
+                    return tuple(out)
+        if len(top) < len(names):
+            for i in sorted(range(len(names)), key=scores.__getitem__, reverse=True)[len(top) :]:
                 name = names[i]
-                if name == chosen or name in exclude:
-                    continue
-                b = snapshot.get(name)
-                if b is not None and b.routable:
+                if name != chosen and info[name][0] and name not in exclude:
                     out.append(name)
                     if len(out) == limit:
-                        return tuple(out)
-            if wanted >= len(names):
-                break
+                        break
         return tuple(out)

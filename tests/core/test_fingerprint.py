@@ -74,7 +74,8 @@ def test_keys_for_a_chat_share_hash_key_across_turns_but_not_across_conversation
     assert k1.structured and k2.structured
     assert k1.hash_key == k2.hash_key != ko.hash_key
     # The system prompt is a shared prefix of all three: their leading blocks agree.
-    assert k1.blocks[:3] == ko.blocks[:3] and k2.blocks[: len(k1.blocks)] == k1.blocks
+    b1, b2, bo = f.blocks(k1), f.blocks(k2), f.blocks(ko)
+    assert b1[:3] == bo[:3] and b2[: len(b1)] == b1 and len(b2) > len(b1)
     assert k1.fingerprint != k2.fingerprint
 
 
@@ -86,6 +87,14 @@ def test_unstructured_hash_key_covers_the_prompt_up_to_the_cap():
     assert not a.structured and a.hash_key != b.hash_key  # differ after the first 3 blocks
     long_a, long_b = f.keys(prompt("p" * 256 + "tail-a")), f.keys(prompt("p" * 256 + "tail-b"))
     assert long_a.hash_key == long_b.hash_key  # identical within the 4-block cap
+
+
+def test_structured_key_is_byte_exact_for_non_ascii():
+    f = Fingerprinter(AffinityConfig())
+    a = f.keys(chat([("system", "Système " * 50), ("user", "café ?")]))
+    b = f.keys(chat([("system", "Système " * 50), ("user", "café ?"), ("assistant", "oui"), ("user", "et ça")]))
+    c = f.keys(chat([("system", "Système " * 50), ("user", "café !")]))
+    assert a.hash_key == b.hash_key != c.hash_key
 
 
 def test_summary_marks_the_first_non_system_message():
@@ -106,4 +115,4 @@ def test_estimate_tokens_ascii_fast_path_matches_bytes():
 def test_non_ascii_and_surrogates_hash():
     f = Fingerprinter(AffinityConfig(block_bytes=16))
     k = f.keys(prompt("héllo wörld 日本 \udcff" * 10))
-    assert len(k.blocks) == len(prompt("héllo wörld 日本 \udcff" * 10).prompt_bytes) // 16
+    assert len(f.blocks(k)) == len(prompt("héllo wörld 日本 \udcff" * 10).prompt_bytes) // 16
