@@ -10,8 +10,10 @@ Why the pieces look the way they do:
   one lucky answer must not re-admit a broken one.
 - Timeouts and refusals are different evidence. A refused or reset connection proves nothing is serving
   (counts at once, `fail_fast_on_refused`); a timeout may be a GC pause or a long prefill stalling the
-  event loop, so the timeout adapts to the backend's own check latency (at least k x its p99) and
-  only `unhealthy_threshold` consecutive timeouts evict.
+  event loop. So the adaptive timeout is at least k x the p99 of the backend's own check latency, and it
+  doubles with each consecutive timeout (capped): a paused backend gets a probe patient enough to see
+  it answer again before `unhealthy_threshold` timeouts pile up, while a hung one is still evicted after
+  a bounded time (timeout x (2^threshold - 1) plus the intervals: 7 s + 2 intervals with the defaults).
 - Passive outlier detection sees what active checks miss (a /health that passes while completions fail).
   Ejections grow with repeats and are capped to a share of the fleet, so a fleet-wide problem (a bad
   deploy, an overloaded cluster) never ejects everyone. An ejection ends with a passing health check once
@@ -199,23 +201,27 @@ class ActiveHealth:
     check completes.
     """
 
-    __slots__ = ("cfg", "state", "successes", "failures", "latencies_ms", "checked")
+    __slots__ = ("cfg", "state", "successes", "failures", "timeouts", "latencies_ms", "checked")
 
     def __init__(self, cfg: HealthCheckConfig, joining: bool = False) -> None:
         self.cfg = cfg
         self.state = Health.UNHEALTHY if joining else Health.UNKNOWN
         self.successes = 0
         self.failures = 0
+        self.timeouts = 0  # consecutive timeouts: each one doubles the next adaptive timeout
         self.latencies_ms: deque[float] = deque(maxlen=cfg.latency_window)
         self.checked = False
 
     def timeout_ms(self) -> float:
-        """The timeout for the next check: the floor, raised to k x p99 of recent latencies, capped."""
+        """The timeout for the next check: max(floor, k x p99 of recent latencies) x 2^consecutive timeouts,
+        capped at adaptive_max_timeout_ms; just the floor when the adaptive timeout is off."""
         cfg = self.cfg
-        if not cfg.adaptive_timeout or not self.latencies_ms:
+        if not cfg.adaptive_timeout:
             return float(cfg.timeout_ms)
-        adaptive = cfg.adaptive_k * percentile(self.latencies_ms, 99)
-        return float(min(cfg.adaptive_max_timeout_ms, max(cfg.timeout_ms, adaptive)))
+        base = float(cfg.timeout_ms)
+        if self.latencies_ms:
+            base = max(base, cfg.adaptive_k * percentile(self.latencies_ms, 99))
+        return float(min(cfg.adaptive_max_timeout_ms, base * (2 ** min(self.timeouts, 30))))
 
     def observe(self, result: CheckResult, latency_ms: float | None = None) -> Health:
         """Feed one check result; returns the (possibly new) active state."""
@@ -226,6 +232,7 @@ class ActiveHealth:
             if latency_ms is not None:
                 self.latencies_ms.append(max(0.0, latency_ms))
             self.failures = 0
+            self.timeouts = 0
             self.successes += 1
             # The very first answer of a backend decides at once: there is no earlier evidence to outweigh.
             if first or self.successes >= cfg.healthy_threshold:
@@ -233,6 +240,7 @@ class ActiveHealth:
             return self.state
         self.successes = 0
         self.failures += 1
+        self.timeouts = self.timeouts + 1 if result is CheckResult.TIMEOUT else 0
         hard = result is CheckResult.REFUSED and cfg.fail_fast_on_refused
         if hard or self.failures >= cfg.unhealthy_threshold:
             self.state = Health.UNHEALTHY

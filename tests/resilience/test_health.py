@@ -154,13 +154,26 @@ def test_adaptive_timeout_follows_p99_within_floor_and_cap() -> None:
     assert a.timeout_ms() == 5000  # capped
     off = ActiveHealth(HealthCheckConfig(timeout_ms=100, adaptive_timeout=False))
     off.observe(P, 3000)
+    off.observe(T)
     assert off.timeout_ms() == 100
+
+
+def test_consecutive_timeouts_double_the_timeout_so_a_pause_is_seen_to_end() -> None:
+    cfg = HealthCheckConfig(timeout_ms=500, adaptive_max_timeout_ms=3000, unhealthy_threshold=3)
+    a = ActiveHealth(cfg)
+    a.observe(P, 2)
+    assert [a.timeout_ms(), a.observe(T) and a.timeout_ms(), a.observe(T) and a.timeout_ms()] == [500, 1000, 2000]
+    assert a.state is Health.HEALTHY  # a 3 s pause answers within the third, 2 s probe: never evicted
+    a.observe(T)
+    assert a.state is Health.UNHEALTHY and a.timeout_ms() == 3000  # a hung backend still goes, capped
+    a.observe(F)
+    assert a.timeout_ms() == 500  # only timeouts in a row grow it
 
 
 def test_failed_checks_do_not_pollute_latency_window() -> None:
     a = ActiveHealth(HealthCheckConfig(timeout_ms=100, adaptive_k=2))
     a.observe(P, 80)
-    a.observe(T, 100)
+    a.observe(F, 100)
     assert list(a.latencies_ms) == [80]
     assert a.timeout_ms() == 160
 
