@@ -13,6 +13,7 @@ from typing import Sequence
 
 import uvloop
 
+from proxy import gpu_agent
 from proxy.config import Config, ConfigError, dump_config, load_config, parse_config
 
 EXIT_CONFIG_ERROR = 2
@@ -55,7 +56,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             # One process does everything: no supervisor, no channel, nothing to restart.
             await AffinityProxy(config, config_path=args.config).serve_until_signal()
         else:
-            await serve(config, workers)
+            await serve(config, workers, config_path=args.config)
 
     uvloop.run(main())
     return 0
@@ -154,7 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_demo)
 
-    # gpu-agent: registered by the telemetry module (proxy/gpu_agent.py) with one add_parser block here.
+    p = sub.add_parser(
+        "gpu-agent",
+        help="export this node's GPU memory/utilisation (NVML) and the local engine's queue and KV growth",
+    )
+    gpu_agent.add_arguments(p)
+    p.set_defaults(func=gpu_agent.cmd_gpu_agent)
     return parser
 
 

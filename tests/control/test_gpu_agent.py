@@ -1,0 +1,185 @@
+"""The GPU agent with an injected fake NVML: what it exports, where each value comes from, how it fails."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, AsyncIterator
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.control.adapters import Extractor
+from proxy.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
+from tests.control.fakes import FakeMetrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeNvml:
+    """The subset of pynvml the agent calls, with pynvml's error class layout."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_LibraryNotFound(NVMLError):
+        pass
+
+    def __init__(self, gpus: list[dict[str, float]] | None = None, missing_library: bool = False) -> None:
+        self.gpus = gpus if gpus is not None else [
+            {"used": 60e9, "total": 80e9, "util": 91},
+            {"used": 20e9, "total": 80e9, "util": 12},
+        ]
+        self.missing_library = missing_library
+        self.initialised = False
+        self.shutdowns = 0
+
+    def nvmlInit(self) -> None:
+        if self.missing_library:
+            raise self.NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-fake-{h}"
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        g = self.gpus[h]
+        return SimpleNamespace(used=g["used"], total=g["total"], free=g["total"] - g["used"])
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return SimpleNamespace(gpu=self.gpus[h]["util"], memory=0)
+
+
+def vllm_page(running: int, waiting: int, kv_usage: float) -> str:
+    return (
+        f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv_usage}\n'
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0\n'
+    )
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeMetrics]:
+    e = await FakeMetrics(vllm_page(3, 2, 0.25)).start()
+    yield e
+    await e.stop()
+
+
+async def scrape(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as resp:
+            assert resp.status == 200
+            return await resp.text()
+
+
+async def test_agent_exports_nvml_and_engine_series(engine: FakeMetrics) -> None:
+    nvml = FakeNvml()
+    agent = GpuAgent(nvml, host="127.0.0.1", port=0, engine_url=engine.url, interval_s=0.02)
+    await agent.start()
+    try:
+        assert agent.engine is not None
+        for _ in range(500):  # until the engine probe has run (hang guard, not a timing check)
+            if agent.engine.up:
+                break
+            await asyncio.sleep(0.01)
+        text = await scrape(agent.url)
+    finally:
+        await agent.stop()
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # valid exposition
+    used = {s.labels["gpu"]: s.value for s in families["gpu_memory_used_bytes"].samples}
+    assert used == {"0": 60e9, "1": 20e9}
+    util = {s.labels["uuid"]: s.value for s in families["gpu_utilization_ratio"].samples}
+    assert util == {"GPU-fake-0": 0.91, "GPU-fake-1": 0.12}
+    assert families["cuda_kernel_queue_length"].samples[0].value == 5.0  # engine running + waiting
+    assert families["gpu_agent_engine_up"].samples[0].value == 1.0
+    # what the proxy's poller reads from it
+    r = Extractor().read(text)
+    assert r.engine == "agent"
+    assert (r.mem_used_bytes, r.mem_total_bytes, r.kernel_queue) == (80e9, 160e9, 5.0)
+    assert nvml.shutdowns == 1
+
+
+async def test_agent_without_engine_omits_engine_series() -> None:
+    agent = GpuAgent(FakeNvml(), host="127.0.0.1", port=0, engine_url="http://127.0.0.1:9", interval_s=0.02)
+    await agent.start()
+    try:
+        await asyncio.sleep(0.05)
+        text = await scrape(agent.url)
+    finally:
+        await agent.stop()
+    assert "gpu_memory_used_bytes" in text
+    assert "gpu_agent_engine_up 0.0" in text
+    # a dead engine is not an idle one: no queue and no KV rate rather than zeros
+    assert "cuda_kernel_queue_length" not in text and "kvcache_tokens_per_second" not in text
+
+
+def test_kv_growth_rate_over_the_last_second() -> None:
+    probe = EngineProbe("http://127.0.0.1:1")
+    probe.observe(vllm_page(1, 0, 0.10), 100.0)  # 1600 tokens of 16000
+    assert probe.kv_tokens_per_s is None  # one point is no rate
+    probe.observe(vllm_page(1, 0, 0.15), 100.5)  # +800 tokens in 0.5 s
+    assert probe.kv_tokens_per_s == pytest.approx(1600.0)
+    probe.observe(vllm_page(1, 0, 0.12), 101.0)  # shrinking over the window is no load, not negative
+    assert probe.kv_tokens_per_s == pytest.approx(320.0)  # (1920 - 1600) / 1.0 s: net growth over the window
+    probe.observe(vllm_page(1, 0, 0.05), 101.6)
+    assert probe.kv_tokens_per_s == 0.0
+    assert probe.queue == 1.0
+    probe.lost()
+    assert probe.queue is None and probe.kv_tokens_per_s is None
+
+
+def test_engine_url_gets_metrics_path() -> None:
+    assert EngineProbe("http://h:8000").url == "http://h:8000/metrics"
+    assert EngineProbe("http://h:8000/metrics").url == "http://h:8000/metrics"
+
+
+def _args(**kw: Any) -> argparse.Namespace:
+    base = dict(port=0, host="127.0.0.1", engine_url=None, interval_ms=200)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_no_driver_is_one_line_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_gpu_agent(_args(), nvml=FakeNvml(missing_library=True)) == 1
+    err = capsys.readouterr().err
+    assert err == "gpu-agent: cannot read GPUs: NVMLError_LibraryNotFound (NVML Shared Library Not Found)\n"
+
+
+def test_no_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cmd_gpu_agent(_args(), nvml=FakeNvml(gpus=[])) == 1
+    assert capsys.readouterr().err == "gpu-agent: no NVIDIA GPU found by NVML\n"
+
+
+def test_real_cli_without_a_gpu_exits_with_one_line() -> None:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has an NVIDIA driver: the agent would start")
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy", "gpu-agent", "--host", "127.0.0.1", "--port", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-agent: cannot read GPUs: NVMLError")
