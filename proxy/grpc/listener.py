@@ -61,7 +61,8 @@ class RelayContext:
         self.max_body_bytes = config.limits.max_body_bytes
         self.http_session_header = config.routing.session_header
         self.http_session = http_session
-        self.retries = 0
+        self.retries = 0  # calls sent to a second backend after a connection failure
+        self.decompressed_for_routing = 0  # compressed first messages inflated (a copy) to be routed
         self._no_grpc_version = -1
         self._no_grpc: frozenset[str] = frozenset()
 

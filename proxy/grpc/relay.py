@@ -208,6 +208,8 @@ class Call:
                 if compressed:
                     payload = wire.decompress(payload, self.encoding.decode("ascii", "replace"),
                                               ctx.options.max_routing_message_bytes)
+                    if payload is not None:
+                        ctx.decompressed_for_routing += 1
         key_header = ctx.registry.route_key_header(self.ext)
         if key_header is not None and self.route_key is None:
             for name, value in self.headers:
