@@ -6,8 +6,10 @@ Data plane (roles "all" and "data"): retry controller, overload queue, panic vie
 passive outcome reports, all hooked into the protocol-neutral `Router` (proxy/dispatch.py) so every
 protocol gets them.
 
-With `--workers N` the data-plane processes get snapshots from the supervisor and cannot publish, so their
-passive outcome reports are not fed to ejection there (active checks, run by the supervisor, still are).
+With `--workers N` the data-plane processes get snapshots from the supervisor and cannot publish: they send
+their passive outcome reports to the supervisor (batched per event-loop turn over the worker channel), whose
+monitor ejects for the whole fleet, and they receive the data-plane half of every reload
+(`apply_data_config`); see proxy/workers.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from aiohttp import web
 
@@ -78,6 +80,8 @@ class Resilience:
         self.retries = RetryController(cfg.retries, metrics=self.metrics)
         self.queue = AdmissionQueue(cfg.overload, self.metrics)
         self._tasks: list[asyncio.Task[None]] = []
+        # Called with every configuration a reload swapped in (proxy/workers.py forwards it to the workers).
+        self.reload_listeners: list[Callable[[Config], None]] = []
         router = proxy.router
         if self.data:
             router.overload = cfg.overload
@@ -132,16 +136,7 @@ class Resilience:
         if restart:
             log.warning("reload: %s changed and take effect only after a restart", ", ".join(restart))
         self.monitor.reconfigure(new.health_checks, new.outlier_detection)
-        self.retries.reconfigure(new.retries)
-        self.queue.cfg = new.overload
-        router = self.proxy.router
-        router.overload = new.overload
-        router.panic = PanicView(new.overload.panic_threshold_percent)
-        if new.routing != old.routing:
-            from proxy.core.policies import build_policy
-
-            router.policy = self.proxy.policy = build_policy(new.routing)
-            log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
+        self.apply_data_config(new)
         self.membership.drain_timeout_s = new.timeouts.drain_s
         if new.discovery.enabled:
             static, services = split_services(new.backend_specs())
@@ -158,7 +153,25 @@ class Resilience:
         snapshot = self.membership.set_source("config", static)
         self.proxy.config = new
         self.checker.refresh()
+        for listener in self.reload_listeners:
+            listener(new)
         return snapshot.version
+
+    def apply_data_config(self, new: Config) -> None:
+        """The data-plane half of a reload (retries, overload, routing). With --workers N the supervisor
+        runs `apply_config` and each worker process this half, sent over its channel (proxy/workers.py)."""
+        old = self.proxy.config
+        self.retries.reconfigure(new.retries)
+        self.queue.cfg = new.overload
+        router = self.proxy.router
+        router.overload = new.overload
+        router.panic = PanicView(new.overload.panic_threshold_percent)
+        if new.routing != old.routing:
+            from proxy.core.policies import build_policy
+
+            router.policy = self.proxy.policy = build_policy(new.routing)
+            log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
+        self.proxy.config = new
 
     # ------------------------------------------------------------------------------------------ admin API
 

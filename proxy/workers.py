@@ -157,6 +157,23 @@ class PublishSnapshot:
 
 
 @dataclass(frozen=True)
+class ApplyConfig:
+    """A reloaded, validated configuration: the worker applies its data-plane half (retries, overload,
+    routing policy). Backend membership arrives as snapshots, like every other fleet change."""
+
+    config: Any
+
+
+@dataclass(frozen=True)
+class Outcomes:
+    """Passive outcome reports (backend name, proxy.core.health.Outcome) from a worker's requests, for the
+    supervisor's outlier detection: one monitor sees the whole proxy's traffic, so a backend failing on
+    every worker is ejected as fast as in a single process, and ejection is one fleet-wide decision."""
+
+    items: list[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
 class CollectMetrics:
     seq: int
 
@@ -362,6 +379,7 @@ class Supervisor:
         *,
         drain_s: float,
         python: str = sys.executable,
+        on_outcomes: Callable[[list[tuple[str, Any]]], None] | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -378,6 +396,7 @@ class Supervisor:
         self._seq = 0
         self._replies: dict[tuple[int, int], asyncio.Future[list[FamilyData]]] = {}
         self.retired: dict[str, dict[SampleKey, float]] = {}
+        self.on_outcomes = on_outcomes
         self.restarts_total = 0
         store.subscribe(self._on_snapshot)
 
@@ -442,6 +461,13 @@ class Supervisor:
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
 
+    def apply_config(self, config: Any) -> None:
+        """Forward a reloaded configuration; workers started later get it in their WorkerInit."""
+        self.config = config
+        for worker in self._workers:
+            if worker.writer is not None and worker.ready.is_set():
+                write_message(worker.writer, ApplyConfig(config))
+
     def readiness_problems(self) -> list[str]:
         """For /readyz: serving means every worker listens (a restarting one is back within a second)."""
         missing = [w.index for w in self._workers if not w.ready.is_set()]
@@ -493,6 +519,9 @@ class Supervisor:
                     worker.ready.set()
                     # Whatever was published while it started up.
                     self._queue(worker, self.store.current)
+                elif isinstance(message, Outcomes):
+                    if self.on_outcomes is not None:
+                        self.on_outcomes(message.items)
                 elif isinstance(message, MetricsReply):
                     future = self._replies.pop((worker.index, message.seq), None)
                     if future is not None and not future.done():
@@ -625,8 +654,21 @@ async def _worker(channel_fd: int) -> int:
         raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
     proxy = AffinityProxy(_with_ports(init.config, init.listeners), reuse_port=True, role="data")
     _apply(proxy.store, init.snapshot)
-    stop = asyncio.Event()
+    pending: list[tuple[str, Any]] = []
     loop = asyncio.get_running_loop()
+
+    def flush() -> None:
+        write_message(writer, Outcomes(pending[:]))
+        pending.clear()
+
+    def report(name: str, outcome: Any) -> None:
+        # One message per event-loop turn, however many requests finished in it.
+        if not pending:
+            loop.call_soon(flush)
+        pending.append((name, outcome))
+
+    proxy.router.on_outcome = report
+    stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
 
     async def channel() -> None:
@@ -635,6 +677,8 @@ async def _worker(channel_fd: int) -> int:
                 message = await read_message(reader)
                 if isinstance(message, PublishSnapshot):
                     _apply(proxy.store, message.snapshot)
+                elif isinstance(message, ApplyConfig):
+                    proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
                 elif isinstance(message, CollectMetrics):
                     write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -664,6 +708,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the supervisor turns it into an orderly SIGTERM
     # of every worker, so the workers themselves ignore it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGHUP means "reload" to the supervisor, which forwards the result; a hang-up of the whole process
+    # group must not kill the workers (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s",
@@ -683,15 +730,24 @@ def data_listeners(config: Any) -> dict[str, tuple[str, int]]:
     return listeners
 
 
-async def serve(config: Any, workers: int) -> None:
+async def serve(config: Any, workers: int, config_path: str | None = None) -> None:
     """Supervisor + `workers` data-plane processes until SIGTERM/SIGINT, then drain everything."""
     from proxy.admin import READY_CHECKS
     from proxy.app import AffinityProxy
 
-    proxy = AffinityProxy(config, role="control")
+    proxy = AffinityProxy(config, role="control", config_path=config_path)
+    monitor = proxy.resilience.monitor
+
+    def outcomes(items: list[tuple[str, Any]]) -> None:
+        for name, outcome in items:
+            if name in proxy.store.current:
+                monitor.report(name, outcome)
+
     supervisor = Supervisor(
-        config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s
+        config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
+        on_outcomes=outcomes,
     )
+    proxy.resilience.reload_listeners.append(supervisor.apply_config)
     proxy.metrics.register_collector(supervisor.collect_own)
     own = proxy.metrics.registry
 

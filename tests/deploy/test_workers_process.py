@@ -124,7 +124,7 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
 
             # It comes back: the supervisor restarts the slot, and the new process serves again.
             replacement = None
-            while replacement is None:
+            for _ in range(600):  # a guard against hanging, not a timing assertion
                 now = proxy.workers()
                 new = [p for p in now if p not in workers]
                 if new and len(now) == 2:
@@ -133,6 +133,7 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
                             replacement = new[0]
                             break
                 await asyncio.sleep(0.1)
+            assert replacement is not None
             hits = 0
             for i in range(200):
                 owners: list[int | None] = []
@@ -193,5 +194,85 @@ async def test_metrics_merge_requests_from_both_workers(tmp_path: Path, fakes: l
                 total += float(line.rsplit(" ", 1)[1])
         assert total == 40
         assert {b["name"] for b in snapshot["backends"]} == {f.name for f in fakes}
+    finally:
+        assert await proxy.terminate() == 0
+
+
+async def _backends(session: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[str, dict[str, object]]:
+    async with session.get(f"{proxy.admin}/admin/backends") as resp:
+        return {b["name"]: b for b in json.loads(await resp.text())["backends"]}
+
+
+async def test_failures_seen_by_both_workers_eject_once_for_the_whole_proxy(
+    tmp_path: Path, fakes: list[FakeBackend]
+) -> None:
+    fakes[3].status = 500
+    cfg = tmp_path / "config.yaml"
+    # No active checks: only the workers' passive reports, forwarded to the supervisor, can eject gpu-3.
+    cfg.write_text(
+        _config(fakes, "round_robin")
+        + "health_checks: {enabled: false}\noutlier_detection: {consecutive_5xx: 6, base_ejection_ms: 60000}\n"
+    )
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        workers = proxy.workers()
+        failed_on: set[int] = set()
+        async with aiohttp.ClientSession() as session:
+            for i in range(200):
+                owner: list[int | None] = []
+                reply = await post_json(
+                    proxy.port, "/v1/completions", _body(f"e {i}"),
+                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
+                )
+                if reply.status == 500:
+                    failed_on.add(owner[0])
+                if (await _backends(session, proxy))["gpu-3"]["health"] == "unhealthy":
+                    break
+            assert (await _backends(session, proxy))["gpu-3"]["health"] == "unhealthy"
+            # The six failures came through both workers: neither alone saw enough to eject.
+            assert failed_on == set(workers)
+            seen = len(fakes[3].seen)
+            for i in range(20):
+                reply = await post_json(proxy.port, "/v1/completions", _body(f"after {i}"))
+                assert reply.status == 200
+            assert len(fakes[3].seen) == seen  # every worker routes on the supervisor's ejection
+            async with session.get(f"{proxy.admin}/metrics") as resp:
+                assert 'affinity_proxy_outlier_ejections_total{backend="gpu-3"} 1.0' in await resp.text()
+    finally:
+        assert await proxy.terminate() == 0
+
+
+async def test_reload_reaches_every_worker(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_config(fakes, "round_robin"))
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        cfg.write_text(_config(fakes[:3], "least_request"))
+        os.kill(proxy.pid, signal.SIGHUP)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):  # a guard against hanging, not a timing assertion
+                if "gpu-3" not in await _backends(session, proxy):
+                    break
+                await asyncio.sleep(0.05)
+            assert "gpu-3" not in await _backends(session, proxy)
+            seen = len(fakes[3].seen)
+            workers = proxy.workers()
+            owners: set[int | None] = set()
+            for i in range(40):
+                reply = await post_json(
+                    proxy.port, "/v1/completions", _body(f"r {i}"),
+                    lambda r: owners.add(owner_of_connection(r.local_port, proxy.port, workers)),
+                )
+                assert reply.status == 200
+            assert owners == set(workers)
+            assert len(fakes[3].seen) == seen  # the removed backend gets nothing from any worker
+            async with session.get(f"{proxy.admin}/metrics") as resp:
+                text = await resp.text()
+        # The routing policy is data-plane state: only the forwarded reload can change it in the workers.
+        decided = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith('affinity_proxy_routing_decisions_total{policy="least_request"')
+        )
+        assert decided == 40
     finally:
         assert await proxy.terminate() == 0
