@@ -20,9 +20,16 @@ Driving API (stable; times are seconds on the caller's clock, any origin, never 
 
     engine.abort("r1", now)              # frees its blocks (they stay cached); False if unknown/finished
 
+`add_request(req, now, default_max_tokens=None)` raises `InvalidRequest` / `ModelNotFound` (loadtest.sim.api)
+without queueing; `default_max_tokens` applies when `req.max_tokens` is None (else: the rest of the context).
+`RequestOutput.usage` (on the finishing output) carries prompt, completion and cached prompt tokens; the
+first-token output's `StepResult.end - arrival` is the request's TTFT.
+
 A replay merges `next_step_time()` with its own arrival times: whichever is earlier happens first.
-Counters for metrics live in `engine.stats` (`EngineStats`) and the gauges are properties: `num_running`,
-`num_waiting`, `kv_usage`, `busy_time(now)`.
+Counters live in `engine.stats` (`EngineStats`: prefix_queries_tokens / prefix_hits_tokens, prompt and
+generation tokens, preemptions, lora_loads, busy_seconds, ttft / e2e histograms, ...) and the gauges are
+properties: `num_running`, `num_waiting`, `kv_usage`, `num_tokens_in_use`, `busy_time(now)`;
+`engine.pool` (kvcache.BlockPool) has num_blocks / num_free / num_cached / evictions.
 
 Model (what each part stands for in vLLM V1):
 - Tokens are whitespace-separated words. A request holds `prompt + output` tokens; `num_computed` of them
