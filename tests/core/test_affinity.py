@@ -154,6 +154,24 @@ def test_overload_by_inflight_sheds_to_next_in_order():
     assert d.reason is Reason.OVERLOAD_FALLBACK and d.backend == d0.alternates[0]
 
 
+def test_overload_fallback_prefers_a_backend_holding_the_prefix():
+    pol, snap = policy(), fleet(8)
+    doc = "".join(f"clause {i} of the shared contract\n" for i in range(150))  # ~5 KiB, 20 blocks
+    first = pol.pick(prompt(doc + "question A"), snap, {})
+    holder = first.backend
+    # A prompt sharing the document but hashing elsewhere, whose home is overloaded: it should fall back
+    # to the backend that already holds the document, not merely the next one in its hash order.
+    for j in range(200):
+        p = prompt(doc[:2600] + f"variant {j} " * 300)  # 10 shared blocks of ~22: below min_prefix_ratio
+        d0 = policy().pick(p, snap, {})
+        if d0.backend != holder and d0.alternates[0] != holder:
+            break
+    else:
+        pytest.fail("no prompt with a suitable hash order")
+    d = pol.pick(p, snap, {d0.backend: Inflight(requests=9)})
+    assert d.reason is Reason.OVERLOAD_FALLBACK and d.backend == holder
+
+
 @pytest.mark.parametrize(
     "scores_for_home, max_inflight, home_inflight",
     [(0.97, None, 0), (0.8, None, 0), (0.1, 2, 2)],
