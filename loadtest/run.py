@@ -35,6 +35,9 @@ from loadtest.fleet_sampler import FleetSampler
 from loadtest.workloads import Workload, WorkItem, build_body, load_workload, parse_window
 
 BACKEND_HEADER = "x-affinity-backend"
+# The simulator names itself in every response; peers that forward upstream headers keep it, so runs
+# through sglang-router / vllm-router still know which backend served each request.
+SIM_BACKEND_HEADER = "x-sim-backend"
 
 
 @dataclass(slots=True)
@@ -168,7 +171,7 @@ async def _one(
     try:
         async with session.post(cfg.url.rstrip("/") + path, data=data, headers=headers) as resp:
             rec.status = resp.status
-            rec.backend = resp.headers.get(BACKEND_HEADER)
+            rec.backend = resp.headers.get(BACKEND_HEADER) or resp.headers.get(SIM_BACKEND_HEADER)
             if resp.status != 200:
                 rec.error = (await resp.text())[:300]
                 rec.e2e = loop.time() - sent

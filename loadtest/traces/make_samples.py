@@ -71,7 +71,7 @@ def mooncake_synthetic(seconds: float = 600.0, seed: int = 0, rate: float = 3993
                 t += rng.expovariate(1.0 / 60.0)
         else:
             median = 11500 if kind == "leval" else 27000
-            doc = (f"d{next(uid)}", _lognormal(rng, median, 0.55, 2000, 120000))
+            doc = (f"d{next(uid)}", _lognormal(rng, median, 0.5, 2000, 90000))
             questions = 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / 11.0))
             t = start
             for _ in range(questions):

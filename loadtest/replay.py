@@ -1,0 +1,323 @@
+"""Offline what-if replay: the proxy's real routing core on the simulator's engine model, in virtual time.
+
+    python -m loadtest.replay --workload mooncake --policies round_robin,least_load,affinity --backends 4 \\
+        --speed 3 --epsilon 0.25 --block-bytes 256 --out loadtest/results/replay-demo
+
+Nothing here is a re-implementation: requests become `RequestSummary`s through the data plane's own
+`summary_from_openai`, the policy is `build_policy(RoutingConfig)` from proxy/core, in-flight accounting is
+the data plane's `InflightTable` (acquired at pick, released when the stream ends, as `Lease` does), and
+telemetry is the real `Poller` (extractor, rate deriver, load score, staleness) reading the simulator's own
+`/metrics` rendering every `--poll-ms` of virtual time. The engines are `loadtest.sim.engine.Engine`
+driven by the caller's clock, exactly as the simulated servers drive them in real time.
+
+What the replay leaves out, and the live run has: HTTP and proxy latency (about a millisecond per hop
+here), the client's and the proxy's CPU contention on a shared machine, and the jitter of a real-time
+driver. `--net-ms` adds a fixed delay per request to approximate the first; the agreement with a live run
+on the same window is stated in the comparison report.
+
+Users tune epsilon, block size and score weights on their own trace before deploying: every knob of the
+`routing:` and `telemetry.score` sections used by the policies is a flag here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from loadtest.run import Record, RunResult, add_workload_args, prepare_workload
+from loadtest.sim.api import SimRequest, render_chat
+from loadtest.sim.engine import Engine
+from loadtest.sim.metrics import render as render_metrics
+from loadtest.sim.profiles import Profile, get_profile
+from loadtest.workloads import CHAT, Workload, build_body
+from proxy.control.poller import Poller
+from proxy.control.store import SnapshotStore
+from proxy.control.telemetry_config import TelemetryConfig
+from proxy.core.policies import build_policy
+from proxy.core.request import summary_from_openai
+from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
+from proxy.core.score import ScoreConfig
+from proxy.core.snapshot import BackendSpec, Snapshot
+from proxy.inflight import InflightTable
+
+_RATE_WINDOW_S = 1.0
+
+
+class VirtualBackend:
+    """What `loadtest.sim.metrics.render` reads from a simulated server, on a virtual clock."""
+
+    def __init__(self, name: str, profile: Profile, seed: int, adapters: tuple[str, ...]) -> None:
+        self.name = name
+        self.profile = profile
+        self.engine = Engine(profile, seed=seed, adapters=adapters)
+        self.now = 0.0
+        self._recent: list[tuple[float, int]] = []
+
+    def note_step(self, end: float, tokens: int) -> None:
+        self._recent.append((end, tokens))
+        if len(self._recent) > 4096:
+            cut = self.now - _RATE_WINDOW_S
+            self._recent = [x for x in self._recent if x[0] >= cut]
+
+    def tokens_per_second(self) -> float:
+        lo = self.now - _RATE_WINDOW_S
+        return sum(n for t, n in self._recent if lo <= t <= self.now) / _RATE_WINDOW_S
+
+    def busy_seconds(self) -> float:
+        return max(0.0, self.engine.busy_time(self.now))
+
+    def memory_used_bytes(self) -> int:
+        p = self.profile
+        return int(p.model.weight_bytes + p.reserved_bytes * p.tp + self.engine.pool.num_used * p.block_bytes)
+
+
+class _VirtualPoller(Poller):
+    """The real poller, fetching the virtual backends' rendered /metrics instead of doing HTTP."""
+
+    def __init__(self, store: SnapshotStore, config: TelemetryConfig, backends: dict[str, VirtualBackend], clock: Any) -> None:
+        super().__init__(store, config, clock=clock)
+        self._pages = {f"virtual://{name}/metrics": b for name, b in backends.items()}
+
+    async def _fetch(self, url: str) -> str:
+        return render_metrics(self._pages[url], "vllm")
+
+
+@dataclass
+class ReplayConfig:
+    policy: str = "affinity"
+    backends: int = 4
+    profile: str = "llama3-8b-h100"
+    max_model_len: int | None = None  # e.g. 131072 for Llama-3.1-8B (same architecture, 128k context)
+    speed: float = 1.0
+    model: str = "llama3-8b"
+    adapters: tuple[str, ...] = ()
+    epsilon: float = 0.25
+    block_bytes: int = 256
+    min_prefix_blocks: int = 4
+    session_header: bool = False
+    score: ScoreConfig = ScoreConfig()
+    poll_ms: int = 200
+    net_ms: float = 0.0
+    seed: int = 0
+    sample_s: float = 1.0
+
+
+def make_profile(name: str, max_model_len: int | None) -> Profile:
+    p = get_profile(name)
+    if max_model_len:
+        p = p.with_overrides(model=replace(p.model, max_model_len=max_model_len))
+    return p
+
+
+def routing_config(cfg: ReplayConfig) -> RoutingConfig:
+    return RoutingConfig(
+        policy=cfg.policy,
+        seed=cfg.seed,
+        session_header="x-session-id" if cfg.session_header else None,
+        load=LoadConfig(),
+        affinity=AffinityConfig(epsilon=cfg.epsilon, block_bytes=cfg.block_bytes, min_prefix_blocks=cfg.min_prefix_blocks),
+    )
+
+
+async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
+    """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
+    profile = make_profile(cfg.profile, cfg.max_model_len)
+    names = [f"gpu-{i}" for i in range(cfg.backends)]
+    backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters) for i, n in enumerate(names)}
+    specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics") for n in names]
+    store = SnapshotStore(Snapshot.initial(specs))
+    clock = [0.0]
+    telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
+    poller = _VirtualPoller(store, telemetry, backends, lambda: clock[0])
+    policy = build_policy(routing_config(cfg))
+    inflight = InflightTable()
+    text = workload.text()
+    adapters = frozenset(cfg.adapters)
+
+    records: list[Record] = []
+    live: dict[str, tuple[Record, str, int, float]] = {}  # request id -> (record, backend, tokens, arrival)
+    samples: list[dict[str, Any]] = []
+    route_cpu = 0.0
+    reasons: Counter[str] = Counter()
+    items = workload.items
+    net = cfg.net_ms / 1000.0
+    next_poll = 0.0
+    next_sample = 0.0
+    i = 0
+    end_t = 0.0
+
+    def sample(t: float) -> None:
+        for n, b in backends.items():
+            e = b.engine
+            b.now = t
+            samples.append({
+                "t": t, "backend": n, "running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.kv_usage,
+                "prefix_queries": e.stats.prefix_queries_tokens, "prefix_hits": e.stats.prefix_hits_tokens,
+                "busy_s": b.busy_seconds(),
+            })
+
+    # Step outputs reach the proxy when the step ends (plus `net`): a heap of (time, order, outputs, backend).
+    deliveries: list[tuple[float, int, Any, str]] = []
+    order = 0
+    inf = float("inf")
+
+    def deliver(t: float, outputs: Any, name: str) -> None:
+        for out in outputs:
+            entry = live.get(out.request_id)
+            if entry is None:
+                continue
+            rec, bname, tokens, sent = entry
+            if out.first_token and rec.ttft is None:
+                rec.ttft = t - sent
+            if out.finished:
+                rec.status = 200
+                rec.e2e = t - sent
+                if out.usage is not None:
+                    rec.output_tokens = out.usage.completion_tokens
+                    rec.cached_tokens = out.usage.cached_tokens
+                if rec.ttft is not None and rec.output_tokens > 1:
+                    rec.tpot = (rec.e2e - rec.ttft) / (rec.output_tokens - 1)
+                inflight.release(bname, tokens)
+                records.append(rec)
+                del live[out.request_id]
+
+    while True:
+        t_arr = items[i].t / cfg.speed + net if i < len(items) else inf
+        t_step, step_name = inf, ""
+        for n, b in backends.items():
+            nt = b.engine.next_step_time()
+            if nt is not None and nt < t_step:
+                t_step, step_name = nt, n
+        t_del = deliveries[0][0] if deliveries else inf
+        if t_arr == inf and t_step == inf and t_del == inf:
+            break
+        t_next = min(t_arr, t_step, t_del, next_poll, next_sample)
+        if t_next == t_del:
+            _, _, outputs, name = heapq.heappop(deliveries)
+            deliver(t_del, outputs, name)
+            continue
+        if t_next == next_sample:
+            sample(t_next)
+            next_sample += cfg.sample_s
+            continue
+        if t_next == next_poll:
+            clock[0] = t_next
+            for b in backends.values():
+                b.now = t_next
+            await poller.poll_once()
+            next_poll += cfg.poll_ms / 1000.0
+            continue
+        if t_next == t_arr:
+            item = items[i]
+            path, body = build_body(item, text, model=cfg.model, stream=True)
+            c0 = time.perf_counter()
+            summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None, adapters=adapters)
+            decision = policy.pick(summary, store.current, inflight)
+            tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
+            inflight.acquire(decision.backend, tokens)
+            route_cpu += time.perf_counter() - c0
+            reasons[decision.reason.value] += 1
+            prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
+            rid = f"r{i}"
+            rec = Record(index=i, sent=t_arr - net, scheduled=item.t / cfg.speed, input_tokens=item.input_tokens, backend=decision.backend)
+            b = backends[decision.backend]
+            b.now = t_arr
+            try:
+                b.engine.add_request(
+                    SimRequest(rid, prompt, max_tokens=item.output_tokens, temperature=0.0,
+                               model=item.model if item.model in adapters else None, ignore_eos=True),
+                    t_arr,
+                )
+            except Exception as exc:  # the engine refuses it (too long, unknown model): a 400 as live
+                rec.status, rec.error = 400, f"{type(exc).__name__}: {exc}"[:300]
+                inflight.release(decision.backend, tokens)
+                records.append(rec)
+            else:
+                live[rid] = (rec, decision.backend, tokens, t_arr - net)
+            i += 1
+            continue
+        b = backends[step_name]
+        result = b.engine.step(t_step)
+        b.note_step(result.end, result.num_prefill_tokens + result.num_decode_tokens)
+        end_t = max(end_t, result.end + net)
+        if result.outputs:
+            order += 1
+            heapq.heappush(deliveries, (result.end + net, order, result.outputs, step_name))
+    sample(max(end_t, next_sample - cfg.sample_s))
+    records.sort(key=lambda r: r.index)
+    capacity = {n: b.engine.pool.num_blocks * profile.block_size for n, b in backends.items()}
+    meta = {
+        "label": f"replay:{cfg.policy}",
+        "mode": "replay",
+        "speed": cfg.speed,
+        "replay": {k: (v if not isinstance(v, ScoreConfig) else repr(v)) for k, v in cfg.__dict__.items()},
+        "workload": workload.summary(),
+        "route_cpu_s": route_cpu,
+        "reasons": dict(reasons),
+    }
+    return RunResult(meta, records, samples, capacity, end_t, route_cpu)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__.split("\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--policies", default="round_robin,least_request,least_load,affinity")
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--profile", default="llama3-8b-h100")
+    ap.add_argument("--max-model-len", type=int, default=131072, help="context limit of the simulated model (Llama-3.1-8B: 131072)")
+    ap.add_argument("--speed", type=float, default=1.0, help="time compression of the arrivals, as for loadtest.run")
+    ap.add_argument("--epsilon", type=float, default=0.25)
+    ap.add_argument("--block-bytes", type=int, default=256)
+    ap.add_argument("--min-prefix-blocks", type=int, default=4)
+    ap.add_argument("--score-kind", default="design", choices=("design", "qps_memory", "request_cost"))
+    ap.add_argument("--score-weights", help="design score weights memory,queue,kv_rate (e.g. 0.4,0.35,0.25)")
+    ap.add_argument("--poll-ms", type=int, default=200)
+    ap.add_argument("--net-ms", type=float, default=0.0, help="fixed client<->engine delay added to every request")
+    ap.add_argument("--session-header", action="store_true", help="route with the workload's session ids")
+    ap.add_argument("--adapters", default="", help="comma-separated LoRA adapter names the engines know")
+    ap.add_argument("--out", type=Path, help="report folder (report.md/.json/.png)")
+    args = ap.parse_args(argv)
+    workload = prepare_workload(args)
+    score = ScoreConfig(kind=args.score_kind)
+    if args.score_weights:
+        m, q, k = (float(x) for x in args.score_weights.split(","))
+        score = replace(score, memory_weight=m, queue_weight=q, kv_rate_weight=k)
+    from loadtest.report import summarize, write_report
+
+    summaries = []
+    for pol in filter(None, (p.strip() for p in args.policies.split(","))):
+        cfg = ReplayConfig(
+            policy=pol, backends=args.backends, profile=args.profile, max_model_len=args.max_model_len,
+            speed=args.speed, epsilon=args.epsilon, block_bytes=args.block_bytes,
+            min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
+            session_header=args.session_header, seed=args.seed,
+            adapters=tuple(a for a in args.adapters.split(",") if a),
+        )
+        t0 = time.perf_counter()
+        result = asyncio.run(replay(workload, cfg))
+        elapsed = time.perf_counter() - t0
+        s = summarize(result, workload, label=f"replay {pol}")
+        s["replay_wall_s"] = elapsed
+        summaries.append(s)
+        print(
+            f"{pol:>14}: {len(result.records)} requests, {result.wall_s:.0f} virtual s in {elapsed:.1f} s; "
+            f"TTFT p50 {(s['ttft_p50'] or 0) * 1000:.0f} ms p99 {(s['ttft_p99'] or 0) * 1000:.0f} ms, "
+            f"hit {(s['hit_ratio'] or 0) * 100:.1f}%, util {(s['gpu_util_mean'] or 0) * 100:.0f}% std {(s['gpu_util_std'] or 0) * 100:.1f} pts, "
+            f"errors {s['errors']}; reasons {result.meta['reasons']}",
+            flush=True,
+        )
+    if args.out:
+        write_report(summaries, args.out, title=f"offline replay: {workload.name}", workload=workload,
+                     preface=f"Command: `python -m loadtest.replay {' '.join(argv or __import__('sys').argv[1:])}`")
+    print(json.dumps([{k: v for k, v in s.items() if isinstance(v, (int, float, str)) or v is None} for s in summaries], indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()
