@@ -43,6 +43,7 @@ layer (tested with fresh policies); the learned layer only ever moves fewer keys
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from typing import Callable, Mapping
@@ -65,6 +66,7 @@ _TWO_POW_M64 = 2.0**-64
 _NO_INFLIGHT = Inflight()
 
 
+@functools.lru_cache(maxsize=4096)
 def backend_seed(name: str) -> int:
     """The rendezvous seed of a backend: a function of its name only, identical in every process."""
     return _xxh3(_BACKEND_DOMAIN + name.encode("utf-8", "surrogatepass"))
@@ -137,12 +139,15 @@ class AffinityPolicy:
         a = self._a
         indexes = self._indexes
         for b in snapshot.backends:
-            cap = a.index_blocks
+            idx = indexes.get(b.name)
             kv = b.signals.kv_capacity_tokens if b.signals is not None else None
             if kv:
                 cap = int(kv * BYTES_PER_TOKEN_ESTIMATE / a.block_bytes * a.index_capacity_factor)
                 cap = max(1, min(a.index_max_blocks, cap))
-            idx = indexes.get(b.name)
+            elif idx is not None:
+                continue  # telemetry gone quiet: keep the size it last reported rather than flap and drop
+            else:
+                cap = a.index_blocks
             if idx is None:
                 indexes[b.name] = PrefixIndex(cap)
             else:

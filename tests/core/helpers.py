@@ -7,7 +7,7 @@ from typing import Iterable
 
 from proxy.core.decision import Decision, Inflight
 from proxy.core.request import RequestSummary, summary_from_openai
-from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
+from proxy.core.snapshot import BackendSpec, Health, Signals, Snapshot
 
 
 def fleet(n: int = 4, *, weights: Iterable[float] | None = None, prefix: str = "gpu-") -> Snapshot:
@@ -67,4 +67,4 @@ class Ledger:
         return i.requests if i else 0
 
 
-__all__ = ["BackendState", "Health", "Ledger", "chat", "fleet", "fresh", "prompt", "with_state"]
+__all__ = ["Health", "Ledger", "chat", "fleet", "fresh", "prompt", "with_state"]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from proxy.core.affinity import AffinityPolicy, rendezvous_order
 from proxy.core.decision import Inflight, NoBackendAvailable, Reason
 from proxy.core.routing_config import AffinityConfig, RoutingConfig
-from proxy.core.snapshot import BackendSpec, Health, Signals, Snapshot
+from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
 from .helpers import Ledger, chat, fleet, fresh, prompt, with_state
 
@@ -341,6 +341,10 @@ def test_index_is_sized_from_reported_kv_capacity_and_bounded():
     for i in range(200):
         pol.pick(prompt(f"{i} " * 2000), small, {})
     assert len(pol.index_of("gpu-0")) <= 100 and len(pol.index_of("gpu-1")) <= 1000
+    # Telemetry going quiet does not shrink/grow (and so drop) what the index learned.
+    quiet = small.replace_backend("gpu-0", signals=None, stale=True)
+    pol.pick(prompt("x"), quiet, {})
+    assert pol.index_of("gpu-0").capacity == 100 and len(pol.index_of("gpu-0")) > 0
 
 
 # ------------------------------------------------------------------------------------- determinism
