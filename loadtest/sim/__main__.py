@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="served model name (default: the profile's model)")
     p.add_argument("--lora", action="append", default=[], help="a LoRA adapter name the servers know (repeat)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV cache size in blocks")
+    p.add_argument("--max-model-len", type=int, default=None, help="override the context length (e.g. 131072)")
     g = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     g.add_argument("--stall-ms", type=float, default=0.0, help="stall everything this long right after start")
     g.add_argument("--drop-after-chunks", type=int, default=None)
@@ -94,6 +95,7 @@ async def _run(args: argparse.Namespace) -> int:
             adapters=args.lora,
             model_name=args.model_name,
             profile_overrides=overrides,
+            max_model_len=args.max_model_len,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from aiohttp import web
@@ -182,12 +182,14 @@ async def start_fleet(
     model_name: str | None = None,
     name_prefix: str = "sim",
     profile_overrides: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
 ) -> Fleet:
     """Start `n` simulated servers; HTTP on `port`, `port+1`, ... (0 = free ports), gRPC likewise.
 
     `flavor` may be one name or one per server (a mixed fleet). `faults` (a `Faults` or its JSON keys)
     is copied into every server. `speed` > 1 runs simulated time faster than the wall clock. Server i is
-    named f"{name_prefix}-{i}" and seeded with `seed + i`.
+    named f"{name_prefix}-{i}" and seeded with `seed + i`. `max_model_len` overrides the profile's
+    context length (same architecture, longer context).
     """
     if n < 1:
         raise ValueError("a fleet needs at least one server")
@@ -196,6 +198,9 @@ async def start_fleet(
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     if profile_overrides:
         prof = prof.with_overrides(**profile_overrides)
+    if max_model_len:
+        # e.g. Llama-3.1-8B: Llama-3-8B's architecture with a 128k context.
+        prof = prof.with_overrides(model=replace(prof.model, max_model_len=max_model_len))
     flavors = [flavor] * n if isinstance(flavor, str) else list(flavor)
     if len(flavors) != n:
         raise ValueError(f"{len(flavors)} flavors given for {n} servers")
