@@ -56,7 +56,7 @@ class SimServer:
         self.grpc_port = grpc_port
         self.flavor = flavor
         self._fleet = fleet
-        self.http = SimHttpApp(backend, flavor=flavor, on_refuse_change=self._sync_listeners, lookup=self._lookup)
+        self.http = SimHttpApp(backend, flavor=flavor, on_faults_change=self._sync_listeners, lookup=self._lookup)
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._grpc: Any = None
@@ -121,19 +121,20 @@ class SimServer:
         self._listening = False
 
     async def _sync_listeners(self) -> None:
+        """Bring the listeners and gRPC health in line with the fault switches."""
         async with self._lock:
             want = not self.backend.faults.refuse_connections and not self.backend.stopped
             if want and not self._listening:
                 await self._open()
             elif not want and self._listening:
                 await self._close_listeners()
+            if self._grpc is not None:
+                self._grpc.set_serving(not self.backend.faults.health_fail)
 
     async def set_faults(self, changes: Mapping[str, Any]) -> None:
         """Same keys as POST /sim/faults; refused connections take effect before this returns."""
         await self.http.apply_faults(dict(changes))
         await self._sync_listeners()
-        if self._grpc is not None:
-            self._grpc.set_serving(not self.backend.faults.health_fail)
 
     async def stop(self) -> None:
         self.backend.stopped = True

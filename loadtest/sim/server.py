@@ -70,21 +70,22 @@ class _Parsed:
 
 
 class SimHttpApp:
-    """Routes and handlers of one simulated server. `lookup` finds sibling servers for `?server=`."""
+    """Routes and handlers of one simulated server. `lookup` finds sibling servers for `?server=`;
+    `on_faults_change` lets the owner act on switches that live outside HTTP (listeners, gRPC health)."""
 
     def __init__(
         self,
         backend: SimBackend,
         *,
         flavor: str = "vllm",
-        on_refuse_change: Callable[[], Awaitable[None]] | None = None,
+        on_faults_change: Callable[[], Awaitable[None]] | None = None,
         lookup: Callable[[str], "SimHttpApp | None"] | None = None,
     ) -> None:
         if flavor not in sim_metrics.FLAVORS:
             raise ValueError(f"unknown metrics flavor {flavor!r}; known: {', '.join(sim_metrics.FLAVORS)}")
         self.backend = backend
         self.flavor = flavor
-        self.on_refuse_change = on_refuse_change
+        self.on_faults_change = on_faults_change
         self.lookup = lookup
         self._ids = itertools.count(1)
         self._refuse_timer: asyncio.TimerHandle | None = None
@@ -499,7 +500,6 @@ class SimHttpApp:
     async def apply_faults(self, changes: dict[str, Any]) -> None:
         """Apply a fault update (same keys as POST /sim/faults) and act on the ones that need acting."""
         b = self.backend
-        before_refuse = b.faults.refuse_connections
         before_bg = (b.faults.background_requests, b.faults.background_prompt_tokens, b.faults.background_max_tokens)
         b.faults.update(changes)
         if "stall_ms" in changes:
@@ -514,9 +514,10 @@ class SimHttpApp:
         if refuse_ms and b.faults.refuse_connections:
             loop = asyncio.get_running_loop()
             self._refuse_timer = loop.call_later(refuse_ms / 1000.0, self._end_refuse)
-        if b.faults.refuse_connections != before_refuse and self.on_refuse_change is not None:
+        if self.on_faults_change is not None:
             # After this response is on its way: closing the listener first would cut our own reply.
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.on_refuse_change()))  # type: ignore[misc]
+            hook = self.on_faults_change
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(hook()))
 
     def _end_refuse(self) -> None:
         self._refuse_timer = None

@@ -181,3 +181,37 @@ async def test_faults_given_at_start_apply_to_every_server() -> None:
                 assert (await h.get(s.url + "/health")).status_code == 503
     finally:
         await fleet.stop()
+
+
+async def test_grpc_port_follows_health_and_refuse_faults() -> None:
+    from grpclib.client import Channel
+    from grpclib.exceptions import StreamTerminatedError
+    from grpclib.health.v1.health_grpc import HealthStub
+    from grpclib.health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+
+    fleet = await start_fleet(1, speed=200.0, grpc_port=0)
+    try:
+        s = fleet.servers[0]
+        assert s.grpc_port is not None
+
+        async def status() -> int:
+            channel = Channel("127.0.0.1", s.grpc_port)
+            try:
+                return (await HealthStub(channel).Check(HealthCheckRequest(), timeout=5)).status
+            finally:
+                channel.close()
+
+        assert await status() == HealthCheckResponse.SERVING
+        await set_faults(s.url, {"health_fail": True})
+        for _ in range(100):
+            if await status() == HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.01)
+        assert await status() == HealthCheckResponse.NOT_SERVING
+        await s.set_faults({"health_fail": False, "refuse_connections": True})
+        with pytest.raises((ConnectionError, OSError, StreamTerminatedError)):
+            await status()
+        await s.set_faults({"refuse_connections": False})
+        assert await status() == HealthCheckResponse.SERVING
+    finally:
+        await fleet.stop()
