@@ -30,8 +30,21 @@ def _unescape(value: str) -> str:
     return _UNESCAPE_RE.sub(lambda m: _ESCAPES.get(m.group(1), "\\" + m.group(1)), value)
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_labels_cached(raw: str) -> tuple[tuple[str, str], ...]:
+    return tuple(_parse_labels(raw).items())
+
+
 def parse_labels(raw: str) -> dict[str, str]:
-    """`a="x",b="y \\"q\\""` -> {"a": "x", "b": 'y "q"'} (the exposition's escapes: \\\\, \\", \\n)."""
+    """`a="x",b="y \\"q\\""` -> {"a": "x", "b": 'y "q"'} (the exposition's escapes: \\\\, \\", \\n).
+
+    Cached by the raw text: the same label sets come back on every scrape of every backend (a vLLM
+    cache_config_info line has fifteen labels), so each is parsed once per process, not 5 times a second.
+    """
+    return dict(_parse_labels_cached(raw))
+
+
+def _parse_labels(raw: str) -> dict[str, str]:
     out: dict[str, str] = {}
     pos = 0
     n = len(raw)
@@ -48,11 +61,35 @@ def parse_labels(raw: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=64)
 def _scanner(names: tuple[str, ...]) -> re.Pattern[str]:
-    # Longest first, so a name that prefixes another cannot shadow it; the character after the name must
-    # open the labels or separate the value, so `x` never matches `x_sum`. Greedy `.*}` stops at the last
-    # brace of the line, which is right even when a label value contains one.
-    alternation = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
-    return re.compile(r"\n(%s)(?:\{(.*)\})?[ \t]+(\S+)" % alternation)
+    # The character after the name must open the labels or separate the value, so `x` never matches
+    # `x_sum` (the optional tails of the trie backtrack). Greedy `.*}` stops at the last brace of the line,
+    # which is right even when a label value contains one.
+    return re.compile(r"\n(%s)(?:\{(.*)\})?[ \t]+(\S+)" % _trie(set(names)))
+
+
+def _trie(names: set[str]) -> str:
+    """A regex alternation factored by common prefixes (`vllm:(?:num_requests_(?:running|waiting)|...)`).
+
+    Most lines of an engine's page share its prefix, so a flat alternation would re-match `vllm:` once
+    per wanted name at every line start; the factored form matches it once.
+    """
+    root: dict[str, dict] = {}
+    for name in names:
+        node = root
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict[str, dict]) -> str:
+        ends = "" in node
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch != ""]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        # Optional tail when a name ends here but longer ones continue; the [{ \t] after the group decides.
+        return "(?:" + body + ")?" if ends else body
+
+    return build(root)
 
 
 def scan(text: str, names: Iterable[str]) -> Samples:

@@ -1,0 +1,275 @@
+"""A minimal keep-alive HTTP/1.1 GET client for metrics scrapes over plain http://.
+
+Why not aiohttp for this: a scrape is the control plane's hottest operation (64 backends at 5 Hz is 320
+GETs a second, forever) and aiohttp's client machinery costs ~90 us of CPU per GET here against ~20 us for
+this protocol, which is most of the poller's budget (measured side by side in loadtest/bench_control.py).
+A scrape needs very little of HTTP: one GET on a kept-alive connection per backend, one request at a
+time, a body delimited by Content-Length, chunked encoding or the connection's end. Anything else
+(https://, redirects) goes through the aiohttp session the poller keeps for it.
+
+A connection whose request timed out or failed is closed, never reused: its state is unknown. A GET sent
+on a kept-alive connection that the server had already closed is retried once on a fresh one (safe: GET
+is idempotent), which is the race every keep-alive client has with a server's idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from urllib.parse import urlsplit
+
+
+class HttpStatusError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+class ProtocolError(Exception):
+    """The server's answer is not HTTP/1.x we can read."""
+
+
+class _StaleConnection(Exception):
+    """The connection ended before any byte of the response: the server closed it while idle."""
+
+
+_MAX_HEADER = 64 * 1024
+_MAX_BODY = 32 * 1024 * 1024
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[bytes] | None = None
+        self.buf = bytearray()
+        self.closed = False
+        self.reusable = True
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf.clear()
+        self.head_end = -1
+        self.status = 0
+        self.length: int | None = None
+        self.chunked = False
+        self.gzip = False
+        self.chunks: list[bytes] = []
+        self.pos = 0  # chunked: where the next chunk size line starts
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiter is None or self.waiter.done():
+            self.reusable = False  # bytes nobody asked for: the connection is out of step
+            return
+        self.buf += data
+        try:
+            body = self._parse(eof=False)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if body is not None:
+            self._done(body)
+
+    def eof_received(self) -> bool:
+        self._finish_at_eof()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._finish_at_eof()
+
+    def _finish_at_eof(self) -> None:
+        self.reusable = False
+        if self.waiter is None or self.waiter.done():
+            return
+        if not self.buf:
+            self._fail(_StaleConnection())
+            return
+        try:
+            body = self._parse(eof=True)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if body is None:
+            self._fail(ProtocolError("connection closed in the middle of the response"))
+        else:
+            self._done(body)
+
+    # response parsing
+    def _parse(self, eof: bool) -> bytes | None:
+        buf = self.buf
+        if self.head_end < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEADER:
+                    raise ProtocolError("response headers too large")
+                return None
+            self.head_end = end + 4
+            lines = bytes(buf[:end]).split(b"\r\n")
+            parts = lines[0].split(b" ", 2)
+            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+                raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+            self.status = int(parts[1])
+            keep_alive = parts[0] == b"HTTP/1.1"
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                value = value.strip().lower()
+                if name == b"content-length":
+                    self.length = int(value)
+                elif name == b"transfer-encoding":
+                    self.chunked = b"chunked" in value
+                elif name == b"connection":
+                    keep_alive = b"close" not in value and (keep_alive or b"keep-alive" in value)
+                elif name == b"content-encoding":
+                    self.gzip = value in (b"gzip", b"deflate")
+            if not keep_alive:
+                self.reusable = False
+            if self.length is not None and self.length > _MAX_BODY:
+                raise ProtocolError("response body too large")
+            if self.chunked:
+                self.pos = self.head_end
+        start = self.head_end
+        if self.chunked:
+            return self._parse_chunked()
+        if self.length is not None:
+            if len(buf) - start < self.length:
+                return None
+            return bytes(buf[start : start + self.length])
+        if len(buf) - start > _MAX_BODY:
+            raise ProtocolError("response body too large")
+        self.reusable = False  # delimited by the end of the connection
+        return bytes(buf[start:]) if eof else None
+
+    def _parse_chunked(self) -> bytes | None:
+        buf = self.buf
+        while True:
+            eol = buf.find(b"\r\n", self.pos)
+            if eol < 0:
+                return None
+            size = int(bytes(buf[self.pos : eol]).split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:  # the last chunk, then optional trailers, then an empty line
+                return b"".join(self.chunks) if buf.find(b"\r\n\r\n", eol) >= 0 else None
+            if len(buf) < eol + 2 + size + 2:
+                return None
+            self.chunks.append(bytes(buf[eol + 2 : eol + 2 + size]))
+            self.pos = eol + 2 + size + 2
+            if sum(len(c) for c in self.chunks) > _MAX_BODY:
+                raise ProtocolError("response body too large")
+
+    def _done(self, body: bytes) -> None:
+        waiter, self.waiter = self.waiter, None
+        status, gz = self.status, self.gzip
+        self._reset()
+        if waiter is None or waiter.done():
+            return
+        if status != 200:
+            waiter.set_exception(HttpStatusError(status))
+            return
+        if gz:
+            try:
+                body = zlib.decompress(body, 47)  # gzip or zlib header, detected
+            except zlib.error as exc:
+                waiter.set_exception(ProtocolError(f"bad compressed body: {exc}"))
+                return
+        waiter.set_result(body)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.reusable = False
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def request(self, raw: bytes) -> asyncio.Future[bytes]:
+        assert self.transport is not None and self.waiter is None
+        self._reset()
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return self.waiter
+
+    def close(self) -> None:
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class MetricsHttpClient:
+    """GET one URL's body with keep-alive connections per host:port; all errors are exceptions.
+
+    Raises HttpStatusError (non-200), ProtocolError, OSError (connect/reset) or TimeoutError.
+    """
+
+    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        self.timeout_s = timeout_s
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._extra = extra
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._requests: dict[str, tuple[tuple[str, int], bytes]] = {}
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+        cached = self._requests.get(url)
+        if cached is None:
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise ValueError(f"not a plain http:// URL: {url}")
+            host, port = parts.hostname, parts.port or 80
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            host_header = parts.netloc.rsplit("@", 1)[-1]
+            raw = f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{self._extra}\r\n".encode("latin-1")
+            cached = self._requests[url] = ((host, port), raw)
+        return cached
+
+    async def get(self, url: str) -> bytes:
+        key, raw = self._target(url)
+        async with asyncio.timeout(self.timeout_s):
+            for attempt in range(2):
+                conn = self._take(key)
+                fresh = conn is None
+                if conn is None:
+                    conn = await self._connect(key)
+                try:
+                    body = await conn.request(raw)
+                except _StaleConnection:
+                    conn.close()
+                    if fresh or attempt:
+                        raise ConnectionResetError("the server closed the connection without answering") from None
+                    continue
+                except HttpStatusError:
+                    self._release(key, conn)  # a complete answer: the connection is still in step
+                    raise
+                except BaseException:
+                    conn.close()  # timeout, cancel, error: its state is unknown
+                    raise
+                self._release(key, conn)
+                return body
+        raise AssertionError("unreachable")
+
+    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        if conn.reusable and not conn.closed:
+            self._idle.setdefault(key, []).append(conn)
+        else:
+            conn.close()
+
+    def _take(self, key: tuple[str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.reusable:
+                return conn
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Conn, key[0], key[1])
+        return conn
+
+    def close(self) -> None:
+        for conns in self._idle.values():
+            for conn in conns:
+                conn.close()
+        self._idle.clear()
