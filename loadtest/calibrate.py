@@ -40,10 +40,11 @@ _H100_8B: dict[str, Reference] = {
         "/ 128 KiB per token",
     ),
     "decode_tok_s_b1": Reference(
-        161.0,
-        "extrapolated",
-        "75 tok/s batch-1 decode = 77% of the bandwidth roofline measured with vLLM 0.23 on an A100 40GB "
-        "(johnmusgrave.com, 'vLLM throughput-latency sweep on NVIDIA A100'), same efficiency at H100's 3.35 TB/s",
+        1000 / 6.48,
+        "measured",
+        "TPOT p50 6.48 ms at concurrency 1 = 154 tok/s, vLLM 0.21.0, Llama-3.1-8B-Instruct fp16 on one "
+        "H100-80GB-HBM3 (InferenceBench 'Recipe: concurrency sweep', yobitelcomm.github.io/bench); "
+        "consistent with 75 tok/s = 77% of roofline on an A100 40GB (johnmusgrave.com, vLLM 0.23)",
     ),
 }
 
