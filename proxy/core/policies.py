@@ -44,6 +44,16 @@ def eligible(req: RequestSummary, snapshot: Snapshot, exclude: frozenset[str]) -
     return out
 
 
+def _stream_seed(seed: int, instance: int) -> int:
+    """One reproducible random stream per policy instance.
+
+    Worker processes that drew from the same stream would make the same "random" choices in lockstep and
+    herd onto the same backends; an instance number (the worker index) separates them while every run of
+    the same (seed, instance) stays reproducible. No randomness is involved in the affinity mapping.
+    """
+    return seed * 1_000_003 + instance
+
+
 def _rotated(names: Sequence[str], start: int, limit: int) -> tuple[str, ...]:
     n = len(names)
     return tuple(names[(start + i) % n] for i in range(1, min(n, limit + 1)))
@@ -154,9 +164,9 @@ class RandomPolicy:
 
     name = "random"
 
-    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+    def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         self._max_alt = cfg.max_alternates
-        self._rng = random.Random(cfg.seed)
+        self._rng = random.Random(_stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -190,9 +200,9 @@ class PowerOfTwo:
 
     name = "power_of_two"
 
-    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+    def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         self._cfg = cfg
-        self._rng = random.Random(cfg.seed)
+        self._rng = random.Random(_stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -254,18 +264,25 @@ class LeastLoad:
         return Decision(ranked[0][2], Reason.BALANCED, self.name, tuple(k[2] for k in ranked[1:]))
 
 
-def build_policy(cfg: RoutingConfig) -> Policy:
-    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state)."""
+def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
+    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
+
+    `instance` (e.g. the worker process index) gives `random` and `power_of_two` their own seeded
+    stream per worker; it has no effect on the other policies, and none on the affinity mapping, which
+    is the same in every worker and replica by design.
+    """
     if cfg.policy == "affinity":
         from proxy.core.affinity import AffinityPolicy
 
         return AffinityPolicy(cfg)
+    if cfg.policy == RandomPolicy.name:
+        return RandomPolicy(cfg, instance)
+    if cfg.policy == PowerOfTwo.name:
+        return PowerOfTwo(cfg, instance)
     factories = {
         RoundRobin.name: RoundRobin,
         WeightedRoundRobin.name: WeightedRoundRobin,
         LeastRequest.name: LeastRequest,
-        RandomPolicy.name: RandomPolicy,
-        PowerOfTwo.name: PowerOfTwo,
         LeastLoad.name: LeastLoad,
     }
     factory = factories.get(cfg.policy)

@@ -110,6 +110,15 @@ def test_random_is_seeded_reproducible_and_weighted():
     assert len(set((d.backend,) + d.alternates)) == 3
 
 
+def test_seeded_streams_differ_per_instance_and_repeat_per_seed():
+    snap = fleet(8)
+    for name in ("random", "power_of_two"):
+        cfg = RoutingConfig(policy=name, seed=5)
+        w0 = picks(build_policy(cfg, instance=0), snap, 100)
+        assert picks(build_policy(cfg, instance=0), snap, 100) == w0
+        assert picks(build_policy(cfg, instance=1), snap, 100) != w0
+
+
 def test_power_of_two_prefers_the_less_loaded_of_its_two():
     snap = fleet(2)
     inflight = {"gpu-0": Inflight(requests=30)}
