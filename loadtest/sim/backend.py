@@ -14,6 +14,7 @@ and then hands each request its tokens. Requests that arrive meanwhile join the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections import deque
 from typing import AsyncIterator
@@ -25,6 +26,7 @@ from .profiles import Profile
 from .tokens import VOCAB
 
 _RATE_WINDOW_S = 1.0
+_log = logging.getLogger(__name__)
 
 
 class _Stream:
@@ -236,8 +238,21 @@ class SimBackend:
             if loop.time() < self._stall_until:
                 await self.wait_stall()
                 t = max(t, self.now())
-            result = engine.step(t)
-            self._recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))
+            try:
+                result = engine.step(t)
+            except Exception as exc:  # a bug in the model must not leave every client hanging
+                _log.exception("simulated engine %s failed a step; failing its requests", self.name)
+                for rid, stream in list(self._streams.items()):
+                    stream.fail(SimError(f"simulated engine failure: {exc!r}"))
+                    engine.abort(rid, self.now())
+                for rid in list(self._bg_ids):
+                    engine.abort(rid, self.now())
+                self._bg_ids.clear()
+                continue
+            recent = self._recent
+            recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))
+            while recent[0][0] < result.end - _RATE_WINDOW_S:
+                recent.popleft()
             delay = self._wall(result.end) - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             if loop.time() < self._stall_until:

@@ -215,3 +215,20 @@ async def test_grpc_port_follows_health_and_refuse_faults() -> None:
         assert await status() == HealthCheckResponse.SERVING
     finally:
         await fleet.stop()
+
+
+async def test_an_engine_failure_fails_requests_instead_of_hanging_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    fleet = await start_fleet(1, speed=200.0)
+    try:
+        engine = fleet.servers[0].backend.engine
+
+        def broken_step(now: float) -> None:
+            raise RuntimeError("model bug")
+
+        monkeypatch.setattr(engine, "step", broken_step)
+        async with httpx.AsyncClient(base_url=fleet.servers[0].url) as h:
+            r = await h.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 500 and "model bug" in r.json()["error"]["message"]
+        assert engine.num_running + engine.num_waiting == 0
+    finally:
+        await fleet.stop()
