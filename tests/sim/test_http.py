@@ -230,3 +230,20 @@ async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
         assert backend.engine.num_running == 0 and backend.engine.kv_usage == 0
     finally:
         await fleet.stop()
+
+
+async def test_ttft_grows_with_queueing_over_http() -> None:
+    """Eight long prompts at once queue behind the 8k-token step budget; one alone does not."""
+    fleet = await start_fleet(1, speed=1.0)
+    try:
+        server = fleet.servers[0]
+        stats = server.backend.engine.stats
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as h:
+            await h.post("/v1/completions", json={"prompt": words("solo", 4000), "max_tokens": 1})
+            alone = stats.ttft.sum
+            await asyncio.gather(*(h.post("/v1/completions", json={"prompt": words(f"q{i}_", 4000), "max_tokens": 1}) for i in range(8)))
+        queued_mean = (stats.ttft.sum - alone) / 8
+        assert stats.ttft.count == 9
+        assert queued_mean > 2 * alone
+    finally:
+        await fleet.stop()
