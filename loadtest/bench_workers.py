@@ -1,0 +1,338 @@
+"""Throughput of `affinity-proxy run --workers N` for N = 1 and 2, side by side in one run.
+
+    python -m loadtest.bench_workers [--duration 5] [--connections 64] [--rounds 2] [--workers 1,2]
+
+What it measures: non-streaming OpenAI completions (a ~1 KB prompt, parsed and routed by the affinity policy,
+forwarded byte for byte) through the real CLI, closed loop, `--connections` keep-alive connections.
+Reported per worker count: requests/s, latency p50/p99, and the proxy's own CPU (all of its processes,
+from /proc) per 1,000 requests, so that the cost is visible even where the machine is the bottleneck.
+
+Why a fake backend: the simulator models GPU time (tens of ms per request) and costs real CPU per token;
+on a 2-core machine it would be the bottleneck and hide the proxy. `FakeBackend` here answers every request
+with a fixed pre-encoded JSON body from a raw asyncio protocol (no HTTP framework, no JSON encoding), so
+nearly all the CPU left goes to the proxy. It still competes for the same two cores, as does this load
+generator (also a raw protocol): with 2 workers the proxy cannot have two cores to itself. Read the
+numbers as "what a second worker buys on a box whose cores are shared", and the CPU per request as the
+proxy's cost independent of that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import uvloop
+
+# ------------------------------------------------------------------------------------------ fake backend
+
+_RESPONSE_BODY = json.dumps(
+    {
+        "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench-model",
+        "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": 256, "completion_tokens": 1, "total_tokens": 257},
+    }
+).encode()
+_RESPONSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    + str(len(_RESPONSE_BODY)).encode()
+    + b"\r\nConnection: keep-alive\r\nKeep-Alive: timeout=30\r\n\r\n"
+    + _RESPONSE_BODY
+)
+_HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+_METRICS = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+
+
+class FakeBackend(asyncio.Protocol):
+    """Minimal HTTP/1.1 keep-alive server: headers + Content-Length body in, a fixed answer out."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end]
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            total = end + 4 + length
+            if len(self.buf) < total:
+                return
+            self.buf = self.buf[total:]
+            path = head.split(b" ", 2)[1]
+            assert self.transport is not None
+            if path.startswith(b"/v1/"):
+                self.transport.write(_RESPONSE)
+            elif path.startswith(b"/health"):
+                self.transport.write(_HEALTH)
+            else:
+                self.transport.write(_METRICS)
+
+
+async def _serve_fake(ports: list[int]) -> None:
+    """Every fake backend in one process: one more process would only take more of the shared CPU."""
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(FakeBackend, "127.0.0.1", p, backlog=1024) for p in ports]
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for server in servers:
+        server.close()
+
+
+# ------------------------------------------------------------------------------------------ load generator
+
+
+class _Client(asyncio.Protocol):
+    """One keep-alive connection sending the same request again as soon as each answer is complete."""
+
+    def __init__(self, request: bytes, stats: _Stats) -> None:
+        self.request = request
+        self.stats = stats
+        self.buf = b""
+        self.sent_at = 0.0
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._send()
+
+    def _send(self) -> None:
+        assert self.transport is not None
+        if self.stats.stopping:
+            self.transport.close()
+            return
+        self.sent_at = time.perf_counter()
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end]
+            length = None
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if length is None:
+                raise RuntimeError("the benchmark expects Content-Length answers: " + head.decode(errors="replace"))
+            total = end + 4 + length
+            if len(self.buf) < total:
+                return
+            self.buf = self.buf[total:]
+            ok = head.startswith(b"HTTP/1.1 200")
+            self.stats.record(ok, time.perf_counter() - self.sent_at)
+            self._send()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+@dataclass
+class _Stats:
+    measuring: bool = False
+    stopping: bool = False
+    ok: int = 0
+    errors: int = 0
+    latencies: list[float] | None = None
+
+    def record(self, ok: bool, latency: float) -> None:
+        if not self.measuring:
+            return
+        if ok:
+            self.ok += 1
+            assert self.latencies is not None
+            self.latencies.append(latency)
+        else:
+            self.errors += 1
+
+
+def _request(port: int, prompt_bytes: int) -> bytes:
+    words = " ".join(f"w{i}" for i in range(prompt_bytes // 5))
+    body = json.dumps({"model": "bench-model", "prompt": words, "max_tokens": 1}).encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def _load(port: int, connections: int, warmup_s: float, duration_s: float, prompt_bytes: int,
+                cpu_of: Callable[[], float]) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    stats = _Stats(latencies=[])
+    request = _request(port, prompt_bytes)
+    clients = []
+    for _ in range(connections):
+        _, client = await loop.create_connection(lambda: _Client(request, stats), "127.0.0.1", port)
+        clients.append(client)
+    await asyncio.sleep(warmup_s)
+    cpu0, t0 = cpu_of(), time.perf_counter()
+    stats.measuring = True
+    await asyncio.sleep(duration_s)
+    stats.measuring = False
+    elapsed, cpu = time.perf_counter() - t0, cpu_of() - cpu0
+    stats.stopping = True
+    await asyncio.wait([c.closed for c in clients], timeout=10)
+    lat = sorted(stats.latencies or [0.0])
+    done = stats.ok + stats.errors
+    return {
+        "rps": stats.ok / elapsed,
+        "errors": float(stats.errors),
+        "p50_ms": lat[len(lat) // 2] * 1000,
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
+        "proxy_cpu_cores": cpu / elapsed,
+        "proxy_cpu_ms_per_1k": (cpu / done * 1e6) if done else float("nan"),
+    }
+
+
+# ------------------------------------------------------------------------------------------ processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """utime + stime of `root` and its live children (the supervisor and its workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = [root]
+    for task in Path(f"/proc/{root}/task").iterdir():
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+async def _wait_port(port: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _bench_one(workers: int, backend_ports: list[int], args: argparse.Namespace) -> dict[str, float]:
+    port, admin = _free_port(), _free_port()
+    backends = "\n".join(f"  - {{name: fake-{i}, url: 'http://127.0.0.1:{p}'}}" for i, p in enumerate(backend_ports))
+    config = (
+        f"listen: {{host: 127.0.0.1, port: {port}}}\nadmin: {{host: 127.0.0.1, port: {admin}}}\n"
+        f"routing: {{policy: {args.policy}}}\nhealth_checks: {{enabled: false}}\nbackends:\n{backends}\n"
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as fh:
+        fh.write(config)
+    exe = str(Path(sys.executable).with_name("affinity-proxy"))
+    proc = subprocess.Popen(
+        [exe, "run", "--config", fh.name, "--workers", str(workers), "--log-level", "warning"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        await _wait_port(port)
+        await _wait_port(admin)
+        # Every worker must be up before measuring (with SO_REUSEPORT a connection may land on any of them).
+        await asyncio.sleep(1.0)
+        return await _load(port, args.connections, args.warmup, args.duration, args.prompt_bytes,
+                           lambda: _tree_cpu_seconds(proc.pid))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        os.unlink(fh.name)
+
+
+async def _main(args: argparse.Namespace) -> int:
+    counts = [int(w) for w in args.workers.split(",")]
+    backend_ports = [_free_port() for _ in range(args.backends)]
+    fakes = [
+        subprocess.Popen([sys.executable, "-m", "loadtest.bench_workers", "--serve-fake",
+                          ",".join(map(str, backend_ports))])
+    ]
+    results: dict[int, list[dict[str, float]]] = {w: [] for w in counts}
+    try:
+        for p in backend_ports:
+            await _wait_port(p)
+        for r in range(args.rounds):
+            for w in counts if r % 2 == 0 else list(reversed(counts)):  # alternate the order against drift
+                res = await _bench_one(w, backend_ports, args)
+                results[w].append(res)
+                print(f"round {r + 1} workers={w}: {res['rps']:8.0f} req/s  p50 {res['p50_ms']:6.2f} ms  "
+                      f"p99 {res['p99_ms']:6.2f} ms  proxy CPU {res['proxy_cpu_cores']:.2f} cores  "
+                      f"{res['proxy_cpu_ms_per_1k']:.0f} ms/1k req  errors {res['errors']:.0f}", flush=True)
+    finally:
+        for f in fakes:
+            f.send_signal(signal.SIGTERM)
+        for f in fakes:
+            f.wait(timeout=10)
+    print()
+    print(f"cores: {os.cpu_count()}  connections: {args.connections}  prompt: ~{args.prompt_bytes} B  "
+          f"policy: {args.policy}  {args.rounds} rounds x {args.duration:.0f} s (median shown)")
+    print("| workers | req/s | p50 ms | p99 ms | proxy CPU (cores) | proxy CPU ms / 1k req | errors | vs 1 worker |")
+    print("|---|---|---|---|---|---|---|---|")
+    base = statistics.median(x["rps"] for x in results[counts[0]])
+    for w in counts:
+        rows = results[w]
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        print(f"| {w} | {med['rps']:.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {med['proxy_cpu_cores']:.2f} "
+              f"| {med['proxy_cpu_ms_per_1k']:.0f} | {sum(x['errors'] for x in rows):.0f} | {med['rps'] / base:.2f}x |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_workers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
+    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per run (default 5)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first (default 1)")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per worker count, order alternated")
+    parser.add_argument("--backends", type=int, default=4, help="fake backends, all in one process (default 4)")
+    parser.add_argument("--prompt-bytes", type=int, default=1024)
+    parser.add_argument("--policy", default="affinity")
+    parser.add_argument("--serve-fake", metavar="PORT,...", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_fake is not None:
+        uvloop.run(_serve_fake([int(p) for p in args.serve_fake.split(",")]))
+        return 0
+    return uvloop.run(_main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
