@@ -19,7 +19,8 @@ Hook points for the other subsystems (use these names; wire new ones in `_instal
                        data-plane services (the gRPC listener) are stopped concurrently with the HTTP drain,
                        and their `stop()` must drain within `config.timeouts.drain_s`.
   - `proxy.add_task(name, coro_fn)`  a coroutine that runs for the proxy's lifetime and is cancelled on stop.
-  - `proxy.session`    the upstream aiohttp ClientSession (after `start()`), for HTTP health checks etc.
+  - `proxy.session`    an aiohttp ClientSession (after `start()`) for the proxy's own calls (health checks...).
+  - `proxy.upstream`   the data plane's UpstreamPool (after `start()`): `close_idle(url)` when a backend leaves.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from proxy.core.snapshot import Snapshot
 from proxy.dispatch import Router
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
-from proxy.http.upstream import create_session
+from proxy.http.pool import UpstreamPool
+from proxy.http.upstream import create_pool, create_session
 from proxy.resilience import Resilience
 from proxy.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
@@ -92,6 +94,7 @@ class AffinityProxy:
         self.admin_token = config.admin.resolved_token()
         self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
@@ -139,9 +142,13 @@ class AffinityProxy:
     async def start(self) -> None:
         self._started = True
         cfg = self.config
-        self.session = create_session(cfg, self.metrics.upstream)
+        self.session = create_session(cfg)
+        self.upstream = create_pool(cfg, self.metrics.upstream)
+        self.upstream.start()
         if self.role != "control":
-            self.http = HttpDataPlane(cfg, self.router, self.session, self.metrics, cfg.routing.session_header)
+            self.http = HttpDataPlane(
+                cfg, self.router, self.session, self.metrics, cfg.routing.session_header, pool=self.upstream
+            )
             if self.telemetry is not None and cfg.telemetry.orca:
                 self.http.load_report = self.telemetry.observe_orca
             self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
@@ -199,6 +206,8 @@ class AffinityProxy:
             await self._admin_runner.cleanup()
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         self._http_runner = self._admin_runner = None
 
     async def serve_until_signal(self) -> None:

@@ -124,6 +124,8 @@ class Resilience:
         session = self.proxy.session
         if session is not None:
             n = await close_idle_connections(session, spec)
+            if self.proxy.upstream is not None:  # the data plane's relay pool
+                n += self.proxy.upstream.close_idle(spec.url)
             if n:
                 log.info("closed %d idle upstream connections to %s", n, spec.name)
 

@@ -54,3 +54,58 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
         if name.lower() not in drop:
             out.add(name, value)
     return out
+
+
+_REQUEST_DROP_BYTES = frozenset(n.encode() for n in _REQUEST_DROP) | {b"x-request-id", b"x-forwarded-for"}
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def upstream_request_head(
+    method: str,
+    raw_path: str,
+    host: bytes,
+    raw_headers: tuple[tuple[bytes, bytes], ...],
+    peer: str | None,
+    scheme: str,
+    request_id: str,
+    body_length: int,
+    extra: tuple[tuple[bytes, bytes], ...] = (),
+) -> bytes:
+    """The serialised request head for the backend, built from the client's raw header bytes.
+
+    Same rules as `upstream_request_headers` (hop-by-hop and Connection-named fields dropped, Host for the
+    backend, X-Forwarded-For appended, X-Forwarded-Proto added unless present, x-request-id set), without
+    decoding and re-encoding every header: the bytes the client sent are the bytes the backend gets.
+    """
+    parts = [f"{method} ".encode(), raw_path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    drop = _REQUEST_DROP_BYTES
+    prior_xff: bytes | None = None
+    has_proto = False
+    for name, value in raw_headers:
+        lname = name.lower()
+        if lname == b"connection":
+            tokens = frozenset(t.strip().lower() for t in value.split(b",") if t.strip())
+            drop = drop | tokens
+            break
+    for name, value in raw_headers:
+        lname = name.lower()
+        if lname in drop:
+            if lname == b"x-forwarded-for":
+                prior_xff = value if prior_xff is None else prior_xff + b", " + value
+            continue
+        if lname == b"x-forwarded-proto":
+            has_proto = True
+        parts += (name, b": ", value, b"\r\n")
+    if peer:
+        parts += (b"X-Forwarded-For: ", (prior_xff + b", " if prior_xff else b""), peer.encode(), b"\r\n")
+    elif prior_xff:
+        parts += (b"X-Forwarded-For: ", prior_xff, b"\r\n")
+    if not has_proto:
+        parts += (b"X-Forwarded-Proto: ", scheme.encode(), b"\r\n")
+    parts += (b"x-request-id: ", request_id.encode("utf-8", "surrogateescape"), b"\r\n")
+    for name, value in extra:
+        parts += (name, b": ", value, b"\r\n")
+    if body_length or method in _BODY_METHODS:
+        parts += (b"Content-Length: ", str(body_length).encode(), b"\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)

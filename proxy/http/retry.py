@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.core.health import Outcome
+from proxy.http.pool import UpstreamConnectError
 
 
 def classify_upstream_error(exc: BaseException) -> Outcome | None:
@@ -19,7 +20,7 @@ def classify_upstream_error(exc: BaseException) -> Outcome | None:
     RESET: the connection broke before a complete answer (closed keep-alive, reset, truncated body).
     None: the request timed out after it was sent: maybe a long prefill, not retried, counted as a 5xx.
     """
-    if isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, (UpstreamConnectError, aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):
         return Outcome.CONNECT_FAILURE
     if isinstance(exc, asyncio.TimeoutError):
         return None

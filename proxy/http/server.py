@@ -20,7 +20,7 @@ import os
 from typing import Any, Callable
 
 import aiohttp
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from yarl import URL
@@ -35,7 +35,8 @@ from proxy.core.snapshot import BackendState
 from proxy.dispatch import Lease, Overloaded, Router, UnknownModel
 from proxy.http.retry import classify_upstream_error, client_gone
 from proxy.http.errors import error_body, error_response, sse_error_event
-from proxy.http.headers import downstream_response_headers, upstream_request_headers
+from proxy.http.headers import downstream_response_headers, upstream_request_head
+from proxy.http.pool import Exchange, UpstreamPool
 from proxy.metrics import ProxyMetrics
 from proxy.retry import RetryController, RetryableFailure, run_with_retries
 
@@ -44,6 +45,7 @@ log = logging.getLogger("affinity_proxy.http")
 ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 RETRY_AFTER_S = "1"
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+_ORCA_ASK = ((ORCA_FORMAT_HEADER.encode(), b"TEXT"),)
 
 
 class _BodyTooLarge(Exception):
@@ -80,11 +82,12 @@ class HttpDataPlane:
 
     def __init__(
         self, config: Config, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics,
-        session_header: str | None = None,
+        session_header: str | None = None, *, pool: UpstreamPool,
     ) -> None:
         self.config = config
         self.router = router
-        self.session = session
+        self.session = session  # for the proxy's own calls (GET /v1/models); requests go through `pool`
+        self.pool = pool
         self.metrics = metrics
         self.counters = metrics.upstream
         self.max_body = config.limits.max_body_bytes
@@ -196,63 +199,90 @@ class HttpDataPlane:
         self, request: web.BaseRequest, method: str, body: bytes, lease: Lease, request_id: str
     ) -> web.StreamResponse:
         backend = lease.backend
-        up_headers = upstream_request_headers(request.headers, request.remote, request.scheme, request_id)
+        url = backend.spec.url
         load_report = self.load_report
-        if load_report is not None and ORCA_FORMAT_HEADER not in up_headers:
-            up_headers[ORCA_FORMAT_HEADER] = "TEXT"
+        extra = _ORCA_ASK if load_report is not None and ORCA_FORMAT_HEADER not in request.headers else ()
+        head = upstream_request_head(
+            method, request.raw_path, self.pool.backend(url).host_header, request.raw_headers, request.remote,
+            request.scheme, request_id, len(body), extra,
+        )
         self.counters.requests += 1
-        relaying = False
         try:
-            async with self.session.request(
-                method, URL(backend.spec.url + request.raw_path, encoded=True), data=body if body else None,
-                headers=up_headers, allow_redirects=False,
-            ) as up:
-                if load_report is not None:
-                    report = up.headers.get(ORCA_HEADER)
-                    if report is not None:
-                        load_report(backend.name, report)
-                headers = downstream_response_headers(up.headers)
-                headers["x-request-id"] = request_id
-                if self.debug_headers:
-                    headers["x-affinity-backend"] = backend.name
-                lease.status = up.status
-                if self.retries is not None and self.retries.retry_status(up.status):
-                    # Held back, not forwarded: if another backend is tried, the client never sees this one.
-                    held = web.Response(status=up.status, body=await up.read(), headers=headers)
-                    raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
-                ctype = up.headers.get("Content-Type", "")
-                if up.content_length is not None and not ctype.startswith("text/event-stream"):
-                    data = await up.read()
-                    return web.Response(status=up.status, body=data, headers=headers)
-                relaying = True  # from here on bytes may reach the client: never retried
-                return await self._relay(request, up, headers, lease, ctype.startswith("text/event-stream"))
+            up = await self.pool.request(url, head, body, head_only=method == "HEAD")
         except asyncio.CancelledError:
             lease.status = 499
             raise
         except _UPSTREAM_ERRORS as exc:
-            self.metrics.error("upstream_unreachable")
-            lease.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
-            log.warning("backend %s failed before responding: %r", backend.name, exc)
-            failed = error_response(
-                lease.status, f"Backend {backend.name} failed: {type(exc).__name__}", "server_error",
-                "upstream_timeout" if lease.status == 504 else "upstream_error",
-                headers={"x-request-id": request_id},
-            )
-            if not relaying:
-                lease.outcome = classify_upstream_error(exc)
-                if self.retries is not None and lease.outcome is not None:
-                    raise RetryableFailure(lease.outcome, failed) from exc
-            return failed
+            return self._failed_before_response(exc, lease, request_id)
+        try:
+            if load_report is not None:
+                report = up.headers.get(ORCA_HEADER)
+                if report is not None:
+                    load_report(backend.name, report)
+            headers = downstream_response_headers(up.headers)  # type: ignore[arg-type]
+            headers["x-request-id"] = request_id
+            if self.debug_headers:
+                headers["x-affinity-backend"] = backend.name
+            lease.status = up.status
+            if self.retries is not None and self.retries.retry_status(up.status):
+                # Held back, not forwarded: if another backend is tried, the client never sees this one.
+                held = web.Response(status=up.status, body=await up.read(), headers=headers)
+                raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
+            ctype = up.headers.get("Content-Type", "")
+            sse = ctype.startswith("text/event-stream")
+            if not up.chunked and not sse and (up.content_length is not None or up.complete):
+                return web.Response(status=up.status, reason=up.reason, body=await up.read(), headers=headers)
+            return await self._relay(request, up, headers, lease, sse)
+        except asyncio.CancelledError:
+            lease.status = 499
+            raise
+        except _UPSTREAM_ERRORS as exc:
+            # Only reachable before anything was sent (reading a held or JSON body): _relay handles its own.
+            return self._failed_before_response(exc, lease, request_id)
+        finally:
+            up.release()
+
+    def _failed_before_response(self, exc: BaseException, lease: Lease, request_id: str) -> web.Response:
+        backend = lease.backend
+        self.metrics.error("upstream_unreachable")
+        lease.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+        log.warning("backend %s failed before responding: %r", backend.name, exc)
+        failed = error_response(
+            lease.status, f"Backend {backend.name} failed: {type(exc).__name__}", "server_error",
+            "upstream_timeout" if lease.status == 504 else "upstream_error",
+            headers={"x-request-id": request_id},
+        )
+        lease.outcome = classify_upstream_error(exc)
+        if self.retries is not None and lease.outcome is not None:
+            raise RetryableFailure(lease.outcome, failed) from exc
+        return failed
 
     async def _relay(
-        self, request: web.BaseRequest, up: aiohttp.ClientResponse, headers: Any, lease: Lease, sse: bool
+        self, request: web.BaseRequest, up: Exchange, headers: Any, lease: Lease, sse: bool
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=headers)
+        """Stream the answer as it arrives. From here on bytes reach the client: never retried."""
+        resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+        transport = request.transport
+        raw = up.chunked and request.version >= HttpVersion11 and transport is not None
+        if raw:
+            resp.enable_chunked_encoding()
         await resp.prepare(request)
-        content = up.content
         try:
-            while chunk := await content.readany():
-                await resp.write(chunk)
+            if raw:
+                # The backend's chunks go to the client as they are (complete chunks, straight from the
+                # upstream protocol's data_received): no task switch, no de-chunk/re-chunk per event.
+                writer = resp._payload_writer
+                assert writer is not None and transport is not None
+                writer.send_headers()
+                up.relay_chunks(transport)
+                while not up.complete:
+                    await up.wait_relay()
+                    if up.paused:
+                        await writer.drain()
+                        up.resume()
+            else:
+                async for piece in up.stream():
+                    await resp.write(piece)
         except _UPSTREAM_ERRORS as exc:
             # Headers are gone already: end the stream with an error the client can parse, then close cleanly.
             self.metrics.error("upstream_midstream")

@@ -1,47 +1,30 @@
-"""The one upstream client session every HTTP request to a backend goes through.
+"""The two upstream clients of a proxy process, built from the same `upstream:` and `timeouts:` config.
 
-One session (one connector) for the whole process: connections are pooled per backend (aiohttp keys its
-pool by host, port and TLS), capped by `upstream.connections_per_backend`, and reused for at most
-`upstream.keepalive_s`, which must stay below the backends' own keep-alive (see shared/README.md: reusing a
-connection the server is closing fails a POST); aiohttp's cleanup pass closes connections idle longer.
-
-Connection reuse is counted without aiohttp's tracing (which costs several µs per request): the connector
-subclass counts the connections it opens, the proxy counts the requests it sends, and the reuse ratio is
-derived at scrape time.
+- `create_pool`: the data plane's relay pool (proxy/http/pool.py). Every proxied request goes through it;
+  it counts requests and new connections, from which the exported connection reuse ratio is derived.
+- `create_session`: an aiohttp ClientSession for the proxy's own, infrequent calls (GET /v1/models
+  fan-out, the gRPC-to-HTTP bridge, health checks that want one). Same limits and keep-alive rules: idle
+  connections are reused for at most `upstream.keepalive_s`, below the backends' own keep-alive (see
+  shared/README.md: reusing a connection the server is closing fails a POST), then closed.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
-from aiohttp.client_proto import ResponseHandler
 
 from proxy.config import Config
+from proxy.http.pool import UpstreamPool
 from proxy.metrics import UpstreamCounters
 
 
-class _CountingConnector(aiohttp.TCPConnector):
-    def __init__(self, counters: UpstreamCounters, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._counters = counters
-
-    async def _create_connection(self, req: Any, traces: Any, timeout: Any) -> ResponseHandler:
-        proto = await super()._create_connection(req, traces, timeout)
-        self._counters.new_connections += 1
-        return proto
-
-
-def create_session(config: Config, counters: UpstreamCounters) -> aiohttp.ClientSession:
-    """The upstream session. Nothing is decompressed, redirected or re-headed: bytes pass as they are."""
+def create_session(config: Config) -> aiohttp.ClientSession:
+    """Nothing is decompressed, redirected or re-headed: bytes pass as they are."""
     up = config.upstream
-    connector = _CountingConnector(
-        counters,
-        limit=0,  # the per-backend cap is what protects a backend; the total is `limits.max_inflight_total`
+    connector = aiohttp.TCPConnector(
+        limit=0,  # the per-backend cap is what protects a backend
         limit_per_host=up.connections_per_backend,
         keepalive_timeout=up.keepalive_s,
         ttl_dns_cache=10,
-        enable_cleanup_closed=False,
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -50,4 +33,14 @@ def create_session(config: Config, counters: UpstreamCounters) -> aiohttp.Client
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         cookie_jar=aiohttp.DummyCookieJar(),
         read_bufsize=2**16,
+    )
+
+
+def create_pool(config: Config, counters: UpstreamCounters) -> UpstreamPool:
+    return UpstreamPool(
+        counters,
+        connections_per_backend=config.upstream.connections_per_backend,
+        keepalive_s=config.upstream.keepalive_s,
+        connect_timeout_s=config.timeouts.connect_s,
+        request_timeout_s=config.timeouts.request_s,
     )

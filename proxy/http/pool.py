@@ -1,0 +1,607 @@
+"""A small HTTP/1.1 client made for relaying: pooled keep-alive connections per backend, one write per
+request, and chunked responses passed through as the raw chunks the backend sent.
+
+Why not aiohttp's client: profiling the proxy (loadtest/bench_proxy.py) put about half of its CPU per request
+in `ClientSession.request` (request and response objects, header multidicts, timers, the connector's
+bookkeeping, a StreamReader per response), and every SSE event took a task wake-up plus a de-chunk and a
+re-chunk. Here a request is one pre-serialised `transport.write`, the response head is parsed once, a JSON
+body is collected into one bytes object, and a stream of chunks goes from the upstream protocol's
+`data_received` straight to the client's transport: complete chunks only (so a backend dying mid-chunk
+never leaves the client with a torn chunk), no task switch per event, with back-pressure both ways.
+
+The pool: per backend (scheme://host:port) a LIFO of idle connections, at most `connections_per_backend`
+open, waiters queued FIFO. An idle connection is reused only within `keepalive_s` (kept below the
+backends' own keep-alive, so the proxy never reuses one the server is closing) and a sweeper closes
+expired ones, so a backend that went away keeps no ghost connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import AsyncIterator, Callable
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+from proxy.metrics import UpstreamCounters
+
+_MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
+_WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has this much unsent
+
+
+class UpstreamError(ConnectionError):
+    """The exchange with a backend failed; subclasses say how far it got."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """Nothing reached the backend: refused, unreachable, or the connect timed out."""
+
+
+class UpstreamReset(UpstreamError):
+    """The connection broke before the response was complete."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The backend answered something that is not HTTP/1.x."""
+
+
+class UpstreamTimeout(asyncio.TimeoutError):
+    """The whole exchange took longer than `timeouts.request_s`."""
+
+
+class Backend:
+    """Where one base URL's connections live."""
+
+    __slots__ = ("key", "host", "port", "host_header", "idle", "open", "waiters")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"only http:// backends are supported by the relay pool, got {url!r}")
+        self.key = url
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.host_header = parts.netloc.encode("latin-1")
+        self.idle: deque[_Connection] = deque()
+        self.open = 0
+        self.waiters: deque[asyncio.Future[_Connection | None]] = deque()
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = ("pool", "backend", "transport", "exchange", "idle_since", "closed", "forgotten")
+
+    def __init__(self, pool: UpstreamPool, backend: Backend) -> None:
+        self.pool = pool
+        self.backend = backend
+        self.transport: asyncio.Transport | None = None
+        self.exchange: Exchange | None = None
+        self.idle_since = 0.0
+        self.closed = False
+        self.forgotten = False  # its pool slot was given back
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        ex = self.exchange
+        if ex is None:  # a backend talking out of turn: the connection cannot be trusted any more
+            self.close()
+            return
+        ex.feed(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        ex = self.exchange
+        if ex is not None:
+            ex.connection_lost(exc)
+        self.pool._forget(self)
+
+    def pause_writing(self) -> None:  # requests are small; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.closed = True
+            self.transport.abort()
+
+
+class Exchange:
+    """One request/response on one connection. Created and driven by `UpstreamPool.request`.
+
+    `await wait_head()` gives `status`, `headers`, `raw_headers`; then either `await read()` for the whole
+    body, or `relay_chunks(sink)` + `await wait_done()` for a chunked response whose raw chunks go to `sink`,
+    or `stream()` for decoded body pieces (any framing). `release()` always, in a finally.
+    """
+
+    __slots__ = (
+        "conn", "method_head", "status", "reason", "headers", "raw_headers", "chunked", "content_length",
+        "keep_alive", "_buf", "_head_done", "_mode", "_remaining", "_parts", "_raw_sink", "_piece_waiter",
+        "_done", "_head_fut", "_error", "_timer", "_complete", "_sink_transport", "_paused", "_pieces",
+    )
+
+    def __init__(self, conn: _Connection, head_only: bool) -> None:
+        loop = asyncio.get_running_loop()
+        self.conn = conn
+        self.method_head = head_only
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.chunked = False
+        self.content_length: int | None = None
+        self.keep_alive = True
+        self._buf = b""
+        self._head_done = False
+        self._mode = 0  # 0 none, 1 length, 2 chunked, 3 until EOF
+        self._remaining = 0
+        self._parts: list[bytes] = []
+        self._raw_sink: Callable[[bytes], None] | None = None
+        self._sink_transport: asyncio.Transport | None = None
+        self._paused = False
+        self._pieces: deque[bytes] | None = None
+        self._piece_waiter: asyncio.Future[None] | None = None
+        self._head_fut: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._error: BaseException | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._complete = False
+
+    # ---------------------------------------------------------------- parsing (called from the protocol)
+
+    def feed(self, data: bytes) -> None:
+        if self._complete or self._error is not None:
+            return
+        buf = self._buf + data if self._buf else data
+        if not self._head_done:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _MAX_HEAD:
+                    self._fail(UpstreamProtocolError("response head too large"))
+                else:
+                    self._buf = buf
+                return
+            try:
+                self._parse_head(buf[:end])
+            except (ValueError, IndexError) as exc:
+                self._fail(UpstreamProtocolError(f"malformed response head: {exc}"))
+                return
+            buf = buf[end + 4 :]
+            self._buf = b""
+            if not self._head_done:  # an interim 1xx answer: the real head follows
+                if buf:
+                    self.feed(buf)
+                return
+            if not self._head_fut.done():
+                self._head_fut.set_result(None)
+            if self._mode == 0:
+                self._finish()
+                return
+            if not buf:
+                return
+        mode = self._mode
+        if mode == 2:
+            self._feed_chunked(buf)
+        elif mode == 1:
+            n = len(buf)
+            if n >= self._remaining:
+                extra = n - self._remaining
+                piece = buf[: self._remaining] if extra else buf
+                self._remaining = 0
+                self._buf = b""
+                if piece:
+                    self._emit(piece)
+                self._finish()
+            else:
+                self._remaining -= n
+                self._buf = b""
+                self._emit(buf)
+        else:  # until EOF
+            self._buf = b""
+            if buf:
+                self._emit(buf)
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        version, _, rest = lines[0].partition(b" ")
+        if not version.startswith(b"HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        code, _, reason = rest.partition(b" ")
+        status = int(code)
+        if 100 <= status < 200 and status != 101:
+            return  # 100 Continue and friends: skip
+        self.status = status
+        self.reason = reason.decode("latin-1")
+        raw = self.raw_headers
+        headers = self.headers
+        chunked = False
+        length: int | None = None
+        conn_close = version == b"HTTP/1.0"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            value = value.strip()
+            raw.append((name, value))
+            lname = name.lower()
+            if lname == b"transfer-encoding":
+                chunked = value.lower().endswith(b"chunked")
+            elif lname == b"content-length":
+                length = int(value)
+            elif lname == b"connection":
+                token = value.lower()
+                if b"close" in token:
+                    conn_close = True
+                elif b"keep-alive" in token:
+                    conn_close = False
+            headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        self.keep_alive = not conn_close
+        self._head_done = True
+        if self.method_head or status in (204, 304):
+            self._mode = 0
+        elif chunked:
+            self._mode = 2
+            self.chunked = True
+        elif length is not None:
+            self.content_length = length
+            self._remaining = length
+            self._mode = 1 if length else 0
+        else:
+            self._mode = 3
+            self.keep_alive = False
+
+    def _feed_chunked(self, buf: bytes) -> None:
+        """Consume complete chunks from `buf`; keep a partial one for the next read."""
+        pos = 0
+        n = len(buf)
+        start = 0  # start of the run of complete raw chunks not yet emitted
+        raw_sink = self._raw_sink
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            try:
+                size = int(buf[pos:eol].split(b";", 1)[0], 16)
+            except ValueError:
+                self._fail(UpstreamProtocolError("malformed chunk size"))
+                return
+            if size == 0:
+                # Last chunk: optional trailers, then an empty line.
+                end = buf.find(b"\r\n\r\n", eol) if buf[eol + 2 : eol + 4] != b"\r\n" else eol
+                if end < 0:
+                    break
+                if raw_sink is not None and pos > start:
+                    raw_sink(buf[start:pos])
+                self._buf = b""
+                self._finish()
+                return
+            chunk_end = eol + 2 + size + 2
+            if chunk_end > n:
+                break
+            if raw_sink is None:
+                self._emit(buf[eol + 2 : eol + 2 + size])
+            pos = chunk_end
+        if raw_sink is not None and pos > start:
+            raw_sink(buf[start:pos])
+        self._buf = buf[pos:] if pos < n else b""
+        if len(self._buf) > 16 * 1024 * 1024:
+            self._fail(UpstreamProtocolError("chunk too large"))
+
+    def _emit(self, piece: bytes) -> None:
+        pieces = self._pieces
+        if pieces is not None:
+            pieces.append(piece)
+            w = self._piece_waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+        else:
+            self._parts.append(piece)
+
+    def _finish(self) -> None:
+        self._complete = True
+        if self._timer is not None:
+            self._timer.cancel()
+        w = self._piece_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._complete or self._error is not None:
+            return
+        self._error = exc
+        if self._timer is not None:
+            self._timer.cancel()
+        for fut in (self._head_fut, self._done):
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: whoever awaits it next re-raises it; nobody awaiting is fine
+        w = self._piece_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        self.keep_alive = False
+        self.conn.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._mode == 3 and self._head_done and not self._complete:
+            self._finish()  # body delimited by the close
+            return
+        if not self._complete:
+            self._fail(UpstreamReset(f"backend closed the connection{': ' + str(exc) if exc else ''}"))
+
+    def timeout(self) -> None:
+        self._fail(UpstreamTimeout("upstream request timed out"))
+
+    # ---------------------------------------------------------------- consumer side
+
+    async def wait_head(self) -> None:
+        await self._head_fut
+
+    async def read(self) -> bytes:
+        """The whole (de-chunked) body."""
+        await self._done
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def relay_chunks(self, transport: asyncio.Transport) -> None:
+        """Write this chunked response's complete raw chunks straight to `transport` from now on.
+
+        The downstream response must itself be chunked (HTTP/1.1, headers already sent): the raw chunks are
+        then valid framing there too; the terminating chunk is left for the caller's write_eof.
+        """
+        assert self.chunked
+        self._sink_transport = transport
+        self._raw_sink = self._write_down
+        if self._parts:  # de-chunked pieces that arrived with the head: re-frame them once
+            for part in self._parts:
+                transport.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self._parts = []
+        if self._buf and not self._complete and self._error is None:
+            pending, self._buf = self._buf, b""
+            self._feed_chunked(pending)
+
+    def _write_down(self, raw: bytes) -> None:
+        t = self._sink_transport
+        assert t is not None
+        if t.is_closing():
+            return
+        t.write(raw)
+        if not self._paused and t.get_write_buffer_size() > _WRITE_HIGH_WATER:
+            self._paused = True
+            up = self.conn.transport
+            if up is not None:
+                up.pause_reading()
+            w = self._piece_waiter
+            if w is not None and not w.done():
+                w.set_result(None)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def wait_relay(self) -> None:
+        """Until the relayed response completes, fails, or the client needs draining (check `paused`)."""
+        if self._complete or self._paused:
+            return
+        if self._error is not None:
+            raise self._error
+        self._piece_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._piece_waiter
+        finally:
+            self._piece_waiter = None
+        if self._error is not None and not self._paused:
+            raise self._error
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            up = self.conn.transport
+            if up is not None and not self.conn.closed:
+                up.resume_reading()
+
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """Decoded body pieces as they arrive (any framing); for clients that cannot take raw chunks."""
+        pieces = self._pieces = deque(self._parts)
+        self._parts = []
+        while True:
+            while pieces:
+                yield pieces.popleft()
+            if self._complete:
+                return
+            if self._error is not None:
+                raise self._error
+            self._piece_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._piece_waiter
+            finally:
+                self._piece_waiter = None
+
+    def release(self) -> None:
+        """Return the connection to the pool if the exchange completed cleanly, else close it."""
+        conn = self.conn
+        if self._timer is not None:
+            self._timer.cancel()
+        conn.exchange = None
+        if self._complete and self.keep_alive and not conn.closed and not self._paused:
+            conn.pool._put_idle(conn)
+        else:
+            conn.close()
+            conn.pool._forget(conn)
+
+
+class UpstreamPool:
+    def __init__(
+        self,
+        counters: UpstreamCounters,
+        *,
+        connections_per_backend: int,
+        keepalive_s: float,
+        connect_timeout_s: float,
+        request_timeout_s: float,
+    ) -> None:
+        self.counters = counters
+        self.limit = connections_per_backend
+        self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._backends: dict[str, Backend] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def backend(self, url: str) -> Backend:
+        b = self._backends.get(url)
+        if b is None:
+            b = self._backends[url] = Backend(url)
+        return b
+
+    def start(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="upstream-idle-sweeper")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        for b in self._backends.values():
+            while b.idle:
+                b.idle.pop().close()
+            while b.waiters:
+                w = b.waiters.popleft()
+                if not w.done():
+                    w.set_result(None)
+
+    def close_idle(self, url: str) -> int:
+        """Close the idle connections to a backend now (it was removed or drained); returns how many."""
+        b = self._backends.get(url.rstrip("/"))
+        if b is None:
+            return 0
+        n = len(b.idle)
+        while b.idle:
+            conn = b.idle.pop()
+            conn.close()
+        return n
+
+    def idle_connections(self, url: str) -> int:
+        b = self._backends.get(url.rstrip("/"))
+        return 0 if b is None else len(b.idle)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_s / 2)
+            cutoff = time.monotonic() - self.keepalive_s
+            for b in self._backends.values():
+                # Idle connections are LIFO: the oldest are on the left.
+                while b.idle and b.idle[0].idle_since < cutoff:
+                    b.idle.popleft().close()
+
+    async def _acquire(self, b: Backend) -> _Connection:
+        now = time.monotonic()
+        idle = b.idle
+        while idle:
+            conn = idle.pop()
+            if conn.closed or now - conn.idle_since > self.keepalive_s:
+                conn.close()
+                continue
+            return conn
+        if b.open >= self.limit:
+            waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
+            b.waiters.append(waiter)
+            try:
+                conn_or_slot = await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    handed = waiter.result()
+                    if handed is not None:
+                        self._put_idle(handed)  # pass the connection on to the next waiter
+                    else:
+                        self._wake_slot(b)  # pass the free slot on
+                raise
+            if conn_or_slot is not None:
+                return conn_or_slot
+            if self._closed:
+                raise UpstreamConnectError("the upstream pool is closed")
+            # A slot was freed (a connection closed): open a new one below.
+        b.open += 1
+        try:
+            conn = await self._connect(b)
+        except BaseException:
+            b.open -= 1
+            self._wake_slot(b)
+            raise
+        return conn
+
+    async def _connect(self, b: Backend) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(self, b), b.host, b.port), self.connect_timeout_s
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamConnectError(f"connect to {b.host}:{b.port} timed out") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {b.host}:{b.port}: {exc.strerror or exc}") from exc
+        self.counters.new_connections += 1
+        return conn
+
+    def _put_idle(self, conn: _Connection) -> None:
+        b = conn.backend
+        while b.waiters:
+            w = b.waiters.popleft()
+            if not w.done():
+                w.set_result(conn)
+                return
+        conn.idle_since = time.monotonic()
+        b.idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        """A connection closed: free its slot (once)."""
+        if conn.forgotten:
+            return
+        conn.forgotten = True
+        b = conn.backend
+        try:
+            b.idle.remove(conn)
+        except ValueError:
+            pass
+        b.open -= 1
+        self._wake_slot(b)
+
+    def _wake_slot(self, b: Backend) -> None:
+        while b.waiters:
+            w = b.waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def request(self, url: str, head: bytes, body: bytes, *, head_only: bool = False) -> Exchange:
+        """Send `head` (request line + headers, ending in a blank line) and `body` to the backend at `url`;
+        returns once the response head arrived. The caller must `release()` the exchange."""
+        b = self.backend(url)
+        conn = await self._acquire(b)
+        ex = Exchange(conn, head_only)
+        conn.exchange = ex
+        ex._timer = asyncio.get_running_loop().call_later(self.request_timeout_s, ex.timeout)
+        assert conn.transport is not None
+        conn.transport.write(head + body if body else head)
+        try:
+            await ex._head_fut
+        except BaseException:
+            ex.release()
+            raise
+        return ex
