@@ -18,9 +18,12 @@ Runs beside an inference server on a GPU node and serves, on `--port` (default 9
 |                                          | shrinking counts as 0, not as negative load                       |
 | gpu_agent_engine_up                      | 1 if the last engine scrape succeeded                             |
 
-The engine series are absent (not zero) while the engine cannot be scraped, so the proxy never mistakes a
-dead engine for an idle one. NVML is read in a background thread every 200 ms, because its calls block for
-a few milliseconds and must not stall the HTTP server; the engine is scraped on the event loop.
+With `--engine-url`, the engine's own page follows the agent's series in the same response (minus any
+series named like the agent's), so the proxy reads a backend whole from one scrape of its agent: point the
+backend's `metrics_url` at the agent. The engine series are absent (not zero) while the engine cannot be
+scraped, so the proxy never mistakes a dead engine for an idle one. NVML is read in a background thread
+every 200 ms, because its calls block for a few milliseconds and must not stall the HTTP server; the
+engine is scraped on the event loop.
 
 With no NVIDIA driver or no GPU the agent exits at once with one line on stderr (exit status 1), e.g.
 ``gpu-agent: cannot read GPUs: NVMLError_LibraryNotFound (NVML Shared Library Not Found)``.
@@ -153,9 +156,11 @@ class EngineProbe:
         self.queue: float | None = None
         self.kv_tokens_per_s: float | None = None
         self.up = False
+        self.page: str | None = None  # the engine's last page, passed through while the engine answers
         self._kv: collections.deque[tuple[float, float]] = collections.deque()
 
     def observe(self, text: str, t: float) -> None:
+        self.page = text
         r = self.extractor.read(text)
         if r.running is None and r.waiting is None:
             self.queue = None
@@ -176,6 +181,7 @@ class EngineProbe:
 
     def lost(self) -> None:
         self.up = False
+        self.page = None
         self.queue = None
         self.kv_tokens_per_s = None
         self._kv.clear()
@@ -194,6 +200,31 @@ class EngineProbe:
                 log.debug("engine scrape failed: %r", exc)
                 self.lost()
             await asyncio.sleep(self.interval_s)
+
+
+_OWN_NAMES = ("gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_utilization_ratio", "cuda_kernel_queue_length",
+              "kvcache_tokens_per_second", "gpu_agent_")
+
+
+def passthrough(page: str) -> str:
+    """The engine's page minus any series the agent itself exports (so no family appears twice).
+
+    Passing the engine's own series through lets the proxy read everything about a backend from one
+    scrape of the agent: the GPU gauges and the engine's queue, KV usage and capacity, LoRA adapters.
+    """
+    out = []
+    for line in page.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            name = parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE", "UNIT") else ""
+            if parts[1:2] == ["EOF"]:
+                continue
+        else:
+            name = line
+        if name.startswith(_OWN_NAMES):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n" if out else ""
 
 
 class AgentCollector(Collector):
@@ -258,7 +289,11 @@ class GpuAgent:
         app = web.Application()
 
         async def metrics(request: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+            body = generate_latest(self.registry)
+            page = self.engine.page if self.engine is not None else None
+            if page is not None:
+                body += passthrough(page).encode()
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app.router.add_get("/metrics", metrics)
         self._runner = web.AppRunner(app, access_log=None)

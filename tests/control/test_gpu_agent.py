@@ -66,6 +66,8 @@ class FakeNvml:
 
 def vllm_page(running: int, waiting: int, kv_usage: float) -> str:
     return (
+        "# HELP cuda_kernel_queue_length not ours\n# TYPE cuda_kernel_queue_length gauge\n"
+        "cuda_kernel_queue_length 99\n"
         f'vllm:num_requests_running{{model_name="m"}} {running}\n'
         f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
         f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv_usage}\n'
@@ -107,10 +109,13 @@ async def test_agent_exports_nvml_and_engine_series(engine: FakeMetrics) -> None
     assert util == {"GPU-fake-0": 0.91, "GPU-fake-1": 0.12}
     assert families["cuda_kernel_queue_length"].samples[0].value == 5.0  # engine running + waiting
     assert families["gpu_agent_engine_up"].samples[0].value == 1.0
-    # what the proxy's poller reads from it
+    # what the proxy's poller reads from it: the GPU gauges and, passed through, the engine's own series
     r = Extractor().read(text)
-    assert r.engine == "agent"
+    assert r.engine == "vllm"
     assert (r.mem_used_bytes, r.mem_total_bytes, r.kernel_queue) == (80e9, 160e9, 5.0)
+    assert (r.running, r.waiting, r.kv_usage, r.kv_capacity_tokens) == (3.0, 2.0, 0.25, 16000.0)
+    # an engine page carrying the agent's own names (as the simulator's does) is not duplicated
+    assert [ln for ln in text.splitlines() if ln.startswith("cuda_kernel_queue_length")] == ["cuda_kernel_queue_length 5.0"]
     assert nvml.shutdowns == 1
 
 
@@ -124,6 +129,7 @@ async def test_agent_without_engine_omits_engine_series() -> None:
         await agent.stop()
     assert "gpu_memory_used_bytes" in text
     assert "gpu_agent_engine_up 0.0" in text
+    assert "vllm:" not in text
     # a dead engine is not an idle one: no queue and no KV rate rather than zeros
     assert "cuda_kernel_queue_length" not in text and "kvcache_tokens_per_second" not in text
 
