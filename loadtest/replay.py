@@ -26,7 +26,7 @@ import asyncio
 import heapq
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,6 +48,9 @@ from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.inflight import InflightTable
 
 _RATE_WINDOW_S = 1.0
+# Policies that read telemetry (load scores). For the others the poller is skipped: their decisions cannot
+# depend on it, and rendering and parsing /metrics five times a virtual second is most of a replay's cost.
+TELEMETRY_POLICIES = frozenset({"affinity", "least_load", "power_of_two"})
 
 
 class VirtualBackend:
@@ -58,17 +61,20 @@ class VirtualBackend:
         self.profile = profile
         self.engine = Engine(profile, seed=seed, adapters=adapters)
         self.now = 0.0
-        self._recent: list[tuple[float, int]] = []
+        self._recent: deque[tuple[float, int]] = deque()
+        self._recent_sum = 0
 
     def note_step(self, end: float, tokens: int) -> None:
         self._recent.append((end, tokens))
-        if len(self._recent) > 4096:
-            cut = self.now - _RATE_WINDOW_S
-            self._recent = [x for x in self._recent if x[0] >= cut]
+        self._recent_sum += tokens
 
     def tokens_per_second(self) -> float:
-        lo = self.now - _RATE_WINDOW_S
-        return sum(n for t, n in self._recent if lo <= t <= self.now) / _RATE_WINDOW_S
+        """KV tokens written over the last second, like SimBackend's (steps that ended by `now`)."""
+        recent, lo = self._recent, self.now - _RATE_WINDOW_S
+        while recent and recent[0][0] < lo:
+            self._recent_sum -= recent.popleft()[1]
+        late = sum(n for t, n in recent if t > self.now) if recent and recent[-1][0] > self.now else 0
+        return (self._recent_sum - late) / _RATE_WINDOW_S
 
     def busy_seconds(self) -> float:
         return max(0.0, self.engine.busy_time(self.now))
@@ -148,7 +154,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     reasons: Counter[str] = Counter()
     items = workload.items
     net = cfg.net_ms / 1000.0
-    next_poll = 0.0
+    next_poll = 0.0 if cfg.policy in TELEMETRY_POLICIES else float("inf")
     next_sample = 0.0
     i = 0
     end_t = 0.0

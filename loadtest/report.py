@@ -32,7 +32,9 @@ Definitions:
   window averaged over windows, in percentage points.
 - p99 fluct.: coefficient of variation of the p99 TTFT of consecutive 10 s windows (by send time, windows with >= 10
   requests); shown as ±CV.
-- Proxy CPU: CPU time of the proxy process(es) over the run, per successful request.
+- Router CPU: CPU time of the router process over the run, as a share of one core and per successful request (it
+  includes the router's background work: telemetry scrapes, health checks; at a few requests/s that dominates).
+  For an offline replay it is the time spent building summaries and picking.
 """
 
 
@@ -145,14 +147,16 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
     head = (
         "| policy | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | hit ratio | bound ∞ / LRU | hit/bound "
-        "| GPU util mean | GPU util std (pts) | p99 fluct. | errors | proxy CPU µs/req |\n"
+        "| GPU util mean | GPU util std (pts) | p99 fluct. | errors | router CPU: % core, µs/req |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
         bound = f"{_pct(s['bound_inf'], 0)} / {_pct(s['bound_lru'], 0)}"
         std = "–" if s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
-        cpu = "–" if s["proxy_cpu_us_per_req"] is None else f"{s['proxy_cpu_us_per_req']:.0f}"
+        cpu = "–" if s["proxy_cpu_us_per_req"] is None else (
+            f"{(s['proxy_cpu_cores'] or 0) * 100:.1f}%, {s['proxy_cpu_us_per_req']:.0f}"
+        )
         fl = "–" if s["p99_fluct_cv"] is None else f"±{s['p99_fluct_cv'] * 100:.0f}%"
         rows.append(
             f"| {s['label']} | {s['throughput_rps'] or 0:.2f} | {s['output_tps'] or 0:.0f} | {_ms(s['ttft_p50'])} | "

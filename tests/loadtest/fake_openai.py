@@ -13,6 +13,9 @@ import json
 from aiohttp import web
 
 
+STATE: web.AppKey[dict] = web.AppKey("state", dict)
+
+
 def make_app(name: str, *, token_delay_s: float = 0.0, fail_every: int = 0) -> web.Application:
     state = {"queries": 0, "hits": 0, "busy": 0.0, "n": 0, "seen": set(), "running": 0}
 
@@ -63,5 +66,5 @@ def make_app(name: str, *, token_delay_s: float = 0.0, fail_every: int = 0) -> w
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/metrics", metrics)
-    app["state"] = state
+    app[STATE] = state
     return app

@@ -1,0 +1,72 @@
+"""Metrics math: percentiles, p99 fluctuation, utilisation spread and the one-cache hit-ratio bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest import stats
+from loadtest.workloads.bound import one_cache_bound
+from loadtest.workloads.model import WorkItem
+from loadtest.workloads.text import Segment
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    xs = [1.0, 2.0, 3.0, 4.0, 10.0]
+    assert stats.percentile(xs, 50) == 3.0
+    assert stats.percentile(xs, 100) == 10.0
+    assert stats.percentile(xs, 90) == pytest.approx(7.6)  # numpy.percentile(xs, 90)
+    assert stats.percentile([5.0], 99) == 5.0
+    assert stats.percentile([], 50) is None
+
+
+def test_window_p99_and_fluctuation() -> None:
+    times = [i * 0.5 for i in range(60)]  # 30 s, 20 requests per 10 s window
+    values = [1.0] * 20 + [2.0] * 20 + [3.0] * 20
+    ws = stats.window_p99s(times, values, 10.0, 10)
+    assert ws == [1.0, 2.0, 3.0]
+    f = stats.fluctuation(ws)
+    assert f["cv"] == pytest.approx((2 / 3) ** 0.5 / 2.0)
+    assert f["half_range"] == pytest.approx(0.5)
+    assert stats.window_p99s(times, values, 10.0, 25) == []
+    assert stats.fluctuation([4.0])["cv"] is None
+
+
+def test_utilisation_per_window_and_spread() -> None:
+    busy = {
+        "a": [(float(t), 1.0 * t) for t in range(0, 21)],  # always busy
+        "b": [(float(t), 0.5 * t) for t in range(0, 21)],  # half busy
+    }
+    per = stats.windowed_utilisation(busy, 10.0)
+    assert per["a"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert per["b"] == [pytest.approx(0.5), pytest.approx(0.5)]
+    spread = stats.utilisation_spread(per)
+    assert spread["mean"] == pytest.approx(0.75) and spread["std"] == pytest.approx(0.25)
+    assert stats.counter_rate([(0.0, 0.0), (1.0, 5.0), (2.0, 1.0), (3.0, 3.0)]) == pytest.approx(7 / 3)
+
+
+def item(*blocks: tuple[int, int]) -> WorkItem:
+    segs = tuple(Segment(b, n) for b, n in blocks)
+    return WorkItem(0.0, sum(n for _, n in blocks), 1, segs)
+
+
+def test_one_cache_bound_counts_longest_cached_prefix_only() -> None:
+    items = [
+        item((1, 512), (2, 512)),
+        item((1, 512), (2, 512), (3, 100)),  # 1024 of 1124 hit
+        item((9, 512), (2, 512)),  # block 2 after another prefix is not a hit
+        item((1, 512), (3, 100)),  # (1) hits; (3 after 1) is a different chain than (3 after 1,2)
+    ]
+    b = one_cache_bound(items)
+    assert b.hit_tokens == 1024 + 512
+    assert b.query_tokens == 1024 + 1124 + 1024 + 612
+    assert b.ratio == pytest.approx(b.hit_tokens / b.query_tokens)
+
+
+def test_lru_bound_evicts_and_never_beats_the_infinite_cache() -> None:
+    items = [item((i % 5, 500)) for i in range(50)]
+    inf = one_cache_bound(items)
+    assert inf.hit_tokens == 45 * 500
+    small = one_cache_bound(items, capacity_tokens=1000)  # 2 of 5 cyclic keys fit: LRU always misses
+    assert small.hit_tokens == 0
+    big = one_cache_bound(items, capacity_tokens=2500)
+    assert big.hit_tokens == inf.hit_tokens
