@@ -186,3 +186,31 @@ async def test_admin_token_and_exposed_listener(fakes, monkeypatch) -> None:
                 assert r.status == 200
     finally:
         await runner.cleanup()
+
+
+async def test_discovery_through_the_proxy_with_a_fake_resolver(fakes) -> None:
+    port = int(fakes[0].url.rsplit(":", 1)[1])
+    text = config_text([]).replace("backends:\n", "") + (
+        "discovery: {enabled: true, interval_ms: 20}\n"
+        f"backends:\n  - {{name: gpu, url: 'http://vllm.test.svc:{port}'}}\n")
+    proxy = AffinityProxy(parse_config(text))
+    answers = [["127.0.0.1"]]
+
+    async def resolver(host: str, p: int) -> list[str]:
+        assert (host, p) == ("vllm.test.svc", port)
+        return answers[0]
+
+    assert proxy.resilience.discovery is not None
+    proxy.resilience.discovery.resolver = resolver
+    await proxy.start()
+    try:
+        name = f"gpu@127.0.0.1:{port}"
+        await until(lambda: name in proxy.store.current and "gpu" not in proxy.store.current)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 200 and r.headers["x-affinity-backend"] == name
+        answers[0] = ["127.0.0.2"]  # the pod moved: the old address drains, the new one joins
+        await until(lambda: name not in proxy.store.current)
+        assert f"gpu@127.0.0.2:{port}" in proxy.store.current
+    finally:
+        await proxy.stop()
