@@ -74,7 +74,7 @@ class _Task:
 class AffinityProxy:
     def __init__(
         self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all",
-        config_path: str | None = None,
+        config_path: str | None = None, store: SnapshotStore | None = None,
     ) -> None:
         self.config = config
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/workers.py)
@@ -83,7 +83,8 @@ class AffinityProxy:
         # listeners and data-plane services) on snapshots the supervisor publishes into its store.
         self.role = role
         self.config_path = config_path  # the file hot reload re-reads (SIGHUP, file change, POST /admin/reload)
-        self.store = SnapshotStore(Snapshot.initial(config.backend_specs()))
+        # A worker process passes its own store (proxy/workers.py) so that data-plane writes reach the supervisor.
+        self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
         self.policy = policy if policy is not None else build_policy(config.routing)
         self.inflight = InflightTable()
         self.metrics = ProxyMetrics()

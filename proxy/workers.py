@@ -174,6 +174,14 @@ class Outcomes:
 
 
 @dataclass(frozen=True)
+class BackendChanges:
+    """Per-backend field changes a worker's data plane made with `SnapshotStore.update` (the gRPC admin
+    service's weight and drain calls), for the supervisor to apply to the one authoritative snapshot."""
+
+    changes: dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class CollectMetrics:
     seq: int
 
@@ -461,6 +469,17 @@ class Supervisor:
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
 
+    def _apply_changes(self, changes: dict[str, dict[str, Any]]) -> None:
+        def change(snapshot: Snapshot) -> Snapshot:
+            backends = []
+            for b in snapshot.backends:
+                fields = changes.get(b.name)
+                backends.append(dataclasses.replace(b, **fields) if fields else b)
+            return snapshot.evolve(backends)
+
+        if any(name in self.store.current for name in changes):
+            self.store.update(change)
+
     def apply_config(self, config: Any) -> None:
         """Forward a reloaded configuration; workers started later get it in their WorkerInit."""
         self.config = config
@@ -519,6 +538,8 @@ class Supervisor:
                     worker.ready.set()
                     # Whatever was published while it started up.
                     self._queue(worker, self.store.current)
+                elif isinstance(message, BackendChanges):
+                    self._apply_changes(message.changes)
                 elif isinstance(message, Outcomes):
                     if self.on_outcomes is not None:
                         self.on_outcomes(message.items)
@@ -620,6 +641,34 @@ def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
 # ------------------------------------------------------------------------------------------ worker side
 
 
+class WorkerStore(SnapshotStore):
+    """A worker's store: the supervisor's snapshots come in through `publish`; a data-plane `update` (the
+    gRPC admin service setting a weight or draining a backend) applies locally at once, so the caller sees
+    its effect, and is forwarded to the supervisor, whose next snapshot carries it to every worker. Without
+    the forward, such a write would hold in one worker only until the supervisor's next snapshot."""
+
+    def __init__(self, initial: Snapshot, forward: Callable[[dict[str, dict[str, Any]]], None]) -> None:
+        super().__init__(initial)
+        self._forward = forward
+
+    def update(self, change: Callable[[Snapshot], Snapshot]) -> Snapshot:
+        current = self.current
+        proposed = change(current)
+        changes: dict[str, dict[str, Any]] = {}
+        for b in proposed.backends:
+            old = current.get(b.name)
+            if old is None or old == b:
+                continue
+            changes[b.name] = {
+                f.name: getattr(b, f.name) for f in dataclasses.fields(b) if getattr(b, f.name) != getattr(old, f.name)
+            }
+        if set(proposed.names) != set(current.names):
+            log.warning("a worker cannot add or remove backends; only the supervisor's membership does")
+        if changes:
+            self._forward(changes)
+        return self.publish(proposed)
+
+
 def _apply(store: SnapshotStore, snapshot: Snapshot) -> None:
     """Publish the supervisor's snapshot in this worker.
 
@@ -652,8 +701,8 @@ async def _worker(channel_fd: int) -> int:
     init = await read_message(reader)
     if not isinstance(init, WorkerInit):
         raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
-    proxy = AffinityProxy(_with_ports(init.config, init.listeners), reuse_port=True, role="data")
-    _apply(proxy.store, init.snapshot)
+    store = WorkerStore(init.snapshot, lambda changes: write_message(writer, BackendChanges(changes)))
+    proxy = AffinityProxy(_with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store)
     pending: list[tuple[str, Any]] = []
     loop = asyncio.get_running_loop()
 

@@ -22,7 +22,9 @@ AFFINITY_PROXY = str(Path(sys.executable).with_name("affinity-proxy"))
 
 # The supervisor's "N workers serving http HOST:PORT[, grpc HOST:PORT]; admin URL" line and the single-process
 # "affinity-proxy (all) listening on URL (admin URL)" line: the only way to learn ports chosen as port 0.
-_SERVING = re.compile(r"workers serving http (?P<host>[^\s:,]+):(?P<port>\d+).*admin (?P<admin>http://\S+)")
+_SERVING = re.compile(
+    r"workers serving http (?P<host>[^\s:,]+):(?P<port>\d+)(?:, grpc (?P<grpc>[^\s;]+))?.*admin (?P<admin>http://\S+)"
+)
 _SINGLE = re.compile(r"listening on (?P<http>http://\S+) \(admin (?P<admin>http://[^\s)]+)\)")
 START_TIMEOUT_S = 60.0
 
@@ -32,6 +34,7 @@ class ProxyProcess:
     proc: asyncio.subprocess.Process
     http: str = ""
     admin: str = ""
+    grpc: str = ""  # host:port of the h2c/gRPC listener, when configured (supervisor mode)
     log: list[str] = field(default_factory=list)
     _pump: asyncio.Task[None] | None = None
 
@@ -83,6 +86,7 @@ async def start_proxy(args: Sequence[str], env: dict[str, str] | None = None) ->
             if not ready.done():
                 if m := _SERVING.search(line):
                     pp.http, pp.admin = f"http://{m['host']}:{m['port']}", m["admin"]
+                    pp.grpc = m["grpc"] or ""
                     ready.set_result(None)
                 elif "(all) listening on" in line and (m := _SINGLE.search(line)):
                     pp.http, pp.admin = m["http"], m["admin"]

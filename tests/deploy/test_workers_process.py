@@ -45,6 +45,11 @@ async def _run(tmp_path: Path, fakes: list[FakeBackend], policy: str) -> ProxyPr
     return await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
 
 
+def _completions(fake: FakeBackend) -> int:
+    """Requests proxied to `fake` (its health checks and metric scrapes come from the supervisor)."""
+    return sum(1 for s in fake.seen if s.path_qs.startswith("/v1/"))
+
+
 def _body(prompt: str, stream: bool = False) -> dict[str, object]:
     return {"model": "fake-model", "prompt": prompt, "max_tokens": 8, "stream": stream}
 
@@ -231,11 +236,11 @@ async def test_failures_seen_by_both_workers_eject_once_for_the_whole_proxy(
             assert (await _backends(session, proxy))["gpu-3"]["health"] == "unhealthy"
             # The six failures came through both workers: neither alone saw enough to eject.
             assert failed_on == set(workers)
-            seen = len(fakes[3].seen)
+            seen = _completions(fakes[3])
             for i in range(20):
                 reply = await post_json(proxy.port, "/v1/completions", _body(f"after {i}"))
                 assert reply.status == 200
-            assert len(fakes[3].seen) == seen  # every worker routes on the supervisor's ejection
+            assert _completions(fakes[3]) == seen  # every worker routes on the supervisor's ejection
             async with session.get(f"{proxy.admin}/metrics") as resp:
                 assert 'affinity_proxy_outlier_ejections_total{backend="gpu-3"} 1.0' in await resp.text()
     finally:
@@ -255,7 +260,7 @@ async def test_reload_reaches_every_worker(tmp_path: Path, fakes: list[FakeBacke
                     break
                 await asyncio.sleep(0.05)
             assert "gpu-3" not in await _backends(session, proxy)
-            seen = len(fakes[3].seen)
+            seen = _completions(fakes[3])
             workers = proxy.workers()
             owners: set[int | None] = set()
             for i in range(40):
@@ -265,7 +270,7 @@ async def test_reload_reaches_every_worker(tmp_path: Path, fakes: list[FakeBacke
                 )
                 assert reply.status == 200
             assert owners == set(workers)
-            assert len(fakes[3].seen) == seen  # the removed backend gets nothing from any worker
+            assert _completions(fakes[3]) == seen  # the removed backend gets nothing from any worker
             async with session.get(f"{proxy.admin}/metrics") as resp:
                 text = await resp.text()
         # The routing policy is data-plane state: only the forwarded reload can change it in the workers.
@@ -274,5 +279,40 @@ async def test_reload_reaches_every_worker(tmp_path: Path, fakes: list[FakeBacke
             if line.startswith('affinity_proxy_routing_decisions_total{policy="least_request"')
         )
         assert decided == 40
+    finally:
+        assert await proxy.terminate() == 0
+
+
+async def test_grpc_admin_write_in_one_worker_reaches_every_worker(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    import grpc
+
+    from proxy.protos import admin_pb2
+    from tests.grpc import stubs
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_config(fakes, "round_robin") + "grpc_listen: {host: 127.0.0.1, port: 0}\n")
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        assert proxy.grpc
+        async with grpc.aio.insecure_channel(proxy.grpc) as ch:
+            status = await stubs.admin(ch, "SetWeight")(admin_pb2.SetWeightRequest(name="gpu-1", weight=0))
+            assert status.weight == 0
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):  # a guard against hanging, not a timing assertion
+                if (await _backends(session, proxy))["gpu-1"]["weight"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert (await _backends(session, proxy))["gpu-1"]["weight"] == 0  # the supervisor has it
+        workers = proxy.workers()
+        owners: set[int | None] = set()
+        seen = _completions(fakes[1])
+        for i in range(40):
+            reply = await post_json(
+                proxy.port, "/v1/completions", _body(f"g {i}"),
+                lambda r: owners.add(owner_of_connection(r.local_port, proxy.port, workers)),
+            )
+            assert reply.status == 200
+        assert owners == set(workers)
+        assert _completions(fakes[1]) == seen  # weight 0 in every worker, not only the one that took the call
     finally:
         assert await proxy.terminate() == 0
