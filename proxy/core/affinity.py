@@ -54,7 +54,7 @@ from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.policies import eligible
-from proxy.core.prefix_index import GenerationalMap, PrefixIndex
+from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
@@ -80,7 +80,7 @@ class _Ring:
     """
 
     __slots__ = ("names", "seeds", "weights", "uniform", "members", "info", "routable", "routable_w",
-                 "score_sum", "score_n")
+                 "score_sum", "score_n", "indexes")
 
     def __init__(self, states: list[BackendState]) -> None:
         self.names = [s.name for s in states]
@@ -97,6 +97,7 @@ class _Ring:
         fresh = [x for s in states if s.routable and (x := telemetry_score(s)) is not None]
         self.score_sum = sum(fresh)
         self.score_n = len(fresh)
+        self.indexes: list[PrefixIndex] | None = None  # filled by the policy that owns the indexes
 
     def scores(self, key: int) -> list[float]:
         """Higher is better. Weighted: w / -ln(u) gives backend i a share w_i / sum(w) of the keys."""
@@ -171,6 +172,12 @@ class AffinityPolicy:
             )
         return ring
 
+    def _ring_indexes(self, ring: _Ring) -> list[PrefixIndex]:
+        """The ring's prefix indexes in ring order (cached with the ring, i.e. per snapshot)."""
+        if ring.indexes is None:
+            ring.indexes = [self._indexes[n] for n in ring.names]
+        return ring.indexes
+
     def index_of(self, backend: str) -> PrefixIndex | None:
         """The prefix index of one backend (for the admin API, tests and the benchmark)."""
         return self._indexes.get(backend)
@@ -225,11 +232,14 @@ class AffinityPolicy:
                     need = max(need, math.ceil(a.min_prefix_ratio * len(blocks)))
                 best_i = -1
                 if 0 < need <= len(blocks):
-                    indexes = self._indexes
+                    idxs = self._ring_indexes(ring)
                     best_m, best_s = need, -1.0
-                    for i, name in enumerate(ring.names):
-                        m = indexes[name].match(blocks, best_m)
-                        if m and (m > best_m or scores[i] > best_s):
+                    for i in holding(idxs, blocks[need - 1]):
+                        # Only a longer match, or an equal one ranked higher, can win: one lookup
+                        # rejects the rest (most backends share the system prompt and nothing more).
+                        tie_ok = scores[i] > best_s
+                        m = idxs[i].match(blocks, best_m if tie_ok else best_m + 1)
+                        if m:
                             best_i, best_m, best_s = i, m, scores[i]
                     if best_i >= 0:
                         matched = best_m
@@ -326,13 +336,14 @@ class AffinityPolicy:
         # prompt (ties: rendezvous order); without a worthwhile match, the next in rendezvous order.
         chain = get_blocks()
         if len(chain) >= a.min_prefix_blocks:
-            indexes = self._indexes
+            idxs = self._ring_indexes(ring)
             best_i, best_m, best_s = -1, a.min_prefix_blocks, -1.0
-            for i, name in enumerate(names):
+            for i in holding(idxs, chain[a.min_prefix_blocks - 1]):
+                name = names[i]
                 if name == primary:
                     continue
-                m = indexes[name].match(chain, best_m)
-                if m and (m > best_m or scores[i] > best_s) and can_take(name):
+                m = idxs[i].match(chain, best_m if scores[i] > best_s else best_m + 1)
+                if m and can_take(name):
                     best_i, best_m, best_s = i, m, scores[i]
             if best_i >= 0:
                 return names[best_i], fallback

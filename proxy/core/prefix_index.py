@@ -88,6 +88,15 @@ class PrefixIndex:
         return lo
 
 
+def holding(indexes: Sequence[PrefixIndex], block: int) -> list[int]:
+    """Positions of the indexes that hold `block`: one pass without a method call per index.
+
+    The affinity policy asks this of every backend for every new prompt; at 256 backends a per-index
+    method call costs ~4x the membership tests themselves.
+    """
+    return [i for i, x in enumerate(indexes) if block in x._young or block in x._old]
+
+
 class GenerationalMap(Generic[V]):
     """A bounded key -> value map with the same generational approximate-LRU eviction."""
 
