@@ -165,13 +165,17 @@ class Poller:
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        await self.open()
+        self._task = asyncio.create_task(self.run(), name="telemetry-poller")
+
+    async def open(self) -> None:
+        """Connections only, no loop: for driving rounds by hand with `poll_once` (tests, benchmarks)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
                 timeout=self._timeout,
                 headers=dict(_SCRAPE_HEADERS),
             )
-        self._task = asyncio.create_task(self.run(), name="telemetry-poller")
 
     async def stop(self) -> None:
         if self._task is not None:

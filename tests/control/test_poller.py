@@ -49,15 +49,7 @@ def store_for(servers: list[FakeMetrics]) -> SnapshotStore:
 
 async def started(store: SnapshotStore, cfg: TelemetryConfig | None = None, **kw: object) -> Poller:
     poller = Poller(store, cfg or TelemetryConfig(), **kw)  # type: ignore[arg-type]
-    # start() without its loop: tests drive rounds with poll_once
-    await poller.start()
-    assert poller._task is not None
-    poller._task.cancel()
-    try:
-        await poller._task
-    except asyncio.CancelledError:
-        pass
-    poller._task = None
+    await poller.open()  # no loop: the tests drive rounds with poll_once
     return poller
 
 

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control.adapters import Extractor, compile_metric_map, detect_engine
@@ -193,3 +195,52 @@ def test_metric_map_rejects_unknown_signal() -> None:
 def test_forced_engine_skips_detection() -> None:
     r = Extractor(engine="sglang").read((FIXTURES / "vllm.txt").read_text())
     assert r.engine == "sglang" and r.running is None
+
+
+# --- generated pages: any well-formed exposition reads the same as with prometheus_client ------------
+
+_names = st.sampled_from(["vllm:num_requests_running", "sglang:token_usage", "tgi_queue_size", "a", "a_b", "ab",
+                          "nv_trt_llm_request_metrics", "gpu_memory_used_bytes", "x:y_z"])
+_label_names = st.sampled_from(["model_name", "le", "engine", "gpu", "request_type", "q"])
+_label_values = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+_values = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=64).map(repr),
+    st.integers(-10**12, 10**12).map(str),
+    st.sampled_from(["NaN", "+Inf", "-Inf", "1e+06", "-0.0", "3.5E-3"]),
+)
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+@st.composite
+def _pages(draw: st.DrawFn) -> str:
+    lines = []
+    for name in draw(st.lists(_names, min_size=1, max_size=6, unique=True)):
+        lines.append(f"# HELP {name} help text with {{braces}} and \\\\ escapes")
+        lines.append(f"# TYPE {name} gauge")
+        seen: set[tuple[tuple[str, str], ...]] = set()
+        for _ in range(draw(st.integers(1, 4))):
+            labels = draw(st.dictionaries(_label_names, _label_values, max_size=3))
+            key = tuple(sorted(labels.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            ts = draw(st.sampled_from(["", " 1700000000000"]))
+            lines.append(f"{name}{{{inner}}} {draw(_values)}{ts}" if labels else f"{name} {draw(_values)}{ts}")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(_pages())
+def test_scan_agrees_with_prometheus_client_on_generated_pages(page: str) -> None:
+    reference = _reference(page)
+    ours = scan(page, tuple(reference))
+    assert set(ours) == set(reference)
+    for name, samples in reference.items():
+        got = [(parse_labels(raw), value) for raw, value in ours[name]]
+        assert len(got) == len(samples)
+        for (labels, value), (ref_labels, ref_value) in zip(got, samples):
+            assert labels == ref_labels and _same(value, ref_value)
