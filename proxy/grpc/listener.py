@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import aiohttp
 
 from proxy.config import Config
+from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
 from proxy.dispatch import Router
 from proxy.grpc.bridge import HttpBridgeCall
@@ -83,7 +84,11 @@ class RelayContext:
         return summary.prompt_tokens_est + (summary.max_tokens or 0)
 
     def finished(self, backend: str, grpc_status: int, started: float) -> None:
-        self.metrics.finished(backend, http_status_for(grpc_status), time.monotonic() - started)
+        status = http_status_for(grpc_status)
+        self.metrics.finished(backend, status, time.monotonic() - started)
+        report = self.router.on_outcome  # passive outlier detection (RESILIENCE), as for HTTP leases
+        if report is not None and grpc_status != 1:  # CANCELLED: the client left, nothing about the backend
+            report(backend, Outcome.STATUS_5XX if status >= 500 else Outcome.SUCCESS)
 
     def start_http_bridge(self, down: Downstream, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         down.others[sid] = HttpBridgeCall(self, down, sid, headers, ended)
