@@ -287,7 +287,7 @@ class Exchange:
                 self._emit(buf[eol + 2 : eol + 2 + size])
             pos = chunk_end
         if raw_sink is not None and pos > start:
-            raw_sink(buf[start:pos])
+            raw_sink(buf if pos == n and start == 0 else buf[start:pos])  # the usual case: no copy
         self._buf = buf[pos:] if pos < n else b""
         if len(self._buf) > 16 * 1024 * 1024:
             self._fail(UpstreamProtocolError("chunk too large"))

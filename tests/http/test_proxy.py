@@ -279,3 +279,21 @@ async def test_per_backend_and_total_inflight_limits(backends: list[FakeBackend]
             assert (await resp.json())["error"]["code"] == "overloaded"
         for r in held:
             r.close()
+
+
+async def test_expect_100_continue_is_answered(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
+    """curl sends `Expect: 100-continue` for bodies over 1 KiB and holds the body back until told to go on."""
+    proxy = await make_proxy(backends[:1])
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "y" * 3000}]}).encode()
+    port = int(proxy.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert interim.startswith(b"HTTP/1.1 100")
+    writer.write(body)
+    final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert final.startswith(b"HTTP/1.1 200")
+    writer.close()
+    assert backends[0].seen[-1].body == body
+    assert "expect" not in {k.lower() for k in backends[0].seen[-1].headers}
