@@ -87,6 +87,14 @@ class Reading:
 READING_FIELDS = frozenset(f.name for f in fields(Reading))
 
 
+def _labels(raw: str) -> dict[str, str]:
+    """Labels of one sample, or {} when malformed: one bad line must not blind the router to the page."""
+    try:
+        return parse_labels(raw)
+    except ValueError:
+        return {}
+
+
 def _sum(values: list[float]) -> float | None:
     return sum(values) if values else None
 
@@ -118,7 +126,7 @@ def _vllm(s: Samples, r: Reading) -> None:
     r.waiting = _sum(select(s, "vllm:num_requests_waiting"))
     r.kv_usage = _first(_mean(select(s, "vllm:kv_cache_usage_perc")), _mean(select(s, "vllm:gpu_cache_usage_perc")))
     for raw, _ in s.get("vllm:cache_config_info", ()):
-        labels = parse_labels(raw)
+        labels = _labels(raw)
         try:
             r.kv_capacity_tokens = float(labels["block_size"]) * float(labels["num_gpu_blocks"])
         except (KeyError, ValueError):
@@ -128,7 +136,7 @@ def _vllm(s: Samples, r: Reading) -> None:
     if lora:
         # A gauge whose value is the time of the last change; each change is a new label set.
         raw, _ = max(lora, key=lambda sample: sample[1])
-        running = parse_labels(raw).get("running_lora_adapters", "")
+        running = _labels(raw).get("running_lora_adapters", "")
         r.loaded_adapters = frozenset(a.strip() for a in running.split(",") if a.strip())
     r.requests_total = _first(_sum(select(s, "vllm:request_success_total")),
                               _sum(select(s, "vllm:e2e_request_latency_seconds_count")))
@@ -155,12 +163,12 @@ def _tgi(s: Samples, r: Reading) -> None:
 
 
 def _triton(s: Samples, r: Reading) -> None:
-    req = {parse_labels(raw).get("request_type"): v for raw, v in s.get("nv_trt_llm_request_metrics", ())}
+    req = {_labels(raw).get("request_type"): v for raw, v in s.get("nv_trt_llm_request_metrics", ())}
     r.running = _first(req.get("scheduled"), req.get("active"))
     # An ensemble and its tensorrt_llm step count the same request once each: take the largest, not the sum.
     pending = _max(select(s, "nv_inference_pending_request_count"))
     r.waiting = _first(req.get("waiting"), pending)
-    blocks = {parse_labels(raw).get("kv_cache_block_type"): v
+    blocks = {_labels(raw).get("kv_cache_block_type"): v
               for raw, v in s.get("nv_trt_llm_kv_cache_block_metrics", ())}
     used, total, per = blocks.get("used"), blocks.get("max"), blocks.get("tokens_per")
     frac = blocks.get("fraction")
@@ -297,7 +305,7 @@ def _apply_entry(samples: Samples, entry: MapEntry, r: Reading) -> None:
             return
         names: set[str] = set()
         for raw, value in found:
-            labels = parse_labels(raw)
+            labels = _labels(raw)
             if value <= 0 or any(labels.get(k) != v for k, v in entry.labels.items()):
                 continue
             for key in ADAPTER_LABELS:

@@ -249,6 +249,10 @@ class Poller:
         except aiohttp.ClientError as exc:
             self._failed(spec.name, "http", repr(exc))
             return None
+        except Exception as exc:  # a page or an answer we cannot read: this backend's problem, not the round's
+            log.warning("scrape of %s failed: %r", spec.name, exc)
+            self._failed(spec.name, "invalid", repr(exc))
+            return None
         if self.metrics is not None:
             self.metrics.scrape_duration.observe(t - t0)
         deriver = self._derivers.get(spec.name)

@@ -138,7 +138,10 @@ def select(samples: Samples, name: str, labels: dict[str, str] | None = None) ->
         return [v for _, v in found]
     out = []
     for raw, value in found:
-        have = parse_labels(raw)
+        try:
+            have = parse_labels(raw)
+        except ValueError:
+            continue
         if all(have.get(k) == v for k, v in labels.items()):
             out.append(value)
     return out

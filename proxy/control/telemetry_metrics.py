@@ -38,7 +38,8 @@ class TelemetryMetrics:
         )
         self.scrape_errors = Counter(
             "affinity_proxy_telemetry_scrape_errors",
-            "Failed metric scrapes, by backend and kind (timeout, connect, http_4xx, http_5xx, no_signals).",
+            "Failed metric scrapes, by backend and kind (timeout, connect, http_4xx, http_5xx, http, no_signals, "
+            "invalid).",
             ["backend", "kind"],
             registry=registry,
         )

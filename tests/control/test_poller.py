@@ -280,3 +280,37 @@ async def test_snapshot_collector_exports_per_backend_state(servers: list[FakeMe
     assert 'affinity_proxy_backend_signal{backend="b0",signal="kernel_queue"} 50.0' in text
     assert 'affinity_proxy_backend_health{backend="b0",state="unknown"} 1.0' in text
     assert 'affinity_proxy_backend_weight{backend="b0"} 1.0' in text
+
+
+async def test_a_malformed_line_costs_only_that_line(servers: list[FakeMetrics]) -> None:
+    bad = 'vllm:num_requests_running 1\nvllm:cache_config_info{block_size="16",garbage} 1\n'
+    await make_servers(servers, [bad])
+    poller = await started(store_for(servers))
+    try:
+        snap = await poller.poll_once()
+    finally:
+        await poller.stop()
+    s = snap.backends[0].signals
+    assert s is not None and s.running == 1.0 and s.kv_capacity_tokens is None
+
+
+async def test_an_unreadable_page_fails_only_its_backend(servers: list[FakeMetrics]) -> None:
+    await make_servers(servers, ["\xff not a page", agent_page(queue=7)])
+    store = store_for(servers)
+    reg = CollectorRegistry()
+    poller = await started(store, metrics=TelemetryMetrics(reg))
+    plain = poller._extractor.read
+
+    def read(text: str) -> object:
+        if "not a page" in text:
+            raise ValueError("unreadable")
+        return plain(text)
+
+    poller._extractor = type("E", (), {"read": staticmethod(read)})()  # type: ignore[assignment]
+    try:
+        snap = await poller.poll_once()
+    finally:
+        await poller.stop()
+    assert snap.get("b0").signals is None
+    assert snap.get("b1").signals is not None and snap.get("b1").signals.kernel_queue == 7
+    assert 'backend="b0",kind="invalid"' in generate_latest(reg).decode()
