@@ -137,7 +137,7 @@ class HttpDataPlane:
             self.metrics.error("body_too_large")
             resp = error_response(
                 413, f"Request body is larger than the limit of {self.max_body} bytes",
-                "invalid_request_error", "body_too_large",
+                "invalid_request_error", "body_too_large", headers={"x-request-id": request_id},
             )
             resp.force_close()
             return resp
@@ -147,12 +147,13 @@ class HttpDataPlane:
             except ValueError as exc:
                 self.metrics.error("invalid_json")
                 return error_response(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
-                                      "invalid_json")
+                                      "invalid_json", headers={"x-request-id": request_id})
             try:
                 summary = summary_from_openai(path, parsed, session_key=session_key)
             except RequestError as exc:
                 self.metrics.error("invalid_request")
-                return error_response(400, str(exc), "invalid_request_error", "invalid_value", exc.param)
+                return error_response(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
+                                      headers={"x-request-id": request_id})
         elif path == "/v1/models" and method == "GET":
             return await self._models(request_id)
         else:

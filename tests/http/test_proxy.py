@@ -97,8 +97,8 @@ async def test_malformed_bodies_are_400(
     backends: list[FakeBackend], make_proxy: ProxyFactory, body: bytes, code: str, param: str | None
 ) -> None:
     proxy = await make_proxy(backends[:1])
-    status, _, err = await _post(proxy.http_url + "/v1/chat/completions", body)
-    assert status == 400
+    status, headers, err = await _post(proxy.http_url + "/v1/chat/completions", body)
+    assert status == 400 and headers["x-request-id"]
     assert err["error"]["code"] == code
     assert err["error"]["type"] == "invalid_request_error"
     assert err["error"]["param"] == param
