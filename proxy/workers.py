@@ -28,6 +28,11 @@ Why these choices:
   not go backwards (what it counted after its last scrape is lost, as with any crashed exporter).
 - Same prompt, same backend: every worker runs the same deterministic policy on the same snapshot (see
   deploy/README.md for exactly what is and is not shared between workers).
+- What flows back up the channel keeps the control plane single: passive outcome reports (batched per
+  event-loop turn) feed the supervisor's one outlier monitor; a data-plane `SnapshotStore.update` (the gRPC
+  admin service) is forwarded as per-backend field changes (`WorkerStore`); and a reload's data-plane half
+  (routing policy, retries, overload) goes down to every worker as `ApplyConfig`.
+- A worker whose supervisor disappears (channel EOF) drains and exits rather than serve a frozen fleet.
 """
 
 from __future__ import annotations
