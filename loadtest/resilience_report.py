@@ -136,6 +136,7 @@ class Timeline:
     def __init__(self, proxy: AffinityProxy, t0: float) -> None:
         self.t0 = t0
         self.events: list[tuple[float, str, Health]] = []
+        self.left: dict[str, float] = {}  # backend -> when it left the snapshot
         self._last: dict[str, Health] = {b.name: b.health for b in proxy.store.current.backends}
         proxy.store.subscribe(self._on)
 
@@ -145,6 +146,9 @@ class Timeline:
             if self._last.get(b.name) is not b.health:
                 self.events.append((now, b.name, b.health))
                 self._last[b.name] = b.health
+        for name in [n for n in self._last if n not in snap]:
+            del self._last[name]
+            self.left[name] = now
 
     def first(self, name: str, health: Health, after: float = 0.0) -> float | None:
         return next((t for t, n, h in self.events if n == name and h is health and t >= after), None)
@@ -247,12 +251,15 @@ async def scenario_kill(duration_s: float = 2.5, kill_at: float = 0.8, concurren
 
 
 async def scenario_stall(duration_s: float = 4.5, stall_at: float = 0.5, stall_ms: float = 3000,
-                         concurrency: int = 6) -> Result:
-    """sim-1 pauses 3 s (a GC pause): every endpoint, /health included, answers late."""
+                         concurrency: int = 6, adaptive: bool = True) -> Result:
+    """sim-1 pauses 3 s (a GC pause): every endpoint, /health included, answers late. With `adaptive`
+    False the same checks use a fixed timeout, for comparison."""
 
     async def body(fleet: Fleet, model: str) -> Result:
-        proxy = await start_proxy(proxy_yaml(fleet, extra=CHECKS_FAST))
-        result = Result("stall 3s")
+        checks = CHECKS_FAST if adaptive else CHECKS_FAST.replace("unhealthy_threshold: 3", "unhealthy_threshold: 3,"
+                                                                  " adaptive_timeout: false")
+        proxy = await start_proxy(proxy_yaml(fleet, extra=checks))
+        result = Result("stall 3s" + ("" if adaptive else " (fixed timeout)"))
         try:
             t0 = time.monotonic()
             timeline = Timeline(proxy, t0)
@@ -263,11 +270,12 @@ async def scenario_stall(duration_s: float = 4.5, stall_at: float = 0.5, stall_m
 
             await asyncio.gather(load(proxy.http_url, model, result, concurrency=concurrency,
                                       duration_s=duration_s, t0=t0), stall())
-            checks = proxy.resilience.metrics.checks
+            counts = proxy.resilience.metrics.checks
+            ejected = timeline.first("sim-1", Health.UNHEALTHY)
             result.numbers = {
-                "ejected": timeline.first("sim-1", Health.UNHEALTHY) is not None,
-                "check_timeouts": checks.labels("sim-1", "timeout")._value.get(),
-                "max_check_timeout_s": proxy.resilience.monitor.fleet.checks.adaptive_max_timeout_ms / 1000,
+                "ejected": ejected is not None,
+                "ejected_after_s": None if ejected is None else round(ejected - stall_at, 3),
+                "check_timeouts": counts.labels("sim-1", "timeout")._value.get(),
             }
         finally:
             await proxy.stop()
@@ -355,6 +363,8 @@ async def scenario_reload(duration_s: float = 3.0, concurrency: int = 6) -> Resu
                 "invalid_reported": proxy.resilience.metrics.reloads.labels("invalid")._value.get(),
                 "drained_backends": [f"{n} ({how})" for n, how in proxy.resilience.membership.drained],
                 "sim-1_draining_after_s": None if gone is None else round(gone - removed_at, 3),
+                "sim-1_left_after_s": round(timeline.left["sim-1"] - removed_at, 3) if "sim-1" in timeline.left
+                else None,
                 "sim-3_joined_after_s": None if joined is None else round(joined - removed_at, 3),
                 "served_by_sim-3": result.by_backend["sim-3"],
             }
@@ -438,6 +448,7 @@ async def scenario_sigterm(streams: int = 8, max_tokens: int = 200) -> Result:
 SCENARIOS: dict[str, Callable[[], Awaitable[Result]]] = {
     "kill": scenario_kill,
     "stall": scenario_stall,
+    "stall-fixed": lambda: scenario_stall(adaptive=False),
     "5xx": scenario_5xx,
     "reload": scenario_reload,
     "retry": scenario_no_duplicate,
