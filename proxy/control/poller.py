@@ -223,8 +223,8 @@ class Poller:
             if name not in live:
                 del self._derivers[name]
         now = self.clock()
+        self.rounds += 1  # before publishing, so store listeners see the number of the round they got
         published = self.store.update(lambda current: self._apply(current, fresh, now))
-        self.rounds += 1
         if self.metrics is not None:
             self.metrics.round_duration.observe(now - started)
         return published
