@@ -183,7 +183,7 @@ def _request(port: int, prompt_bytes: int) -> bytes:
 
 
 async def _load(port: int, connections: int, warmup_s: float, duration_s: float, prompt_bytes: int,
-                cpu_of: Callable[[], float]) -> dict[str, float]:
+                cpu_of: Callable[[], float], fake_pid: int) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     stats = _Stats(latencies=[])
     request = _request(port, prompt_bytes)
@@ -193,10 +193,14 @@ async def _load(port: int, connections: int, warmup_s: float, duration_s: float,
         clients.append(client)
     await asyncio.sleep(warmup_s)
     cpu0, t0 = cpu_of(), time.perf_counter()
+    self0, fake0, busy0 = _self_cpu_seconds(), _tree_cpu_seconds(fake_pid), _machine_busy_seconds()
     stats.measuring = True
     await asyncio.sleep(duration_s)
     stats.measuring = False
     elapsed, cpu = time.perf_counter() - t0, cpu_of() - cpu0
+    own = _self_cpu_seconds() - self0
+    fake = _tree_cpu_seconds(fake_pid) - fake0
+    busy = _machine_busy_seconds() - busy0
     stats.stopping = True
     await asyncio.wait([c.closed for c in clients], timeout=10)
     lat = sorted(stats.latencies or [0.0])
@@ -208,6 +212,10 @@ async def _load(port: int, connections: int, warmup_s: float, duration_s: float,
         "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
         "proxy_cpu_cores": cpu / elapsed,
         "proxy_cpu_ms_per_1k": (cpu / done * 1e6) if done else float("nan"),
+        "loadgen_cores": own / elapsed,
+        "fake_cores": fake / elapsed,
+        # Everything else that ran on the machine meanwhile (other users of the shared cores).
+        "other_cores": max(0.0, (busy - cpu - own - fake) / elapsed),
     }
 
 
@@ -218,6 +226,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _self_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds all cores spent not idle, from /proc/stat (user+nice+system+irq+softirq+steal)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _tree_cpu_seconds(root: int) -> float:
@@ -252,7 +272,7 @@ async def _wait_port(port: int, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _bench_one(workers: int, backend_ports: list[int], args: argparse.Namespace) -> dict[str, float]:
+async def _bench_one(workers: int, backend_ports: list[int], args: argparse.Namespace, fake_pid: int) -> dict[str, float]:
     port, admin = _free_port(), _free_port()
     backends = "\n".join(f"  - {{name: fake-{i}, url: 'http://127.0.0.1:{p}'}}" for i, p in enumerate(backend_ports))
     config = (
@@ -272,7 +292,7 @@ async def _bench_one(workers: int, backend_ports: list[int], args: argparse.Name
         # Every worker must be up before measuring (with SO_REUSEPORT a connection may land on any of them).
         await asyncio.sleep(1.0)
         return await _load(port, args.connections, args.warmup, args.duration, args.prompt_bytes,
-                           lambda: _tree_cpu_seconds(proc.pid))
+                           lambda: _tree_cpu_seconds(proc.pid), fake_pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -292,11 +312,13 @@ async def _main(args: argparse.Namespace) -> int:
             await _wait_port(p)
         for r in range(args.rounds):
             for w in counts if r % 2 == 0 else list(reversed(counts)):  # alternate the order against drift
-                res = await _bench_one(w, backend_ports, args)
+                res = await _bench_one(w, backend_ports, args, fakes[0].pid)
                 results[w].append(res)
                 print(f"round {r + 1} workers={w}: {res['rps']:8.0f} req/s  p50 {res['p50_ms']:6.2f} ms  "
                       f"p99 {res['p99_ms']:6.2f} ms  proxy CPU {res['proxy_cpu_cores']:.2f} cores  "
-                      f"{res['proxy_cpu_ms_per_1k']:.0f} ms/1k req  errors {res['errors']:.0f}", flush=True)
+                      f"{res['proxy_cpu_ms_per_1k']:.0f} ms/1k req  errors {res['errors']:.0f}  | load gen "
+                      f"{res['loadgen_cores']:.2f}, fake backends {res['fake_cores']:.2f}, everything else "
+                      f"{res['other_cores']:.2f} cores", flush=True)
     finally:
         for f in fakes:
             f.send_signal(signal.SIGTERM)
@@ -305,14 +327,16 @@ async def _main(args: argparse.Namespace) -> int:
     print()
     print(f"cores: {os.cpu_count()}  connections: {args.connections}  prompt: ~{args.prompt_bytes} B  "
           f"policy: {args.policy}  {args.rounds} rounds x {args.duration:.0f} s (median shown)")
-    print("| workers | req/s | p50 ms | p99 ms | proxy CPU (cores) | proxy CPU ms / 1k req | errors | vs 1 worker |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workers | req/s | p50 ms | p99 ms | proxy CPU (cores) | proxy CPU ms / 1k req | load gen + fake "
+          "(cores) | other processes (cores) | errors | vs 1 worker |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     base = statistics.median(x["rps"] for x in results[counts[0]])
     for w in counts:
         rows = results[w]
         med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
         print(f"| {w} | {med['rps']:.0f} | {med['p50_ms']:.2f} | {med['p99_ms']:.2f} | {med['proxy_cpu_cores']:.2f} "
-              f"| {med['proxy_cpu_ms_per_1k']:.0f} | {sum(x['errors'] for x in rows):.0f} | {med['rps'] / base:.2f}x |")
+              f"| {med['proxy_cpu_ms_per_1k']:.0f} | {med['loadgen_cores'] + med['fake_cores']:.2f} "
+              f"| {med['other_cores']:.2f} | {sum(x['errors'] for x in rows):.0f} | {med['rps'] / base:.2f}x |")
     return 0
 
 
