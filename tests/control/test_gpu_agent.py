@@ -189,3 +189,41 @@ def test_real_cli_without_a_gpu_exits_with_one_line() -> None:
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-agent: cannot read GPUs: NVMLError")
+
+
+async def test_poller_reads_a_backend_through_its_agent() -> None:
+    """Sim engine <- gpu-agent (fake NVML) <- the proxy's poller via metrics_url: one scrape, both halves."""
+    from loadtest.sim.fleet import start_fleet
+    from proxy.control.poller import Poller
+    from proxy.control.store import SnapshotStore
+    from proxy.control.telemetry_config import TelemetryConfig
+    from proxy.core.snapshot import BackendSpec, Snapshot
+
+    fleet = await start_fleet(1, flavor="vllm", speed=20.0)
+    agent = GpuAgent(FakeNvml(gpus=[{"used": 70e9, "total": 80e9, "util": 50}]), host="127.0.0.1", port=0,
+                     engine_url=fleet.servers[0].url, interval_s=0.02)
+    await agent.start()
+    try:
+        await fleet.servers[0].set_faults({"background_requests": 8})
+        assert agent.engine is not None
+        for _ in range(500):  # hang guard: until the agent has seen the engine with its load
+            if agent.engine.up and (agent.engine.queue or 0) >= 8:
+                break
+            await asyncio.sleep(0.01)
+        spec = BackendSpec(name="gpu-0", url=fleet.servers[0].url, metrics_url=agent.url + "/metrics")
+        store = SnapshotStore(Snapshot.initial([spec]))
+        poller = Poller(store, TelemetryConfig())
+        await poller.open()
+        try:
+            snap = await poller.poll_once()
+        finally:
+            await poller.stop()
+    finally:
+        await agent.stop()
+        await fleet.stop()
+    s = snap.backends[0].signals
+    assert s is not None and s.engine == "vllm"
+    assert (s.mem_used_bytes, s.mem_total_bytes, s.gpu_utilization) == (70e9, 80e9, 0.5)  # from NVML
+    assert s.kernel_queue is not None and s.kernel_queue >= 8  # the agent's, from the engine's queue
+    assert s.running is not None and s.kv_capacity_tokens  # the engine's own series, passed through
+    assert snap.backends[0].load_score is not None and not snap.backends[0].stale
