@@ -85,7 +85,7 @@ class Resilience:
         router = proxy.router
         if self.data:
             router.overload = cfg.overload
-            router.panic = PanicView(cfg.overload.panic_threshold_percent)
+            router.panic = PanicView(cfg.overload.panic_threshold_percent, self.monitor.fleet.joining)
             router.queue = self.queue
             if self.control:
                 router.on_outcome = self.monitor.report
@@ -167,7 +167,7 @@ class Resilience:
         self.queue.cfg = new.overload
         router = self.proxy.router
         router.overload = new.overload
-        router.panic = PanicView(new.overload.panic_threshold_percent)
+        router.panic = PanicView(new.overload.panic_threshold_percent, self.monitor.fleet.joining)
         if new.routing != old.routing:
             from proxy.core.policies import build_policy
 

@@ -32,7 +32,7 @@ import operator
 from collections import deque
 import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Callable, Collection, Iterable, Literal, Mapping
 
 from proxy.core.decision import Inflight
 from proxy.core.snapshot import BackendState, Health, Snapshot
@@ -201,7 +201,7 @@ class ActiveHealth:
     check completes.
     """
 
-    __slots__ = ("cfg", "state", "successes", "failures", "timeouts", "latencies_ms", "checked")
+    __slots__ = ("cfg", "state", "successes", "failures", "timeouts", "latencies_ms", "checked", "joining")
 
     def __init__(self, cfg: HealthCheckConfig, joining: bool = False) -> None:
         self.cfg = cfg
@@ -211,6 +211,7 @@ class ActiveHealth:
         self.timeouts = 0  # consecutive timeouts: each one doubles the next adaptive timeout
         self.latencies_ms: deque[float] = deque(maxlen=cfg.latency_window)
         self.checked = False
+        self.joining = joining  # until the first passing check
 
     def timeout_ms(self) -> float:
         """The timeout for the next check: max(floor, k x p99 of recent latencies) x 2^consecutive timeouts,
@@ -235,7 +236,9 @@ class ActiveHealth:
             self.timeouts = 0
             self.successes += 1
             # The very first answer of a backend decides at once: there is no earlier evidence to outweigh.
-            if first or self.successes >= cfg.healthy_threshold:
+            joined = self.joining  # a joiner joins at its first pass, whatever failed before it
+            self.joining = False
+            if first or joined or self.successes >= cfg.healthy_threshold:
                 self.state = Health.HEALTHY
             return self.state
         self.successes = 0
@@ -376,6 +379,10 @@ class FleetHealth:
 
     def ejected(self, name: str) -> bool:
         return self._outlier[name].ejected
+
+    def joining(self) -> frozenset[str]:
+        """Backends added while serving that have not passed a check yet (unroutable, even in panic)."""
+        return frozenset(n for n, a in self._active.items() if a.joining)
 
     def ejected_count(self) -> int:
         return sum(1 for o in self._outlier.values() if o.ejected)
@@ -552,9 +559,14 @@ def saturated_names(snapshot: Snapshot, inflight: Mapping[str, Inflight], cfg: O
 # ------------------------------------------------------------------------------------------ panic
 
 
-def in_panic(snapshot: Snapshot, threshold_percent: float) -> bool:
-    """Too few routable backends among those not draining (and with weight > 0)?"""
-    candidates = [b for b in snapshot.backends if b.health is not Health.DRAINING and b.effective_weight > 0]
+def in_panic(snapshot: Snapshot, threshold_percent: float, joining: Collection[str] = ()) -> bool:
+    """Too few routable backends among those serving (not draining, weight > 0, not still joining)?
+
+    Backends still waiting for their first passing check (`joining`) are not part of the serving fleet
+    yet: adding several at once must neither trigger panic nor be routed to by it.
+    """
+    candidates = [b for b in snapshot.backends
+                  if b.health is not Health.DRAINING and b.effective_weight > 0 and b.name not in joining]
     if not candidates or threshold_percent <= 0:
         return False
     routable = sum(1 for b in candidates if b.health.routable)
@@ -565,13 +577,16 @@ class PanicView:
     """Swaps in a view where UNHEALTHY backends count as UNKNOWN while the fleet is in panic.
 
     The view is computed once per published snapshot (one-entry cache on the snapshot object), so the
-    data plane pays a pointer comparison per request, not a scan of the fleet.
+    data plane pays a pointer comparison per request, not a scan of the fleet. `joining` names the backends
+    still waiting for their first passing check; they stay unroutable even in panic. It is asked when a
+    new snapshot arrives, which is also when that set changes (a joiner's first pass publishes one).
     """
 
-    __slots__ = ("threshold_percent", "_source", "_view", "panicking")
+    __slots__ = ("threshold_percent", "joining", "_source", "_view", "panicking")
 
-    def __init__(self, threshold_percent: float) -> None:
+    def __init__(self, threshold_percent: float, joining: Callable[[], Collection[str]] | None = None) -> None:
         self.threshold_percent = threshold_percent
+        self.joining = joining
         self._source: Snapshot | None = None
         self._view: Snapshot | None = None
         self.panicking = False
@@ -579,12 +594,14 @@ class PanicView:
     def __call__(self, snapshot: Snapshot) -> Snapshot:
         if snapshot is self._source and self._view is not None:
             return self._view
-        self.panicking = in_panic(snapshot, self.threshold_percent)
+        joining = self.joining() if self.joining is not None else ()
+        self.panicking = in_panic(snapshot, self.threshold_percent, joining)
         if self.panicking:
             view = Snapshot(
                 version=snapshot.version,
                 backends=tuple(
-                    replace(b, health=Health.UNKNOWN) if b.health is Health.UNHEALTHY else b for b in snapshot.backends
+                    replace(b, health=Health.UNKNOWN) if b.health is Health.UNHEALTHY and b.name not in joining else b
+                    for b in snapshot.backends
                 ),
                 created_at=snapshot.created_at,
             )

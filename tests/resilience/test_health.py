@@ -131,9 +131,9 @@ def test_refused_counts_at_once_timeout_does_not() -> None:
 def test_joining_backend_is_unroutable_until_first_pass() -> None:
     a = ActiveHealth(HealthCheckConfig(healthy_threshold=3), joining=True)
     assert not a.state.routable
-    assert a.observe(F) is Health.UNHEALTHY
-    # it has been checked now, so from here on the threshold applies
-    assert a.observe(P, 1) is Health.UNHEALTHY
+    assert a.observe(F) is Health.UNHEALTHY and a.joining
+    assert a.observe(P, 1) is Health.HEALTHY and not a.joining  # joins at its first pass, even after a failure
+    assert a.observe(T) is Health.HEALTHY
     b = ActiveHealth(HealthCheckConfig(healthy_threshold=3), joining=True)
     assert b.observe(P, 1) is Health.HEALTHY
 
@@ -419,3 +419,21 @@ def test_panic_routes_to_all_below_threshold() -> None:
     assert view(calm) is calm and not view.panicking
     assert not in_panic(Snapshot(5, ()), 50)
     assert not in_panic(snap, 0)
+
+
+def test_joining_backends_neither_cause_panic_nor_get_panic_traffic() -> None:
+    snap = Snapshot(1, (state("a"), state("b"), state("new1", Health.UNHEALTHY), state("new2", Health.UNHEALTHY),
+                        state("new3", Health.UNHEALTHY)))
+    assert in_panic(snap, 50)  # counted as failed, three joiners would trigger panic ...
+    joining = {"new1", "new2", "new3"}
+    assert not in_panic(snap, 50, joining)  # ... but they are not serving yet
+    sick = Snapshot(2, (state("a"), state("b", Health.UNHEALTHY), state("c", Health.UNHEALTHY),
+                        state("new1", Health.UNHEALTHY)))
+    view = PanicView(50, lambda: {"new1"})(sick)
+    assert [b.health for b in view.backends] == [Health.HEALTHY, Health.UNKNOWN, Health.UNKNOWN, Health.UNHEALTHY]
+    fh = FleetHealth(HealthCheckConfig(), OutlierConfig())
+    fh.add("old")
+    fh.add("new", joining=True)
+    assert fh.joining() == {"new"}
+    fh.on_check("new", P, 1.0, 0.0)
+    assert fh.joining() == frozenset()
