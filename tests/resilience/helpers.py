@@ -57,3 +57,16 @@ class FakeBackend:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+
+def established_to(port: int) -> int:
+    """Established TCP connections whose remote end is 127.0.0.1:`port` (client side), from /proc/net/tcp."""
+    count = 0
+    with open("/proc/net/tcp") as fh:
+        next(fh)
+        for line in fh:
+            fields = line.split()
+            remote, state = fields[2], fields[3]
+            if state == "01" and remote == f"0100007F:{port:04X}":
+                count += 1
+    return count

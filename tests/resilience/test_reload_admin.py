@@ -17,7 +17,7 @@ from proxy.control.reload import Reloader
 from proxy.core.snapshot import Health
 from tests.http.fakes import FakeBackend
 
-from .helpers import until
+from .helpers import established_to, until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -212,5 +212,28 @@ async def test_discovery_through_the_proxy_with_a_fake_resolver(fakes) -> None:
         answers[0] = ["127.0.0.2"]  # the pod moved: the old address drains, the new one joins
         await until(lambda: name not in proxy.store.current)
         assert f"gpu@127.0.0.2:{port}" in proxy.store.current
+    finally:
+        await proxy.stop()
+
+
+async def test_removed_backend_leaves_no_ghost_connections(tmp_path: Path, fakes) -> None:
+    # A long keep-alive, so only the drain's close of idle connections can explain them going away.
+    extra = "upstream: {keepalive_s: 60}\n"
+    path = tmp_path / "proxy.yaml"
+    path.write_text(config_text(fakes[:2], extra).replace("health_checks: {interval_ms: 30, jitter: 0.1}\n", ""))
+    proxy = AffinityProxy(load_config(str(path)), config_path=str(path))
+    await proxy.start()
+    try:
+        port = int(fakes[1].url.rsplit(":", 1)[1])
+        async with aiohttp.ClientSession() as s:
+            for _ in range(6):
+                async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
+                    assert r.status == 200
+        assert established_to(port) >= 1  # the pool keeps an idle keep-alive connection to b1
+        path.write_text(config_text(fakes[:1], extra).replace("health_checks: {interval_ms: 30, jitter: 0.1}\n", ""))
+        result = await proxy.resilience.reloader.reload("test")
+        assert result.ok
+        await until(lambda: "b1" not in proxy.store.current, timeout=2)
+        await until(lambda: established_to(port) == 0, timeout=2)
     finally:
         await proxy.stop()
