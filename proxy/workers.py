@@ -588,6 +588,10 @@ class Supervisor:
             return
         log.error("worker %d (pid %d) exited with %s: restarting", worker.index, proc.pid, code)
         worker.ready.clear()
+        for (index, seq), future in list(self._replies.items()):
+            if index == worker.index:  # a scrape waiting on the dead worker need not wait for its timeout
+                del self._replies[(index, seq)]
+                future.cancel()
         retire(worker.last_families, self.retired)
         worker.last_families = []
         for task in worker.tasks:
@@ -624,7 +628,8 @@ class Supervisor:
             await asyncio.wait([f for _, f in asked], timeout=self.METRICS_TIMEOUT_S)
         for worker, future in asked:
             self._replies.pop((worker.index, seq), None)
-            if future.done() and not future.cancelled():
+            if future.done() and not future.cancelled() and worker.ready.is_set():
+                # (a worker that died meanwhile has had its last families retired already)
                 worker.last_families = future.result()
             else:
                 future.cancel()

@@ -90,6 +90,26 @@ def image_config_path() -> tuple[str, Path]:
     return in_image, REPO / Dockerfile.parse().copies()[in_image]
 
 
+def localised_image_config(fleet: Any, *, http_port: int = 0, admin_port: int = 0, grpc: bool = True) -> str:
+    """The image's shipped config, changed only where running outside its container requires: listeners on
+    127.0.0.1 (free or given ports instead of 0.0.0.0 on fixed ones), and the backends' compose host names
+    replaced by the addresses of the simulators of the same names (`fleet.servers`). With `grpc` false the
+    h2c listener and the backends' gRPC addresses are dropped (for a simulator fleet without gRPC)."""
+    config = yaml.safe_load(image_config_path()[1].read_text())
+    ports = {"listen": http_port, "grpc_listen": 0, "admin": admin_port}
+    for key, port in ports.items():
+        if config.get(key) is not None:
+            config[key] = {**config[key], "host": "127.0.0.1", "port": port}
+    if not grpc:
+        config["grpc_listen"] = None
+    servers = {s.name: s for s in fleet.servers}
+    for backend in config["backends"]:
+        server = servers[backend["name"]]  # the image's backends are named like the simulators
+        backend["url"] = server.url
+        backend["grpc"] = server.grpc_address if grpc and backend.get("grpc") else None
+    return yaml.safe_dump(config, sort_keys=False)
+
+
 def manifests() -> list[tuple[Path, dict[str, Any]]]:
     out = []
     for path in sorted(DEPLOY.glob("*.yaml")):

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 import yaml
 
-from tests.deploy.files import REPO, Dockerfile, image_config_path
+from tests.deploy.files import REPO, Dockerfile, image_config_path, localised_image_config
 
 pytestmark = [
     pytest.mark.container,
@@ -137,17 +137,10 @@ async def test_image_builds_and_serves(podman: Podman, image: str, fleet: object
     import aiohttp
 
     in_image, shipped = image_config_path()
-    config = yaml.safe_load(shipped.read_text())
     http_port, admin_port = _free_port(), _free_port()
-    config["listen"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_listen"] = None
-    config["admin"] = {**config["admin"], "host": "127.0.0.1", "port": admin_port}
-    servers = {s.name: s for s in fleet.servers}  # type: ignore[attr-defined]
-    for backend in config["backends"]:
-        backend["url"] = servers[backend["name"]].url
-        backend["grpc"] = None
+    servers = {s.name for s in fleet.servers}  # type: ignore[attr-defined]
     local = tmp_path / "config.yaml"
-    local.write_text(yaml.safe_dump(config, sort_keys=False))
+    local.write_text(localised_image_config(fleet, http_port=http_port, admin_port=admin_port, grpc=False))
     local.chmod(0o644)
     name = "affinity-proxy-container-test"
     # podman blocks; the simulators run on this event loop, so every podman call goes to a thread.

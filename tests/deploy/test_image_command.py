@@ -2,8 +2,8 @@
 config the image ships (docker/config.yaml) in front of simulated backends, probed with the image's own
 HEALTHCHECK command.
 
-Only what a container would change is changed: listeners bind 127.0.0.1 on free ports instead of 0.0.0.0
-on fixed ones, and the backends' compose host names (sim-0:8000, ...) become the simulators' loopback
+Only what a container would change is changed (`localised_image_config`): listeners bind 127.0.0.1 on
+free ports, and the backends' compose host names (sim-0:8000, ...) become the simulators' loopback
 addresses. Everything else in the config is used as shipped.
 """
 
@@ -16,10 +16,9 @@ from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
 from proxy.config import parse_config
-from tests.deploy.files import Dockerfile, image_config_path
+from tests.deploy.files import Dockerfile, image_config_path, localised_image_config
 from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, post_json, start_proxy
 
 
@@ -32,26 +31,12 @@ async def fleet() -> AsyncIterator[object]:
     await fleet.stop()
 
 
-def _localise(text: str, fleet: object) -> str:
-    config = yaml.safe_load(text)
-    for key in ("listen", "grpc_listen", "admin"):
-        if config.get(key) is not None:
-            config[key] = {**config[key], "host": "127.0.0.1", "port": 0}
-    servers = {s.name: s for s in fleet.servers}  # type: ignore[attr-defined]
-    for backend in config["backends"]:
-        server = servers[backend["name"]]  # the image's backends are named like the simulators
-        backend["url"] = server.url
-        if backend.get("grpc"):
-            backend["grpc"] = server.grpc_address
-    return yaml.safe_dump(config, sort_keys=False)
-
-
 async def test_the_images_command_serves_with_the_images_config(tmp_path: Path, fleet: object) -> None:
     dockerfile = Dockerfile.parse()
     command = dockerfile.command()
     in_image, shipped = image_config_path()
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(_localise(shipped.read_text(), fleet))
+    config_file.write_text(localised_image_config(fleet))
     assert parse_config(shipped.read_text()).backends  # (the shipped file itself is checked in test_deploy_files)
 
     # The image puts the venv's bin first on PATH: `affinity-proxy` there is ours here.
