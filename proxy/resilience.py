@@ -255,6 +255,17 @@ class Resilience:
         app.router.add_post("/admin/backends/{name}/weight", guard(weight))
         app.router.add_post("/admin/reload", guard(reload))
         app.router.add_get("/admin/reload", reload_status)
+        app.router.add_get("/admin/health", self._health_report)
+
+    async def _health_report(self, request: web.Request) -> web.Response:
+        """Per backend: what the health machines believe and why (read-only, no token needed)."""
+        return web.json_response({"version": self.proxy.store.current.version,
+                                  "backends": self.monitor.fleet.describe(self.monitor.clock()),
+                                  "retries": {"retried": self.retries.retried,
+                                              "budget_requests": self.retries.budget.requests,
+                                              "budget_retries": self.retries.budget.retries},
+                                  "draining": sorted(self.membership.removing),
+                                  "overload_queue": len(self.queue)})
 
 
 def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:

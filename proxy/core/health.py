@@ -384,6 +384,29 @@ class FleetHealth:
         """Backends added while serving that have not passed a check yet (unroutable, even in panic)."""
         return frozenset(n for n, a in self._active.items() if a.joining)
 
+    def describe(self, now: float) -> dict[str, dict[str, Any]]:
+        """Plain-data view of every backend's machines, for the admin API."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, act in self._active.items():
+            o = self._outlier[name]
+            out[name] = {
+                "health": self.health(name).value,
+                "active": act.state.value,
+                "joining": act.joining,
+                "consecutive_passes": act.successes,
+                "consecutive_failures": act.failures,
+                "consecutive_timeouts": act.timeouts,
+                "next_timeout_ms": round(act.timeout_ms(), 1),
+                "check_p99_ms": round(percentile(act.latencies_ms, 99), 2) if act.latencies_ms else None,
+                "ejected": o.ejected,
+                "ejected_for_s": None if o.ejected_until is None else round(max(0.0, o.ejected_until - now), 3),
+                "ejections": o.ejections,
+                "consecutive_5xx": o.c5xx,
+                "consecutive_connect_failures": o.cconnect,
+                "consecutive_stream_failures": o.cstream,
+            }
+        return out
+
     def ejected_count(self) -> int:
         return sum(1 for o in self._outlier.values() if o.ejected)
 

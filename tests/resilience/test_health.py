@@ -437,3 +437,15 @@ def test_joining_backends_neither_cause_panic_nor_get_panic_traffic() -> None:
     assert fh.joining() == {"new"}
     fh.on_check("new", P, 1.0, 0.0)
     assert fh.joining() == frozenset()
+
+
+def test_describe_reports_each_machine() -> None:
+    fh = fleet(2, HealthCheckConfig(timeout_ms=100, adaptive_k=2), OutlierConfig(consecutive_5xx=1,
+                                                                                 base_ejection_ms=2000))
+    fh.on_check("b0", P, 80.0, 0.0)
+    fh.on_check("b0", T, None, 0.5)
+    fh.on_outcome("b1", Outcome.STATUS_5XX, 1.0)
+    d = fh.describe(1.5)
+    assert d["b0"]["consecutive_timeouts"] == 1 and d["b0"]["next_timeout_ms"] == 320.0
+    assert d["b0"]["check_p99_ms"] == 80.0 and d["b0"]["health"] == "healthy"
+    assert d["b1"]["ejected"] and d["b1"]["ejected_for_s"] == 1.5 and d["b1"]["health"] == "unhealthy"

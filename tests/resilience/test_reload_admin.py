@@ -149,6 +149,11 @@ async def test_admin_drain_restore_weight_answer_the_new_version(fakes) -> None:
                 assert r.status == 404
             async with s.post(admin + "/admin/reload") as r:
                 assert r.status == 409  # not started from a file
+            async with s.get(admin + "/admin/health") as r:
+                report = await r.json()
+            assert report["version"] == proxy.store.current.version
+            assert report["backends"]["b0"]["health"] == "unknown" and report["backends"]["b0"]["ejected"] is False
+            assert report["retries"]["budget_requests"] >= 6
     finally:
         await proxy.stop()
 
