@@ -143,7 +143,7 @@ class Resilience:
         if new.discovery.enabled:
             static, services = split_services(new.backend_specs())
             if self.discovery is None:
-                self.discovery = Discovery(self.membership, new.discovery, services)
+                self.discovery = Discovery(self.membership, new.discovery, services, at_startup=False)
                 self._tasks.append(asyncio.get_running_loop().create_task(self.discovery.run(), name="discovery"))
             else:
                 self.discovery.set_services(services, new.discovery)

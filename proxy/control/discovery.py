@@ -97,6 +97,7 @@ class Discovery:
         services: Sequence[BackendSpec] = (),
         *,
         resolver: Resolver = system_resolver,
+        at_startup: bool = True,
     ) -> None:
         self.membership = membership
         self.cfg = cfg
@@ -104,7 +105,9 @@ class Discovery:
         self.services: tuple[BackendSpec, ...] = tuple(services)
         self.addresses: dict[str, tuple[str, ...]] = {}  # service name -> last good addresses
         self.failures = 0
-        self._first = True
+        # The first view of a discovery running from start-up is the fleet the proxy starts with (serve at
+        # once); one switched on by a reload joins like any later address (after its first passing check).
+        self._first = at_startup
         self._task: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
 
@@ -145,7 +148,6 @@ class Discovery:
         specs: list[BackendSpec] = []
         for service in self.services:
             specs.extend(expand(service, self.addresses.get(service.name, ())))
-        # The first view is the fleet the proxy starts with: nothing to protect, serve at once.
         self.membership.set_source(SOURCE, specs, joining=not self._first)
         self._first = False
 

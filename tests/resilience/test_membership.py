@@ -225,3 +225,13 @@ async def test_discovery_run_loop_re_resolves_periodically() -> None:
         assert dns.calls >= 2
     finally:
         task.cancel()
+
+
+async def test_discovery_switched_on_later_joins_after_checks() -> None:
+    store, _, _, _, m, _ = setup([spec("static")])
+    dns = FakeDNS()
+    dns.answers["vllm.svc"] = ["10.0.0.1"]
+    d = Discovery(m, DiscoveryConfig(enabled=True), [BackendSpec("gpu", "http://vllm.svc:8000")], resolver=dns,
+                  at_startup=False)
+    await d.refresh()
+    assert store.current.get("gpu@10.0.0.1:8000").health is Health.UNHEALTHY  # not seen answering yet
