@@ -224,7 +224,10 @@ def _compose() -> dict[str, Any]:
 
 def test_compose_references_files_that_exist() -> None:
     compose = _compose()
+    local_images = {svc["image"] for svc in compose["services"].values() if svc.get("build")}
     for name, svc in compose["services"].items():
+        # A locally built tag is never pulled: every service running it carries the build section.
+        assert svc.get("image") not in local_images or svc.get("build"), name
         build = svc.get("build")
         if build:
             context = (DOCKER / build["context"]).resolve()
