@@ -316,3 +316,29 @@ async def test_grpc_admin_write_in_one_worker_reaches_every_worker(tmp_path: Pat
         assert _completions(fakes[1]) == seen  # weight 0 in every worker, not only the one that took the call
     finally:
         assert await proxy.terminate() == 0
+
+
+async def test_two_replicas_place_every_prompt_on_the_same_backend(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    """Two independent proxies (as two Kubernetes replicas: no shared state at all) with the same config."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_config(fakes, "affinity"))
+    replicas = [await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", w]) for w in ("1", "2")]
+    try:
+        placed: list[dict[str, str]] = [{}, {}]
+        chats = [
+            {"model": "fake-model", "max_tokens": 8,
+             "messages": [{"role": "system", "content": "You are a helpful assistant. " * 20},
+                          {"role": "user", "content": f"question {i}: " + " ".join(f"w{i}x{j}" for j in range(30))}]}
+            for i in range(24)
+        ]
+        for which, proxy in enumerate(replicas):
+            for i, chat in enumerate(chats):
+                reply = await post_json(proxy.port, "/v1/chat/completions", chat)
+                assert reply.status == 200
+                placed[which][f"chat {i}"] = reply.headers["x-affinity-backend"]
+        assert placed[0] == placed[1]
+        # Conversations that share only the system prompt still spread over the fleet.
+        assert len(set(placed[0].values())) >= 3
+    finally:
+        for proxy in replicas:
+            assert await proxy.terminate() == 0
