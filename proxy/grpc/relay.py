@@ -225,7 +225,10 @@ class Call:
         try:
             name, address = ctx.pick(summary, self.excluded)
         except NoBackendAvailable as err:
-            self.fail(UNAVAILABLE, f"no backend available: {err}" if str(err) else "no backend available")
+            # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
+            # client should back off; everything else (503) is UNAVAILABLE.
+            code = RESOURCE_EXHAUSTED if getattr(err, "status", None) == 429 else UNAVAILABLE
+            self.fail(code, f"no backend available: {err}" if str(err) else "no backend available")
             return
         self.backend = name
         self.tokens = ctx.tokens_of(summary)
