@@ -204,3 +204,22 @@ async def test_panic_routes_to_unhealthy_backends_when_too_few_are_healthy(fakes
     async with aiohttp.ClientSession() as s:
         served = {(await post(s, proxy, CHAT))[1]["x-affinity-backend"] for _ in range(6)}
     assert served == {"b1", "b2"}
+
+
+async def test_engine_signals_saturate_backends(fakes, proxies) -> None:
+    from proxy.core.snapshot import Signals
+
+    proxy = await start_proxy(proxies, [(f.name, f.url) for f in fakes[:2]],
+                              "overload: {max_kv_usage: 0.95, max_waiting: 10}\n")
+    full = Signals(scraped_at=0.0, kv_usage=0.99, waiting=0)
+    queued = Signals(scraped_at=0.0, kv_usage=0.10, waiting=50)
+    proxy.store.update(lambda s: s.replace_backend("b0", signals=full, stale=False))
+    async with aiohttp.ClientSession() as s:
+        served = {(await post(s, proxy, CHAT))[1]["x-affinity-backend"] for _ in range(4)}
+        assert served == {"b1"}  # b0's KV cache is full: it gets nothing new
+        proxy.store.update(lambda snap: snap.replace_backend("b1", signals=queued, stale=False))
+        status, headers, body = await post(s, proxy, CHAT)
+        assert status == 503 and headers["Retry-After"] == "1"
+        assert json.loads(body)["error"]["code"] == "overloaded"
+        proxy.store.update(lambda snap: snap.replace_backend("b1", stale=True))  # stale signals are not trusted
+        assert (await post(s, proxy, CHAT))[0] == 200
