@@ -23,7 +23,7 @@ from proxy.metrics import ProxyMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Readiness conditions beyond "this listener answers": each returns the reasons it is not ready (empty when
-# ready). proxy/workers.py adds "every data-plane worker is serving" in the supervisor.
+# ready). proxy/workers.py adds "a data-plane worker is serving" in the supervisor.
 ReadyCheck = Callable[[], list[str]]
 READY_CHECKS = web.AppKey("ready_checks", list)
 

@@ -467,10 +467,6 @@ class Supervisor:
         for sock in self._reserved:
             sock.close()
 
-    @property
-    def pids(self) -> list[int | None]:
-        return [w.proc.pid if w.proc is not None and w.proc.returncode is None else None for w in self._workers]
-
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
 
@@ -493,9 +489,12 @@ class Supervisor:
                 write_message(worker.writer, ApplyConfig(config))
 
     def readiness_problems(self) -> list[str]:
-        """For /readyz: serving means every worker listens (a restarting one is back within a second)."""
-        missing = [w.index for w in self._workers if not w.ready.is_set()]
-        return [f"worker {i} not serving" for i in missing]
+        """For /readyz: the pod serves while any worker listens. A dead worker's socket leaves the reuseport
+        group with it, so new connections only reach live workers; failing readiness while one of N restarts
+        would only make the Service's endpoints flap."""
+        if self.ready_count() == 0:
+            return [f"none of {self.count} workers is serving"]
+        return []
 
     def collect_own(self) -> Iterable[Metric]:
         ready = GaugeMetricFamily("affinity_proxy_workers", "Data-plane worker processes, by state.", labels=["state"])

@@ -133,8 +133,8 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
                 now = proxy.workers()
                 new = [p for p in now if p not in workers]
                 if new and len(now) == 2:
-                    async with session.get(f"{proxy.admin}/readyz") as ready:
-                        if ready.status == 200:
+                    async with session.get(f"{proxy.admin}/metrics") as resp:
+                        if 'affinity_proxy_workers{state="ready"} 2.0' in await resp.text():
                             replacement = new[0]
                             break
                 await asyncio.sleep(0.1)

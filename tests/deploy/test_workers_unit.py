@@ -155,3 +155,17 @@ async def test_channel_round_trips_a_snapshot() -> None:
     writer.close()
     w2.close()
     assert pickle.loads(pickle.dumps(snapshot)).get("gpu-0").spec.url == "http://127.0.0.1:1"
+
+
+async def test_readiness_holds_while_any_worker_serves() -> None:
+    from proxy.control.store import SnapshotStore
+    from proxy.workers import Supervisor
+
+    store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
+    supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
+    assert supervisor.readiness_problems() == ["none of 2 workers is serving"]
+    supervisor._workers[1].ready.set()
+    assert supervisor.readiness_problems() == []
+    families = {m.name: m for m in supervisor.collect_own()}
+    assert {(s.labels["state"], s.value) for s in families["affinity_proxy_workers"].samples} == {
+        ("ready", 1), ("starting", 1)}
