@@ -2,9 +2,10 @@
 
 Validation is the full config parser (proxy/config.py), so a reload accepts exactly what `check-config`
 accepts. An invalid file changes nothing: the error is logged with every path and line, counted
-(`affinity_proxy_config_reloads{result="invalid"}`) and kept as `last_error` for the admin API. A valid
-file is handed to `apply`, which swaps snapshots and settings in place: listeners stay bound, connections
-stay open, and in-flight requests finish on the backend they started on.
+(`affinity_proxy_config_reloads{result="invalid"}`), flagged (`affinity_proxy_config_last_reload_ok` 0,
+alertable while the file on disk stays broken) and kept as `last_error` for the admin API. A valid file is
+handed to `apply`, which swaps snapshots and settings in place: listeners stay bound, connections stay
+open, and in-flight requests finish on the backend they started on.
 
 The watch polls the file's identity (mtime, size, inode) instead of using inotify: it works the same on
 every platform and for Kubernetes ConfigMaps, whose update is an atomic symlink swap that replaces the
@@ -93,6 +94,7 @@ class Reloader:
                     self.metrics.reloads.labels("ok").inc()
                     log.info("config reloaded (%s): snapshot version %d", reason, version)
             self.last_result = result
+            self.metrics.reload_ok.set(1 if result.ok else 0)
             return result
 
     # ------------------------------------------------------------------------------------------ triggers

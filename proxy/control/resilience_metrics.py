@@ -7,7 +7,7 @@ label per backend is bounded by the fleet size, the rest are enums.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class ResilienceMetrics:
@@ -39,6 +39,12 @@ class ResilienceMetrics:
         self.reloads = Counter(
             "affinity_proxy_config_reloads", "Configuration reloads, by result (ok, invalid).", ["result"], registry=r
         )
+        self.reload_ok = Gauge(
+            "affinity_proxy_config_last_reload_ok",
+            "1 when the last reload attempt succeeded (or none was made), 0 while the file on disk is invalid.",
+            registry=r,
+        )
+        self.reload_ok.set(1)
         self.drained = Counter(
             "affinity_proxy_backends_drained", "Removed backends that finished draining, by how (idle, deadline).",
             ["how"], registry=r,

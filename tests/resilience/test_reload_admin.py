@@ -61,6 +61,8 @@ async def test_admin_reload_invalid_keeps_old_config_valid_swaps_backends(runnin
         assert any("retries.max_attempts (line" in e for e in body["errors"])
         assert proxy.store.current.version == body["version"] >= v0
         assert proxy.resilience.metrics.reloads.labels("invalid")._value.get() == 1
+        async with s.get(admin + "/metrics") as r:
+            assert "affinity_proxy_config_last_reload_ok 0.0" in await r.text()  # alertable while invalid
         async with s.get(admin + "/admin/reload") as r:
             assert (await r.json())["last"]["ok"] is False
         async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
@@ -77,6 +79,7 @@ async def test_admin_reload_invalid_keeps_old_config_valid_swaps_backends(runnin
         async with s.post(admin + "/admin/reload") as r:
             body = await r.json()
         assert r.status == 200 and body["ok"] and body["version"] == proxy.store.current.version
+        assert proxy.resilience.metrics.reload_ok._value.get() == 1
         snap = proxy.store.current
         assert snap.get("b1").health is Health.DRAINING  # busy: stays until its stream ends
         await until(lambda: proxy.store.current.get("b2").health is Health.HEALTHY)  # joined after a pass
