@@ -437,7 +437,9 @@ class Exchange:
         if self._timer is not None:
             self._timer.cancel()
         conn.exchange = None
-        if self._complete and self.keep_alive and not conn.closed and not self._paused:
+        if self._complete and self._paused:
+            self.resume()  # the last chunk tipped the client's buffer over the mark: the connection is still fine
+        if self._complete and self.keep_alive and not conn.closed:
             conn.pool._put_idle(conn)
         else:
             conn.close()

@@ -37,6 +37,8 @@ class FakeBackend:
     die_after_events: int | None = None  # abort the TCP connection after this many SSE events
     hang_stream: bool = False  # after the first event, wait forever (until cancelled)
     status: int = 200
+    pad: int = 0  # extra bytes of content per SSE event (for back-pressure tests)
+    written: int = 0  # SSE events written so far
     _runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -91,12 +93,13 @@ class FakeBackend:
                     assert request.transport is not None
                     request.transport.abort()
                     return resp
-                delta = {"content": f"t{i} "} if chat else None
+                delta = {"content": f"t{i} " + "p" * self.pad} if chat else None
                 chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": 0, "model": payload.get("model", "fake-model"),
                          "choices": [{"index": 0, "delta": delta, "finish_reason": None} if chat
                                      else {"index": 0, "text": f"t{i} ", "finish_reason": None}]}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.written += 1
                 if self.hang_stream:
                     await asyncio.Event().wait()
                 if self.event_delay:

@@ -297,3 +297,31 @@ async def test_expect_100_continue_is_answered(backends: list[FakeBackend], make
     writer.close()
     assert backends[0].seen[-1].body == body
     assert "expect" not in {k.lower() for k in backends[0].seen[-1].headers}
+
+
+async def test_slow_client_backpressures_the_backend(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
+    """A client that stops reading must stop the backend too (bounded buffering), and lose nothing."""
+    fake = backends[0]
+    fake.events, fake.pad = 300, 65536  # ~20 MB in all, far more than socket buffers + the relay's mark
+    proxy = await make_proxy([fake])
+    port = int(proxy.http_url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    transport = writer.transport
+    transport.pause_reading()  # a client that stops reading
+    previous = -1
+    while fake.written != previous:  # wait until the backend is stuck
+        previous = fake.written
+        await asyncio.sleep(0.3)
+    assert fake.written < fake.events
+    transport.resume_reading()
+    data = bytearray()
+    while not (data.endswith(b"0\r\n\r\n") and b"data: [DONE]" in data[-64:]):
+        piece = await asyncio.wait_for(reader.read(2**20), 60)
+        assert piece, "the proxy closed the stream early"
+        data += piece
+    writer.close()
+    assert data.count(b'"content": "t') == fake.events
+    assert fake.written == fake.events
