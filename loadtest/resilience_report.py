@@ -41,7 +41,7 @@ MAX_TOKENS = 24  # ~150 ms streams at speed 1 on the default profile
 
 
 @dataclass
-class Outcome:
+class Reply:
     started: float
     backend: str | None
     status: int
@@ -63,9 +63,9 @@ class Result:
     by_backend: Counter[str] = field(default_factory=Counter)
     failed_by_backend: Counter[str] = field(default_factory=Counter)
     numbers: dict[str, Any] = field(default_factory=dict)
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[Reply] = field(default_factory=list)
 
-    def add(self, o: Outcome) -> None:
+    def add(self, o: Reply) -> None:
         self.outcomes.append(o)
         self.sent += 1
         self.by_backend[o.backend or "-"] += 1
@@ -79,7 +79,7 @@ class Result:
             self.spliced += 1
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: int, t0: float) -> Outcome:
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: int, t0: float) -> Reply:
     body = {"model": model, "messages": [{"role": "user", "content": f"request {i}: tell me something"}],
             "max_tokens": MAX_TOKENS, "stream": True}
     started = time.monotonic() - t0
@@ -92,7 +92,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: i
             backend = r.headers.get("x-affinity-backend")
             text = (await r.read()).decode("utf-8", "replace")
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return Outcome(started, backend, status, False, False, frozenset(), 0)
+        return Reply(started, backend, status, False, False, frozenset(), 0)
     ids: set[str] = set()
     error = False
     for line in text.split("\n"):
@@ -112,9 +112,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: i
             clean = "error" in json.loads(text)
         except ValueError:
             clean = False
-        return Outcome(started, backend, status, False, clean, frozenset(ids), done)
+        return Reply(started, backend, status, False, clean, frozenset(ids), done)
     ok = done == 1 and not error
-    return Outcome(started, backend, status, ok, error, frozenset(ids), done)
+    return Reply(started, backend, status, ok, error, frozenset(ids), done)
 
 
 async def load(url: str, model: str, result: Result, *, concurrency: int, duration_s: float,
@@ -412,7 +412,7 @@ async def scenario_sigterm(streams: int = 8, max_tokens: int = 200) -> Result:
         url = proxy.http_url
         first = [asyncio.Event() for _ in range(streams)]
 
-        async def stream(i: int, session: aiohttp.ClientSession) -> Outcome:
+        async def stream(i: int, session: aiohttp.ClientSession) -> Reply:
             body = {"model": model, "messages": [{"role": "user", "content": f"long {i}"}],
                     "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
             try:
@@ -423,10 +423,10 @@ async def scenario_sigterm(streams: int = 8, max_tokens: int = 200) -> Result:
                         chunks.append(line)
                     text = b"".join(chunks).decode()
                     ok = text.count("data: [DONE]") == 1 and '"error"' not in text
-                    return Outcome(0.0, r.headers.get("x-affinity-backend"), r.status, ok, not ok, frozenset(), 1)
+                    return Reply(0.0, r.headers.get("x-affinity-backend"), r.status, ok, not ok, frozenset(), 1)
             except aiohttp.ClientError:
                 first[i].set()
-                return Outcome(0.0, None, 0, False, False, frozenset(), 0)
+                return Reply(0.0, None, 0, False, False, frozenset(), 0)
 
         async with aiohttp.ClientSession() as session:
             tasks = [asyncio.create_task(stream(i, session)) for i in range(streams)]
