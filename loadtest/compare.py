@@ -26,38 +26,9 @@ from typing import Any, Sequence
 
 from loadtest.harness import FleetSpec, Proc, start_fleet_process, start_proxy_process, temp_workdir
 from loadtest.peers import Peer, parse_peers, start_peer
-from loadtest.report import summarize, write_report
+from loadtest.report import design_comparison, summarize, write_report
 from loadtest.run import RunConfig, RunResult, add_workload_args, prepare_workload, run_workload
 from loadtest.workloads import Workload
-
-# The design write-up's table (shared/design, chapter 1), for a mixed 128/2,048-token generation workload:
-# p99 latency fluctuation and GPU-utilisation standard deviation per strategy.
-DESIGN_TABLE = (
-    ("round robin", "round_robin", "±38%", "22.1%"),
-    ("least connections", "least_request", "±26%", "18.7%"),
-    ("compute-load weighting (the design)", "least_load", "±9%", "6.3%"),
-)
-
-
-def _fmt_pct(x: float | None, sign: bool = False) -> str:
-    if x is None:
-        return "–"
-    return f"{'±' if sign else ''}{x * 100:.0f}%"
-
-
-def design_comparison(summaries: Sequence[dict[str, Any]]) -> str:
-    by = {s["label"]: s for s in summaries}
-    rows = [
-        "| strategy | design: p99 fluct. | design: GPU util std | ours: policy | ours: p99 fluct. (CV / half-range) | ours: GPU util std (pts) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, policy, fl, std in DESIGN_TABLE + (("prefix affinity + bounded load (this proxy)", "affinity", "–", "–"),):
-        s = by.get(policy)
-        ours_fl = "not run" if s is None else f"{_fmt_pct(s['p99_fluct_cv'], True)} / {_fmt_pct(s['p99_fluct_half_range'], True)}"
-        ours_std = "not run" if s is None or s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
-        rows.append(f"| {name} | {fl} | {std} | {policy} | {ours_fl} | {ours_std} |")
-    return "\n".join(rows) + "\n"
-
 
 def target_check(summaries: Sequence[dict[str, Any]]) -> str:
     by = {s["label"]: s for s in summaries}
@@ -156,14 +127,21 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     targets += [(peer.label, None, peer) for peer in parse_peers(args.peers or "")]
     summaries = []
     for label, policy, peer in targets:
-        print(f"== {label}", file=sys.stderr, flush=True)
-        try:
-            result = await run_target(label, workload, args, workdir, policy=policy, peer=peer)
-        except RuntimeError as exc:
-            print(f"{label}: failed: {exc}", file=sys.stderr)
-            summaries.append({"label": label, "failed": str(exc)[:500]})
-            continue
-        result.save(out / "runs" / f"{label.replace(' ', '_')}.json")
+        saved = out / "runs" / f"{label.replace(' ', '_')}.json"
+        if args.rebuild:
+            if not saved.exists():
+                summaries.append({"label": label, "failed": f"no saved run {saved}"})
+                continue
+            result = RunResult.load(saved)
+        else:
+            print(f"== {label}", file=sys.stderr, flush=True)
+            try:
+                result = await run_target(label, workload, args, workdir, policy=policy, peer=peer)
+            except RuntimeError as exc:
+                print(f"{label}: failed: {exc}", file=sys.stderr)
+                summaries.append({"label": label, "failed": str(exc)[:500]})
+                continue
+            result.save(saved)
         s = summarize(result, workload, label=label)
         summaries.append(s)
         print(
@@ -194,7 +172,7 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
             replayed.append(rs)
         await asyncio.sleep(0)
 
-    command = "python -m loadtest.compare " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m loadtest.compare " + " ".join(shlex.quote(a) for a in argv if a != "--rebuild")
     preface = (
         f"Command: `{command}`\n\n"
         f"Fleet: {args.backends} simulated `{args.profile}` servers (max_model_len {args.max_model_len}), a fresh fleet "
@@ -228,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--replay", action="store_true", help="also replay the same window offline and tabulate the difference")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--rebuild", action="store_true", help="rebuild the report from the runs saved in --out/runs (no live runs)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     import uvloop

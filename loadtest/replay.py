@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, replace
@@ -295,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.score_weights:
         m, q, k = (float(x) for x in args.score_weights.split(","))
         score = replace(score, memory_weight=m, queue_weight=q, kv_rate_weight=k)
-    from loadtest.report import summarize, write_report
+    from loadtest.report import design_comparison, summarize, write_report
 
     summaries = []
     for pol in filter(None, (p.strip() for p in args.policies.split(","))):
@@ -321,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if args.out:
         write_report(summaries, args.out, title=f"offline replay: {workload.name}", workload=workload,
-                     preface=f"Command: `python -m loadtest.replay {' '.join(argv or __import__('sys').argv[1:])}`")
+                     preface=f"Command: `python -m loadtest.replay {' '.join(argv or sys.argv[1:])}`",
+                     appendix="## The design's table next to ours\n\n" + design_comparison(summaries))
     print(json.dumps([{k: v for k, v in s.items() if isinstance(v, (int, float, str)) or v is None} for s in summaries], indent=1)[:4000])
 
 

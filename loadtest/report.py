@@ -14,12 +14,17 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from statistics import pstdev
 from typing import Any, Iterable, Sequence
 
 from loadtest import stats
 from loadtest.run import Record, RunResult
 from loadtest.workloads import Workload
 from loadtest.workloads.bound import one_cache_bound
+
+# A 10 s window needs this many requests for its p99 to count (at a few requests/s the p99 of a window is
+# close to its maximum; fewer would make it a single request's latency).
+MIN_WINDOW_REQUESTS = 5
 
 DEFINITIONS = """\
 Definitions:
@@ -30,8 +35,9 @@ Definitions:
   Both are computed from the requests sent. hit/bound = hit ratio / LRU bound (∞ bound when capacity is unknown).
 - GPU util: each backend's busy fraction (busy-time counter) per 10 s window; std = cross-backend population std-dev per
   window averaged over windows, in percentage points.
-- p99 fluct.: coefficient of variation of the p99 TTFT of consecutive 10 s windows (by send time, windows with >= 10
-  requests); shown as ±CV.
+- p99 fluct.: coefficient of variation of the p99 TTFT of consecutive 10 s windows (by send time, windows with >= 5
+  requests; at a few requests/s a window's p99 is close to its maximum); shown as ±CV. report.json also has the
+  half-range ((max - min) / 2 / mean) and the same figure for end-to-end latency.
 - Router CPU: CPU time of the router process over the run, as a share of one core and per successful request (it
   includes the router's background work: telemetry scrapes, health checks; at a few requests/s that dominates).
   For an offline replay it is the time spent building summaries and picking.
@@ -60,8 +66,9 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         end = max(r.sent + (r.e2e or 0.0) for r in ok)
         span = end - start if end > start else None
     out_tokens = sum(r.output_tokens for r in ok)
-    windows = stats.window_p99s([r.sent for r in ok], ttft, 10.0, 10)
+    windows = stats.window_p99s([r.sent for r in ok], ttft, 10.0, MIN_WINDOW_REQUESTS)
     fluct = stats.fluctuation(windows)
+    e2e_fluct = stats.fluctuation(stats.window_p99s([r.sent for r in ok if r.e2e is not None], e2e, 10.0, MIN_WINDOW_REQUESTS))
 
     # Fleet counters: per backend, deltas between its first and last sample.
     by_backend: dict[str, list[dict[str, Any]]] = {}
@@ -123,6 +130,8 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         "p99_windows": windows,
         "p99_fluct_cv": fluct["cv"],
         "p99_fluct_half_range": fluct["half_range"],
+        "p99_e2e_fluct_cv": e2e_fluct["cv"],
+        "p99_windows_counted": fluct["windows"],
         "hit_ratio": hit_ratio,
         "client_hit_ratio": client_hit,
         "bound_inf": bound_inf,
@@ -132,7 +141,7 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         "gpu_util_mean": spread["mean"],
         "gpu_util_std": spread["std"],
         "gpu_util_whole_run": util_total,
-        "gpu_util_std_whole_run": (stats.pstdev(whole) if len(whole) > 1 else None),
+        "gpu_util_std_whole_run": (pstdev(whole) if len(whole) > 1 else None),
         "gpu_util_windows": per_window,
         "kv_usage_mean": kv_mean,
         "waiting_max": waiting_max,
@@ -142,6 +151,36 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         "proxy_cpu_cores": (cpu / result.wall_s) if cpu is not None and result.wall_s else None,
         "meta": result.meta,
     }
+
+
+# The design write-up's table (shared/design, chapter 1), for a mixed 128/2,048-token generation workload:
+# p99 latency fluctuation and GPU-utilisation standard deviation per strategy.
+DESIGN_TABLE = (
+    ("round robin", "round_robin", "±38%", "22.1%"),
+    ("least connections", "least_request", "±26%", "18.7%"),
+    ("compute-load weighting (the design)", "least_load", "±9%", "6.3%"),
+)
+
+
+def _fmt_pct(x: float | None, sign: bool = False) -> str:
+    if x is None:
+        return "–"
+    return f"{'±' if sign else ''}{x * 100:.0f}%"
+
+
+def design_comparison(summaries: Sequence[dict[str, Any]]) -> str:
+    by = {s["label"].replace("replay ", ""): s for s in summaries}
+    rows = [
+        "| strategy | design: p99 fluct. | design: GPU util std | ours: policy | ours: p99 TTFT fluct. (CV / half-range) | ours: p99 e2e fluct. (CV) | ours: GPU util std (pts) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, policy, fl, std in DESIGN_TABLE + (("prefix affinity + bounded load (this proxy)", "affinity", "–", "–"),):
+        s = by.get(policy)
+        ours_fl = "not run" if s is None else f"{_fmt_pct(s['p99_fluct_cv'], True)} / {_fmt_pct(s['p99_fluct_half_range'], True)}"
+        ours_std = "not run" if s is None or s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
+        ours_e2e = "not run" if s is None else _fmt_pct(s.get("p99_e2e_fluct_cv"), True)
+        rows.append(f"| {name} | {fl} | {std} | {policy} | {ours_fl} | {ours_e2e} | {ours_std} |")
+    return "\n".join(rows) + "\n"
 
 
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:

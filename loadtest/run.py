@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from loadtest.fleet_sampler import FleetSampler
-from loadtest.workloads import Workload, WorkItem, build_body, load_workload, parse_window
+from loadtest.workloads import BlockText, Workload, WorkItem, build_body, load_workload, parse_window
 
 BACKEND_HEADER = "x-affinity-backend"
 # The simulator names itself in every response; peers that forward upstream headers keep it, so runs
@@ -153,8 +153,8 @@ class _Progress:
 
 
 async def _one(
-    session: aiohttp.ClientSession, cfg: RunConfig, item: WorkItem, index: int, workload: Workload,
-    text: Any, t0: float, scheduled: float,
+    session: aiohttp.ClientSession, cfg: RunConfig, item: WorkItem, index: int, text: BlockText,
+    t0: float, scheduled: float,
 ) -> Record:
     path, body = build_body(item, text, model=cfg.model, extra=cfg.extra_body or None)
     headers = {"content-type": "application/json"}
@@ -244,7 +244,7 @@ async def run_workload(
         async def fire(i: int, item: WorkItem, scheduled: float) -> None:
             async with gate:
                 progress.sent += 1
-                rec = await _one(session, cfg, item, i, workload, text, t0, scheduled)
+                rec = await _one(session, cfg, item, i, text, t0, scheduled)
             records.append(rec)
             progress.done += 1
             if rec.error is not None:
