@@ -94,6 +94,8 @@ class HttpBridgeCall:
                 self.queued -= n
         except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
             self.client_reset()
+        if self.to_down and not self.closed:
+            self.down.blocked[self] = None
         self.down.mark()
         if self.queued <= _LOW_WATER:
             self.drained.set()

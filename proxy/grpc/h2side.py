@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any
 
 import h2.config
 import h2.connection
 import h2.settings
+import h2.stream
 
 if TYPE_CHECKING:
     from proxy.grpc.relay import Call
@@ -61,6 +62,28 @@ def h2_config(client_side: bool) -> h2.config.H2Configuration:
     )
 
 
+class FastData:
+    """A DATA frame taken by the fast path; shaped like h2's DataReceived for the relay's purposes."""
+
+    __slots__ = ("stream_id", "data", "flow_controlled_length")
+    stream_ended = None
+
+    def __init__(self, stream_id: int, data: bytes, flow_controlled_length: int) -> None:
+        self.stream_id = stream_id
+        self.data = data
+        self.flow_controlled_length = flow_controlled_length
+
+
+_RECV_DATA_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
+_CONN_CLOSED = h2.connection.ConnectionState.CLOSED
+_END_HEADERS = 0x4
+_DATA_SLOW_FLAGS = 0x1 | 0x8  # END_STREAM, PADDED: h2 handles those DATA frames itself
+
+
+def _fast_path_supported(conn: h2.connection.H2Connection) -> bool:
+    return hasattr(conn, "_inbound_flow_control_window_manager") and hasattr(conn, "streams")
+
+
 class H2Side(asyncio.Protocol, abc.ABC):
     """Base of both connection kinds; `calls` maps this connection's stream ids to relayed calls."""
 
@@ -74,6 +97,13 @@ class H2Side(asyncio.Protocol, abc.ABC):
         self.paused = False
         self.closed = False
         self.calls: dict[int, "Call"] = {}
+        # Calls with data queued for this connection that its windows (or a full transport) hold back:
+        # the only ones worth revisiting when a window opens.
+        self.blocked: dict[Any, None] = {}
+        self._inbuf = b""
+        self._preface_left = 0 if client_side else 24  # a server first reads the client's connection preface
+        self._in_header_block = False
+        self.fast = _fast_path_supported(self.conn)
 
     def init_settings(self, max_streams: int, stream_window: int, connection_window: int) -> None:
         conn = self.conn
@@ -90,6 +120,65 @@ class H2Side(asyncio.Protocol, abc.ABC):
         if delta > 0:
             conn.increment_flow_control_window(delta)
 
+    def receive(self, data: bytes) -> list:
+        """h2's `receive_data`, with a fast path for the frames that dominate a relay: DATA frames on
+        relayed streams that neither end the stream nor carry padding.
+
+        Streaming responses are mostly one small DATA frame per gRPC message, and h2 spends ~30 µs on
+        each (frame objects, state machines, a debug repr of every frame). Those frames are parsed here
+        (9-byte header), charged to h2's own inbound flow-control windows (so its WINDOW_UPDATE
+        accounting and FLOW_CONTROL_ERROR checks stay exact) and returned as `FastData` events, in
+        order with h2's events for every other frame, which h2 still parses: it is handed complete
+        frames in the original order. A DATA frame inside a header block, on a stream h2 does not think
+        open, with a content-length to check, or over the frame size limit goes to h2 as usual.
+        """
+        conn = self.conn
+        if not self.fast:
+            return conn.receive_data(data)
+        buf = self._inbuf + data if self._inbuf else data
+        events: list = []
+        pos = 0
+        if self._preface_left:
+            n = min(self._preface_left, len(buf))
+            events.extend(conn.receive_data(buf[:n]))
+            self._preface_left -= n
+            pos = n
+        end = len(buf)
+        slow = pos  # start of the bytes not yet handed to h2
+        calls = self.calls
+        streams = conn.streams
+        max_frame = conn.local_settings.max_frame_size
+        while end - pos >= 9:
+            length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+            nxt = pos + 9 + length
+            if nxt > end:
+                break
+            ftype = buf[pos + 3]
+            flags = buf[pos + 4]
+            if ftype == 0:
+                if not (flags & _DATA_SLOW_FLAGS) and not self._in_header_block and length <= max_frame:
+                    sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                    if sid in calls:
+                        if slow < pos:
+                            events.extend(conn.receive_data(buf[slow:pos]))
+                            slow = pos
+                        stream = streams.get(sid)
+                        if (stream is not None and stream.state_machine.state in _RECV_DATA_STATES
+                                and stream._expected_content_length is None  # noqa: SLF001
+                                and conn.state_machine.state is not _CONN_CLOSED):
+                            conn._inbound_flow_control_window_manager.window_consumed(length)  # noqa: SLF001
+                            stream._inbound_window_manager.window_consumed(length)  # noqa: SLF001
+                            stream._actual_content_length += length  # noqa: SLF001
+                            events.append(FastData(sid, buf[pos + 9 : nxt], length))
+                            slow = nxt
+            elif ftype == 1 or ftype == 5 or ftype == 9:  # HEADERS, PUSH_PROMISE, CONTINUATION
+                self._in_header_block = not (flags & _END_HEADERS)
+            pos = nxt
+        if slow < pos:
+            events.extend(conn.receive_data(buf[slow:pos]))
+        self._inbuf = buf[pos:]
+        return events
+
     def mark(self) -> None:
         self.flusher.mark(self)
 
@@ -103,8 +192,16 @@ class H2Side(asyncio.Protocol, abc.ABC):
 
     def resume_writing(self) -> None:
         self.paused = False
-        self.on_writable(self.calls.values())
+        self.unblock()
+
+    def unblock(self) -> None:
+        """A connection-wide window opened or the transport drained: retry every held-back call."""
+        if self.blocked:
+            blocked = list(self.blocked)
+            self.blocked.clear()
+            for call in blocked:
+                self.flush_call(call)
 
     @abc.abstractmethod
-    def on_writable(self, calls: Iterable["Call"]) -> None:
-        """More data may be sent on these calls (window opened, transport drained)."""
+    def flush_call(self, call: Any) -> None:
+        """Send what `call` has queued for this connection, as far as the windows allow."""

@@ -25,7 +25,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import h2.errors
@@ -37,7 +37,7 @@ from proxy.core.decision import NoBackendAvailable
 from proxy.core.request import RequestSummary
 from proxy.grpc import wire
 from proxy.grpc.extractors import Extractor
-from proxy.grpc.h2side import H2Side
+from proxy.grpc.h2side import FastData, H2Side
 from proxy.grpc.upstream import BackendPool, Upstream
 
 if TYPE_CHECKING:
@@ -127,9 +127,8 @@ class Call:
         elif self.state == _DONE:
             self.down.ack(flow_len, self.sid)
         else:
+            # Flushed by the connection once per read (see `up_data`).
             self.to_up.append([data, flow_len])
-            if self.state == _RELAY:
-                self.flush_up()
 
     def client_end(self) -> None:
         self.client_ended = True
@@ -276,7 +275,10 @@ class Call:
 
     def flush_up(self) -> None:
         up = self.up
-        if up is None or up.paused or self.state != _RELAY:
+        if up is None or self.state != _RELAY:
+            return
+        if up.paused:
+            up.blocked[self] = None
             return
         conn = up.conn
         uid = self.uid
@@ -284,23 +286,11 @@ class Call:
         down = self.down
         try:
             while to_up:
-                item = to_up[0]
-                data = item[0]
                 window = conn.local_flow_control_window(uid)
                 if window <= 0:
                     break
-                n = min(len(data), window, conn.max_outbound_frame_size)
-                if n < len(data):
-                    chunk = data[:n]
-                    item[0] = data[n:]
-                    ack = min(n, item[1])
-                    item[1] -= ack
-                    end = False
-                else:
-                    chunk = data
-                    to_up.popleft()
-                    ack = item[1]
-                    end = not to_up and self.client_ended and self.client_trailers is None
+                chunk, ack = take(to_up, min(window, conn.max_outbound_frame_size))
+                end = not to_up and self.client_ended and self.client_trailers is None
                 conn.send_data(uid, chunk, end_stream=end)
                 if self.replay is not None and not self.response_started:
                     self.replay_bytes += len(chunk)
@@ -312,7 +302,9 @@ class Call:
                     down.ack(ack, self.sid)
                 if end:
                     self.up_sent_end = True
-            if not to_up and self.client_ended and not self.up_sent_end:
+            if to_up:
+                up.blocked[self] = None
+            elif self.client_ended and not self.up_sent_end:
                 if self.client_trailers is not None:
                     conn.send_headers(uid, self.client_trailers, end_stream=True)
                 else:
@@ -346,6 +338,8 @@ class Call:
             self._finish(remove_down=True)
 
     def up_data(self, data: bytes, flow_len: int) -> None:
+        """Queue response bytes; the connection flushes every touched call once per read, so the DATA
+        frames of one read (often one gRPC message each) leave as few, larger frames."""
         self.response_started = True
         self.replay = None
         if self.state == _DONE:
@@ -353,7 +347,6 @@ class Call:
                 self.up.conn.acknowledge_received_data(flow_len, self.uid)
             return
         self.to_down.append([data, flow_len])
-        self.flush_down()
 
     def up_trailers(self, trailers: list[tuple[bytes, bytes]]) -> None:
         self.grpc_status = status_of(trailers)
@@ -417,7 +410,10 @@ class Call:
 
     def flush_down(self) -> None:
         down = self.down
-        if down.paused or self.state == _DONE:
+        if self.state == _DONE:
+            return
+        if down.paused:
+            down.blocked[self] = None
             return
         conn = down.conn
         sid = self.sid
@@ -426,29 +422,19 @@ class Call:
         ended = False
         try:
             while to_down:
-                item = to_down[0]
-                data = item[0]
                 window = conn.local_flow_control_window(sid)
                 if window <= 0:
                     break
-                n = min(len(data), window, conn.max_outbound_frame_size)
-                if n < len(data):
-                    chunk = data[:n]
-                    item[0] = data[n:]
-                    ack = min(n, item[1])
-                    item[1] -= ack
-                    end = False
-                else:
-                    chunk = data
-                    to_down.popleft()
-                    ack = item[1]
-                    end = not to_down and self.down_end and self.down_trailers is None
+                chunk, ack = take(to_down, min(window, conn.max_outbound_frame_size))
+                end = not to_down and self.down_end and self.down_trailers is None
                 conn.send_data(sid, chunk, end_stream=end)
                 ended = end
                 if ack and up is not None:
                     up.conn.acknowledge_received_data(ack, self.uid)
                     up.mark()
-            if not to_down and self.down_end:
+            if to_down:
+                down.blocked[self] = None
+            elif self.down_end:
                 if self.down_trailers is not None:
                     conn.send_headers(sid, self.down_trailers, end_stream=True)
                 elif not ended:
@@ -513,8 +499,10 @@ class Call:
             ctx.finished(self.backend, self.grpc_status, self.started)
             self.backend = None
         if self.up is not None:
+            self.up.blocked.pop(self, None)
             self.up.release(self.uid)
             self.up = None
+        self.down.blocked.pop(self, None)
         if remove_down:
             self.down.calls.pop(self.sid, None)
             # Anything the client sent that was never forwarded still counts against its windows.
@@ -522,6 +510,46 @@ class Call:
                 if item[1]:
                     self.down.ack(item[1], self.sid)
             self.to_up.clear()
+
+
+def take(queue: collections.deque[list], limit: int) -> tuple[bytes, int]:
+    """Up to `limit` bytes from the front of a [bytes, unacknowledged length] queue, joined into one
+    chunk, and how many flow-controlled bytes handing it on releases. A chunk cut short keeps its
+    unacknowledged rest (padding included) with the bytes left behind."""
+    item = queue[0]
+    data = item[0]
+    size = len(data)
+    if size >= limit:
+        if size == limit:
+            queue.popleft()
+            return data, item[1]
+        item[0] = data[limit:]
+        ack = min(limit, item[1])
+        item[1] -= ack
+        return data[:limit], ack
+    queue.popleft()
+    ack = item[1]
+    if not queue:
+        return data, ack
+    parts = [data]
+    while queue:
+        item = queue[0]
+        data = item[0]
+        room = limit - size
+        if len(data) <= room:
+            parts.append(data)
+            size += len(data)
+            ack += item[1]
+            queue.popleft()
+        else:
+            if room > 0:
+                parts.append(data[:room])
+                item[0] = data[room:]
+                part = min(room, item[1])
+                item[1] -= part
+                ack += part
+            break
+    return b"".join(parts), ack
 
 
 def status_of(headers: list[tuple[bytes, bytes]]) -> int:
@@ -542,8 +570,7 @@ class Downstream(H2Side):
         self.draining = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
         opts = self.ctx.options
         self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
         self.ctx.downstreams.add(self)
@@ -558,7 +585,7 @@ class Downstream(H2Side):
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.conn.receive_data(data)
+            events = self.receive(data)
         except h2.exceptions.ProtocolError as err:
             log.info("client HTTP/2 protocol error: %s", err)
             self.mark()
@@ -567,12 +594,14 @@ class Downstream(H2Side):
                 self.transport.close()
             return
         calls = self.calls
+        touched: dict[Call, None] = {}
         for ev in events:
             t = type(ev)
-            if t is h2.events.DataReceived:
+            if t is FastData or t is h2.events.DataReceived:
                 call = calls.get(ev.stream_id)
                 if call is not None:
                     call.client_data(ev.data, ev.flow_controlled_length)
+                    touched[call] = None
                 else:
                     other = self.others.get(ev.stream_id)
                     if other is not None:
@@ -591,7 +620,7 @@ class Downstream(H2Side):
                         other.client_end()  # type: ignore[attr-defined]
             elif t is h2.events.WindowUpdated:
                 if ev.stream_id == 0:
-                    self.on_writable(list(calls.values()))
+                    self.unblock()
                 else:
                     call = calls.get(ev.stream_id)
                     if call is not None:
@@ -613,11 +642,13 @@ class Downstream(H2Side):
                 if call is not None:
                     call.client_trailers_received(ev.headers)
             elif t is h2.events.RemoteSettingsChanged:
-                self.on_writable(list(calls.values()))
+                self.unblock()
             elif t is h2.events.ConnectionTerminated:
                 if not calls and not self.others and self.transport is not None:
                     self.write_out()
                     self.transport.close()
+        for call in touched:
+            call.flush_up()
         if self.holding:
             for call in self.holding:
                 call.arm_timer()
@@ -648,11 +679,8 @@ class Downstream(H2Side):
         self.calls[sid] = call
         call.start(ended)
 
-    def on_writable(self, calls: Iterable[Call]) -> None:
-        for call in calls:
-            call.flush_down()
-        for other in list(self.others.values()):
-            other.flush_down()  # type: ignore[attr-defined]
+    def flush_call(self, call: Any) -> None:
+        call.flush_down()  # a relayed Call or an HttpBridgeCall
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 import h2.events
 import h2.exceptions
 
-from proxy.grpc.h2side import Flusher, H2Side
+from proxy.grpc.h2side import FastData, Flusher, H2Side
 
 if TYPE_CHECKING:
     from proxy.grpc.relay import Call
@@ -46,28 +46,29 @@ class Upstream(H2Side):
     # asyncio.Protocol ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
         opts = self.pool.options
         self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
         self.mark()
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.conn.receive_data(data)
+            events = self.receive(data)
         except h2.exceptions.ProtocolError as err:
             log.warning("backend %s: HTTP/2 protocol error: %s", self.pool.name, err)
             self._fail(f"protocol error from backend {self.pool.name}")
             return
         calls = self.calls
+        touched: dict["Call", None] = {}
         for ev in events:
             t = type(ev)
-            if t is h2.events.DataReceived:
+            if t is FastData or t is h2.events.DataReceived:
                 call = calls.get(ev.stream_id)
                 if call is None:
                     self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
                 else:
                     call.up_data(ev.data, ev.flow_controlled_length)
+                    touched[call] = None
             elif t is h2.events.ResponseReceived:
                 call = calls.get(ev.stream_id)
                 if call is not None:
@@ -82,7 +83,7 @@ class Upstream(H2Side):
                     call.up_ended()
             elif t is h2.events.WindowUpdated:
                 if ev.stream_id == 0:
-                    self.on_writable(list(calls.values()))
+                    self.unblock()
                 else:
                     call = calls.get(ev.stream_id)
                     if call is not None:
@@ -97,7 +98,7 @@ class Upstream(H2Side):
                     self.pool.connection_ready(self)
                 else:
                     # A changed initial window may have opened every stream's window.
-                    self.on_writable(list(calls.values()))
+                    self.unblock()
                     self.pool.capacity_changed()
             elif t is h2.events.ConnectionTerminated:
                 self.goaway = True
@@ -107,6 +108,8 @@ class Upstream(H2Side):
                     if last is None or sid > last:
                         # Never processed by the backend: safe to send elsewhere.
                         call.up_lost(f"backend {self.pool.name} refused the stream (GOAWAY)", refused=True)
+        for call in touched:
+            call.flush_down()
         self.mark()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -119,9 +122,8 @@ class Upstream(H2Side):
             call.up_lost(reason, refused=False)
         self.calls.clear()
 
-    def on_writable(self, calls: Iterable["Call"]) -> None:
-        for call in calls:
-            call.flush_up()
+    def flush_call(self, call: "Call") -> None:
+        call.flush_up()
 
     def _fail(self, reason: str) -> None:
         for call in list(self.calls.values()):

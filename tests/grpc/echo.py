@@ -71,7 +71,9 @@ class EchoBackend:
     async def _bidi(self, requests, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
         self.calls += 1
         async for req in requests:
-            yield gen.GenerateResponse(text=req.prompt.upper(), backend=self.name)
+            yield gen.GenerateResponse(text=req.prompt[:16].upper(), index=req.max_tokens, backend=self.name)
+            if req.temperature:  # a slow consumer: wait before taking the next request
+                await asyncio.sleep(req.temperature)
 
     async def start(self) -> None:
         handler = grpc.method_handlers_generic_handler(SERVICE, {
