@@ -25,10 +25,13 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
+from proxy.http.headers import HOP_BY_HOP
 from proxy.metrics import UpstreamCounters
 
 _MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
 _WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has this much unsent
+# Response fields that stop at the proxy (RFC 9110 7.6.1) or that it re-computes (framing).
+_NOT_FORWARDED = frozenset(n.encode() for n in HOP_BY_HOP) | {b"content-length"}
 
 
 class UpstreamError(ConnectionError):
@@ -116,7 +119,8 @@ class _Connection(asyncio.Protocol):
 class Exchange:
     """One request/response on one connection. Created and driven by `UpstreamPool.request`.
 
-    `await wait_head()` gives `status`, `headers`, `raw_headers`; then either `await read()` for the whole
+    `await wait_head()` gives `status`, `raw_headers` (all of them) and `headers` (the end-to-end ones,
+    ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()` for the whole
     body, or `relay_chunks(sink)` + `await wait_done()` for a chunked response whose raw chunks go to `sink`,
     or `stream()` for decoded body pieces (any framing). `release()` always, in a finally.
     """
@@ -223,6 +227,7 @@ class Exchange:
         headers = self.headers
         chunked = False
         length: int | None = None
+        named: set[bytes] = set()
         conn_close = version == b"HTTP/1.0"
         for line in lines[1:]:
             name, _, value = line.partition(b":")
@@ -234,12 +239,17 @@ class Exchange:
             elif lname == b"content-length":
                 length = int(value)
             elif lname == b"connection":
-                token = value.lower()
-                if b"close" in token:
+                tokens = {t.strip() for t in value.lower().split(b",")}
+                if b"close" in tokens:
                     conn_close = True
-                elif b"keep-alive" in token:
+                elif b"keep-alive" in tokens:
                     conn_close = False
-            headers.add(name.decode("latin-1"), value.decode("latin-1"))
+                named = tokens - {b"close", b"keep-alive", b""}
+            if lname not in _NOT_FORWARDED:
+                headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        if named:  # fields the Connection header names are hop-by-hop too
+            for token in named:
+                headers.popall(token.decode("latin-1"), None)
         self.keep_alive = not conn_close
         self._head_done = True
         if self.method_head or status in (204, 304):

@@ -35,7 +35,7 @@ from proxy.core.snapshot import BackendState
 from proxy.dispatch import Lease, Overloaded, Router, UnknownModel
 from proxy.http.retry import classify_upstream_error, client_gone
 from proxy.http.errors import error_body, error_response, sse_error_event
-from proxy.http.headers import downstream_response_headers, upstream_request_head
+from proxy.http.headers import upstream_request_head
 from proxy.http.pool import Exchange, UpstreamPool
 from proxy.metrics import ProxyMetrics
 from proxy.retry import RetryController, RetryableFailure, run_with_retries
@@ -226,7 +226,7 @@ class HttpDataPlane:
                 report = up.headers.get(ORCA_HEADER)
                 if report is not None:
                     load_report(backend.name, report)
-            headers = downstream_response_headers(up.headers)  # type: ignore[arg-type]
+            headers = up.headers  # end-to-end fields only; this exchange's own copy
             headers["x-request-id"] = request_id
             if self.debug_headers:
                 headers["x-affinity-backend"] = backend.name

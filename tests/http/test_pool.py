@@ -272,3 +272,21 @@ async def test_backend_closing_an_idle_connection_is_not_reused() -> None:
             await asyncio.sleep(0.05)  # the close reaches the pool
         assert counters.new_connections == 3
         await pool.close()
+
+
+async def test_headers_are_end_to_end_only() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(b"HTTP/1.1 201 Created\r\nConnection: keep-alive, X-Secret\r\nKeep-Alive: timeout=5\r\n"
+                b"X-Secret: 1\r\nX-Ok: 1\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nContent-Length: 2\r\n\r\n{}")
+
+    async with RawBackend(script) as url:
+        pool, _ = make_pool()
+        ex = await pool.request(url, HEAD, b"{}")
+        assert ex.status == 201 and ex.reason == "Created" and ex.keep_alive
+        assert sorted(ex.headers.keys()) == ["Set-Cookie", "Set-Cookie", "X-Ok"]
+        assert ex.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+        assert len(ex.raw_headers) == 7
+        assert await ex.read() == b"{}"
+        ex.release()
+        await pool.close()
