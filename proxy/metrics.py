@@ -50,7 +50,7 @@ class _Hist:
     def cumulative(self) -> list[tuple[str, float]]:
         out = []
         running = 0
-        for bound, n in zip((*_DURATION_BUCKETS, float("inf")), self.counts):
+        for bound, n in zip((*_DURATION_BUCKETS, float("inf")), self.counts, strict=True):
             running += n
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         return out

@@ -23,7 +23,6 @@ import aiohttp
 from aiohttp import HttpVersion11, web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
-from yarl import URL
 
 from proxy.config import Config
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
