@@ -203,3 +203,33 @@ async def test_no_backend_available_is_unavailable(fleet: Fleet, make_proxy, cha
         await stubs.generate(channel_to(proxy_address(proxy)))(_req())
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no backend" in info.value.details()
+
+
+async def test_call_whose_first_message_is_late_is_routed_without_it(echoes: list[EchoBackend], make_proxy,
+                                                                     channel_to) -> None:
+    proxy = await make_proxy(echo_entries(echoes), extra="grpc: {first_message_timeout_s: 0.1}\n")
+    bidi = stubs.generate_bidi(channel_to(proxy_address(proxy)))()
+    # Nothing written yet: after the timeout the proxy routes on metadata alone and the backend sees the call.
+    for _ in range(200):
+        if sum(e.calls for e in echoes) == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(e.calls for e in echoes) == 1
+    await bidi.write(_req("late"))
+    assert (await bidi.read()).text == "LATE"
+    await bidi.done_writing()
+    assert await bidi.read() == grpc.aio.EOF
+
+
+async def test_stop_drains_streams_in_flight(echoes: list[EchoBackend], make_proxy, channel_to) -> None:
+    proxy = await make_proxy(echo_entries(echoes), extra="timeouts: {drain_s: 5}\n")
+    stream = stubs.generate_stream(channel_to(proxy_address(proxy)))
+    call = stream(_req("drain", max_tokens=20, temperature=0.02))
+    assert (await call.read()).index == 0
+    stopping = asyncio.ensure_future(proxy.stop())
+    rest = []
+    while (m := await call.read()) != grpc.aio.EOF:
+        rest.append(m.index)
+    assert rest == list(range(1, 20))
+    assert await call.code() == grpc.StatusCode.OK
+    await stopping
