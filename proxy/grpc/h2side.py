@@ -80,8 +80,27 @@ _END_HEADERS = 0x4
 _DATA_SLOW_FLAGS = 0x1 | 0x8  # END_STREAM, PADDED: h2 handles those DATA frames itself
 
 
-def _fast_path_supported(conn: h2.connection.H2Connection) -> bool:
-    return hasattr(conn, "_inbound_flow_control_window_manager") and hasattr(conn, "streams")
+def _probe_fast_path() -> bool:
+    """The fast path uses a few h2 internals (inbound window managers, content-length counters); check
+    once that this h2 has them, and fall back to plain h2 if a future version does not."""
+    try:
+        conn = h2.connection.H2Connection(config=h2_config(client_side=True))
+        conn.initiate_connection()
+        conn.send_headers(1, [(b":method", b"POST"), (b":path", b"/"), (b":scheme", b"http"),
+                              (b":authority", b"x")])
+        stream = conn.streams[1]
+        return (
+            hasattr(conn._inbound_flow_control_window_manager, "window_consumed")  # noqa: SLF001
+            and hasattr(stream._inbound_window_manager, "window_consumed")  # noqa: SLF001
+            and hasattr(stream, "_expected_content_length")
+            and isinstance(stream._actual_content_length, int)  # noqa: SLF001
+            and hasattr(stream.state_machine, "state")
+        )
+    except Exception:  # any shape we do not recognise: use h2 as it is
+        return False
+
+
+_FAST_PATH = _probe_fast_path()
 
 
 class H2Side(asyncio.Protocol, abc.ABC):
@@ -103,7 +122,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
         self._inbuf = b""
         self._preface_left = 0 if client_side else 24  # a server first reads the client's connection preface
         self._in_header_block = False
-        self.fast = _fast_path_supported(self.conn)
+        self.fast = _FAST_PATH
 
     def init_settings(self, max_streams: int, stream_window: int, connection_window: int) -> None:
         conn = self.conn

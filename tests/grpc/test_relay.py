@@ -233,3 +233,17 @@ async def test_stop_drains_streams_in_flight(echoes: list[EchoBackend], make_pro
     assert rest == list(range(1, 20))
     assert await call.code() == grpc.StatusCode.OK
     await stopping
+
+
+async def test_plain_h2_path_when_fast_path_is_off(monkeypatch, echoes: list[EchoBackend], make_proxy,
+                                                   channel_to) -> None:
+    """The DATA fast path is an optimisation over h2; the relay must behave the same without it."""
+    import proxy.grpc.h2side as h2side
+
+    monkeypatch.setattr(h2side, "_FAST_PATH", False)
+    proxy = await make_proxy(echo_entries(echoes))
+    ch = channel_to(proxy_address(proxy))
+    assert (await stubs.generate(ch)(_req("slow path"))).text == "slow path"
+    got = [m.index async for m in stubs.generate_stream(ch)(_req("s", max_tokens=50))]
+    assert got == list(range(50))
+    assert all(not d.fast for d in proxy.grpc.ctx.downstreams)  # type: ignore[union-attr]
