@@ -66,6 +66,8 @@ class ProxyProcess:
             code = await self.proc.wait()
         if self._pump is not None:
             await asyncio.wait([self._pump], timeout=5)
+        # Shown by pytest only when the test fails: the proxy's own account of what happened.
+        print(f"--- affinity-proxy (pid {self.pid}) exited {code}; last log lines:", *self.log[-60:], sep="\n")
         return code
 
 
