@@ -49,9 +49,21 @@ def backend_status(b: BackendState, inflight: Mapping[str, Inflight]) -> pb.Back
 
 
 class AdminService(ProxyAdminBase):
-    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight]) -> None:
+    """Reads are open like the HTTP admin's GET endpoints; writes need ``authorization: Bearer <token>``
+    metadata when the admin token is configured (`admin.token` / `admin.token_env`), as the HTTP admin
+    write endpoints do."""
+
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None) -> None:
         self._store = store
         self._inflight = inflight
+        self._token = token
+
+    def _authorize(self, stream: Stream) -> None:  # type: ignore[type-arg]
+        if self._token is None:
+            return
+        given = stream.metadata.get("authorization") if stream.metadata is not None else None
+        if given != f"Bearer {self._token}":
+            raise GRPCError(Status.UNAUTHENTICATED, "admin writes need 'authorization: Bearer <admin token>'")
 
     def _get(self, snapshot: Snapshot, name: str) -> BackendState:
         b = snapshot.get(name)
@@ -71,6 +83,7 @@ class AdminService(ProxyAdminBase):
         await stream.send_message(backend_status(self._get(self._store.current, req.name), self._inflight))
 
     async def SetWeight(self, stream: Stream[pb.SetWeightRequest, pb.BackendStatus]) -> None:
+        self._authorize(stream)
         req = await stream.recv_message()
         assert req is not None
         if not req.weight >= 0 or req.weight == float("inf"):
@@ -80,6 +93,7 @@ class AdminService(ProxyAdminBase):
         await stream.send_message(backend_status(self._get(snap, req.name), self._inflight))
 
     async def Drain(self, stream: Stream[pb.DrainRequest, pb.BackendStatus]) -> None:
+        self._authorize(stream)
         req = await stream.recv_message()
         assert req is not None
         current = self._get(self._store.current, req.name)
@@ -97,11 +111,18 @@ class AdminService(ProxyAdminBase):
 class LocalServices:
     """The private grpclib server behind the listener's local routes."""
 
-    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight]) -> None:
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], *, admin: bool = True,
+                 admin_token: str | None = None) -> None:
         self.status = ServiceStatus()
         self._store = store
-        admin = AdminService(store, inflight)
-        self._server = Server([admin, Health({admin: [self.status], OVERALL: [self.status]})])
+        services: list[object] = []
+        checks: dict[object, list[ServiceStatus]] = {OVERALL: [self.status]}
+        if admin:
+            admin_service = AdminService(store, inflight, admin_token)
+            services.append(admin_service)
+            checks[admin_service] = [self.status]
+        services.append(Health(checks))  # type: ignore[arg-type]
+        self._server = Server(services)  # type: ignore[arg-type]
         self.port = 0
         self._update(store.current)
         store.subscribe(self._update)

@@ -119,7 +119,10 @@ class Call:
 
     # ------------------------------------------------------------------------------ client -> proxy
 
-    def client_data(self, data: bytes, flow_len: int) -> None:
+    def client_data(self, data: bytes, flow_len: int, ended: bool = False) -> None:
+        if ended:
+            # Known before routing, so the message and END_STREAM leave in one DATA frame.
+            self.client_ended = True
         if self.state == _HOLD:
             self.held += data
             self.down.ack(flow_len, self.sid)
@@ -600,7 +603,7 @@ class Downstream(H2Side):
             if t is FastData or t is h2.events.DataReceived:
                 call = calls.get(ev.stream_id)
                 if call is not None:
-                    call.client_data(ev.data, ev.flow_controlled_length)
+                    call.client_data(ev.data, ev.flow_controlled_length, ev.stream_ended is not None)
                     touched[call] = None
                 else:
                     other = self.others.get(ev.stream_id)

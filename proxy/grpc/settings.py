@@ -74,6 +74,8 @@ class GrpcOptions:
     stream_window_bytes: int = field(default=1024 * 1024, metadata={"ge": 65535, "le": 2**31 - 1})
     connection_window_bytes: int = field(default=8 * 1024 * 1024, metadata={"ge": 65535, "le": 2**31 - 1})
     max_connections_per_backend: int = field(default=16, metadata={"ge": 1})
+    # Serve the ProxyAdmin service on this listener (writes need the admin token when one is set).
+    admin_service: bool = True
     # Retry a call once on another backend when its upstream connection fails before any response byte.
     retry_on_connect_failure: bool = True
     # Request bytes kept for that retry; a call that sent more before its first response is not retried.

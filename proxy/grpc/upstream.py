@@ -302,8 +302,12 @@ class Pools:
         return pool
 
     def prune(self, keep: Callable[[str], bool]) -> None:
+        """Close the pools of backends no longer configured, once they carry no call (calls in flight
+        to a removed backend finish; the next prune after them closes the pool)."""
         for name in [n for n in self._pools if not keep(n)]:
-            self._pools.pop(name).close()
+            pool = self._pools[name]
+            if not pool.waiters and not any(up.calls for up in pool.conns):
+                self._pools.pop(name).close()
 
     def all(self) -> list[BackendPool]:
         return list(self._pools.values())

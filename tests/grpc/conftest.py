@@ -17,7 +17,7 @@ from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from tests.grpc.echo import EchoBackend
 
-QUIET = ("listen: {port: 0}\nadmin: {port: 0}\ngrpc_listen: {port: 0}\n"
+QUIET = ("listen: {port: 0}\ngrpc_listen: {port: 0}\n"
          "telemetry: {enabled: false}\nhealth_checks: {enabled: false}\n")
 
 ProxyFactory = Callable[..., Awaitable[AffinityProxy]]
@@ -57,8 +57,10 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
     started: list[AffinityProxy] = []
 
     async def make(entries: Sequence[tuple[str, str, str | None]], *, policy: str = "round_robin",
-                   weights: Sequence[float] | None = None, extra: str = "") -> AffinityProxy:
-        text = f"{QUIET}routing: {{policy: {policy}}}\n{backend_lines(entries, weights)}{extra}"
+                   weights: Sequence[float] | None = None, extra: str = "",
+                   admin_token: str | None = None) -> AffinityProxy:
+        admin = f"admin: {{port: 0, token: {admin_token}}}\n" if admin_token else "admin: {port: 0}\n"
+        text = f"{QUIET}{admin}routing: {{policy: {policy}}}\n{backend_lines(entries, weights)}{extra}"
         proxy = AffinityProxy(parse_config(text))
         await proxy.start()
         started.append(proxy)

@@ -85,3 +85,22 @@ async def test_plain_http2_requests_are_proxied_like_http1(fleet: Fleet, make_pr
         bad = await client.post("/v1/chat/completions", content=b"{not json")
         assert bad.status_code == 400
         assert bad.json()["error"]["code"] == "invalid_json"
+
+
+async def test_admin_writes_need_the_admin_token_when_set(fleet: Fleet, make_proxy, channel_to) -> None:
+    proxy = await make_proxy(fleet_entries(fleet), admin_token="s3cret")
+    ch = channel_to(proxy_address(proxy))
+    # Reads stay open, as on the HTTP admin API.
+    assert len((await stubs.admin(ch, "ListBackends")(admin_pb2.ListBackendsRequest())).backends) == 3
+    set_weight = stubs.admin(ch, "SetWeight")
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await set_weight(admin_pb2.SetWeightRequest(name="sim-0", weight=5))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await set_weight(admin_pb2.SetWeightRequest(name="sim-0", weight=5),
+                         metadata=(("authorization", "Bearer wrong"),))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert proxy.store.current.get("sim-0").effective_weight == 1.0  # type: ignore[union-attr]
+    status = await set_weight(admin_pb2.SetWeightRequest(name="sim-0", weight=5),
+                              metadata=(("authorization", "Bearer s3cret"),))
+    assert status.weight == 5 and proxy.store.current.get("sim-0").effective_weight == 5  # type: ignore[union-attr]
