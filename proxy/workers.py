@@ -111,18 +111,6 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def listening_socket(host: str, port: int, backlog: int = 1024) -> socket.socket:
-    """A worker's own listening socket in the reuseport group of (host, port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
-    sock.setblocking(False)
-    return sock
-
-
 # ------------------------------------------------------------------------------------------ channel
 
 _FRAME = struct.Struct("!I")
@@ -284,18 +272,14 @@ def merge_families(
             key = (name, labels)
             if key not in acc:
                 acc[key] = value
+                if is_own and not summed:
+                    from_own.add((family.name, key))
             elif _is_created(name, family):
                 acc[key] = min(acc[key], value)
             elif summed:
                 acc[key] += value
-            elif (family.name, key) in from_own:
-                continue
-            elif is_own:
-                acc[key] = value
-            else:
+            elif (family.name, key) not in from_own:
                 acc[key] = max(acc[key], value)
-            if is_own and not summed:
-                from_own.add((family.name, key))
 
     for family in own:
         add(family, True)

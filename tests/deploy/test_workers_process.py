@@ -342,3 +342,27 @@ async def test_two_replicas_place_every_prompt_on_the_same_backend(tmp_path: Pat
     finally:
         for proxy in replicas:
             assert await proxy.terminate() == 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # an exited orphan waiting for init to reap it is gone for our purpose
+
+
+async def test_workers_leave_when_their_supervisor_is_killed(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    proxy = await _run(tmp_path, fakes, "round_robin")
+    workers = proxy.workers()
+    os.kill(proxy.pid, signal.SIGKILL)
+    await proxy.proc.wait()
+    alive = workers
+    for _ in range(600):  # a guard against hanging, not a timing assertion
+        alive = [pid for pid in workers if _running(pid)]
+        if not alive:
+            break
+        await asyncio.sleep(0.05)
+    for pid in alive:  # do not leave orphans behind even when the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "workers kept serving without their supervisor"

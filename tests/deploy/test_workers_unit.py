@@ -17,7 +17,6 @@ from proxy.workers import (
     _cgroup_cpu_quota,
     default_worker_count,
     families_of,
-    listening_socket,
     merge_families,
     read_message,
     render,
@@ -112,6 +111,16 @@ def test_cgroup_quota_v2_and_v1(tmp_path) -> None:
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert _cgroup_cpu_quota(str(v1)) is None
     assert default_worker_count() >= 1
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """What a worker's listener is (aiohttp's TCPSite with reuse_port=True): a member of the reuseport group."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    return sock
 
 
 def test_reserved_port_is_shared_by_listeners_and_never_accepts() -> None:
