@@ -366,3 +366,49 @@ async def test_workers_leave_when_their_supervisor_is_killed(tmp_path: Path, fak
     for pid in alive:  # do not leave orphans behind even when the assertion fails
         os.kill(pid, signal.SIGKILL)
     assert not alive, "workers kept serving without their supervisor"
+
+
+async def test_only_the_supervisor_scrapes_and_checks_the_backends(tmp_path: Path) -> None:
+    """No N-fold scraping: every /metrics and /health request reaching a backend comes from the supervisor."""
+    from aiohttp import web
+
+    from tests.deploy.procs import owner_of_connection as owner
+
+    callers: list[tuple[str, int | None]] = []
+    pids: list[int] = []
+    page = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} 1\n"
+
+    async def control(request: web.Request) -> web.Response:
+        peer_port = request.transport.get_extra_info("peername")[1]  # type: ignore[union-attr]
+        my_port = request.transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
+        # The proxy's end of this connection: local port = peer_port, remote = my_port.
+        callers.append((request.path, owner(my_port, peer_port, pids)))
+        return web.Response(text=page if request.path == "/metrics" else "ok")
+
+    app = web.Application()
+    app.router.add_get("/metrics", control)
+    app.router.add_get("/health", control)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        "telemetry: {interval_ms: 50, timeout_ms: 40}\nhealth_checks: {interval_ms: 100}\n"
+        f"backends:\n  - {{name: gpu-0, url: '{url}'}}\n"
+    )
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        pids.extend([proxy.pid, *proxy.workers()])
+        for _ in range(600):  # a guard against hanging, not a timing assertion
+            paths = [p for p, _ in callers]
+            if paths.count("/metrics") >= 10 and paths.count("/health") >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert {p for p, _ in callers} == {"/metrics", "/health"}
+        assert {who for _, who in callers} == {proxy.pid}, callers
+    finally:
+        assert await proxy.terminate() == 0
+        await runner.cleanup()
