@@ -340,6 +340,46 @@ async def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _fanout(backend_counts: list[int], rounds: int = 2000) -> None:
+    """What publishing one snapshot costs per worker: pickle, socketpair, unpickle (the supervisor's
+    channel code), for fleets of several sizes with every telemetry field filled."""
+    from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
+    from proxy.workers import PublishSnapshot, encode_message, read_message
+
+    print("| backends | snapshot bytes | pickle once (us) | send + unpickle, per worker (us) | at 5 Hz: "
+          "supervisor + each worker (% of a core) |")
+    print("|---|---|---|---|---|")
+    for n in backend_counts:
+        states = tuple(
+            BackendState(
+                spec=BackendSpec(f"gpu-{i}", f"http://10.0.{i // 256}.{i % 256}:8000", grpc_address=f"10.0.0.{i % 256}:9000"),
+                health=Health.HEALTHY, load_score=0.4, stale=False,
+                signals=Signals(scraped_at=time.monotonic(), engine="vllm", mem_used_bytes=6e10, mem_total_bytes=8e10,
+                                kernel_queue=12.0, running=8.0, waiting=4.0, kv_usage=0.6, kv_tokens_per_s=300.0,
+                                kv_capacity_tokens=5e5, latency_ms=120.0),
+            )
+            for i in range(n)
+        )
+        snapshot = Snapshot(version=1, backends=states)
+        left, right = socket.socketpair()
+        _, writer = await asyncio.open_unix_connection(sock=left)
+        reader, other = await asyncio.open_unix_connection(sock=right)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            frame = encode_message(PublishSnapshot(snapshot))
+        encode = (time.perf_counter() - t0) / rounds
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            writer.write(frame)
+            await writer.drain()
+            await read_message(reader)
+        per = (time.perf_counter() - t0) / rounds
+        print(f"| {n} | {len(frame)} | {encode * 1e6:.0f} | {per * 1e6:.0f} | "
+              f"{encode * 5 * 100:.2f} + {per * 5 * 100:.2f} |")
+        writer.close()
+        other.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
@@ -350,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", type=int, default=4, help="fake backends, all in one process (default 4)")
     parser.add_argument("--prompt-bytes", type=int, default=1024)
     parser.add_argument("--policy", default="affinity")
+    parser.add_argument("--fanout", action="store_true",
+                        help="instead: the cost of publishing one snapshot to one worker, for 4/64/256 backends")
     parser.add_argument("--serve-fake", metavar="PORT,...", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.fanout:
+        uvloop.run(_fanout([4, 64, 256]))
+        return 0
     if args.serve_fake is not None:
         uvloop.run(_serve_fake([int(p) for p in args.serve_fake.split(",")]))
         return 0

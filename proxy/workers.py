@@ -116,10 +116,14 @@ def reserve_port(host: str, port: int) -> socket.socket:
 _FRAME = struct.Struct("!I")
 
 
-def write_message(writer: asyncio.StreamWriter, message: object) -> None:
+def encode_message(message: object) -> bytes:
     """Length-prefixed pickle. Only ever between the supervisor and its own children on a socketpair."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(_FRAME.pack(len(data)) + data)
+    return _FRAME.pack(len(data)) + data
+
+
+def write_message(writer: asyncio.StreamWriter, message: object) -> None:
+    writer.write(encode_message(message))
 
 
 async def read_message(reader: asyncio.StreamReader) -> object:
@@ -395,6 +399,9 @@ class Supervisor:
         self.retired: dict[str, dict[SampleKey, float]] = {}
         self.on_outcomes = on_outcomes
         self.restarts_total = 0
+        # The newest snapshot's frame, pickled once for all workers (pickling a 256-backend snapshot takes
+        # ~1 ms here; per worker it would be N of those every telemetry interval).
+        self._encoded: tuple[Snapshot, bytes] | None = None
         store.subscribe(self._on_snapshot)
 
     # -- lifecycle
@@ -545,10 +552,15 @@ class Supervisor:
                 worker.wakeup.clear()
                 snapshot, worker.pending = worker.pending, None
                 if snapshot is not None:
-                    write_message(writer, PublishSnapshot(snapshot))
+                    writer.write(self._frame(snapshot))
                     await writer.drain()
         except ConnectionError:
             return
+
+    def _frame(self, snapshot: Snapshot) -> bytes:
+        if self._encoded is None or self._encoded[0] is not snapshot:
+            self._encoded = (snapshot, encode_message(PublishSnapshot(snapshot)))
+        return self._encoded[1]
 
     def _queue(self, worker: _Worker, snapshot: Snapshot) -> None:
         worker.pending = snapshot
