@@ -83,12 +83,25 @@ class RelayContext:
     def tokens_of(summary: RequestSummary) -> int:
         return summary.prompt_tokens_est + (summary.max_tokens or 0)
 
-    def finished(self, backend: str, grpc_status: int, started: float) -> None:
+    def finished(self, backend: str, grpc_status: int, started: float, failure: Outcome | None = None) -> None:
+        """A call on `backend` ended. `failure` says how the backend itself failed it (reset, lost
+        connection), which outlier detection weighs apart from a status the backend chose to answer."""
         status = http_status_for(grpc_status)
         self.metrics.finished(backend, status, time.monotonic() - started)
         report = self.router.on_outcome  # passive outlier detection (RESILIENCE), as for HTTP leases
-        if report is not None and grpc_status != 1:  # CANCELLED: the client left, nothing about the backend
+        if report is None:
+            return
+        if failure is not None:
+            report(backend, failure)
+        elif grpc_status != 1:  # CANCELLED: the client left, nothing about the backend
             report(backend, Outcome.STATUS_5XX if status >= 500 else Outcome.SUCCESS)
+
+    def attempt_failed(self, backend: str, failure: Outcome) -> None:
+        """A first attempt failed before any response and the call goes to another backend."""
+        self.metrics.error("grpc_retry")
+        report = self.router.on_outcome
+        if report is not None:
+            report(backend, failure)
 
     def start_http_bridge(self, down: Downstream, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         down.others[sid] = HttpBridgeCall(self, down, sid, headers, ended)

@@ -34,6 +34,7 @@ import h2.exceptions
 import hyperframe.frame
 
 from proxy.core.decision import NoBackendAvailable
+from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
 from proxy.grpc import wire
 from proxy.grpc.extractors import Extractor
@@ -72,7 +73,7 @@ class Call:
         "ctx", "down", "sid", "headers", "path", "ext", "started", "timeout", "encoding", "state",
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
-        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status",
+        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status", "failure",
     )
 
     def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
@@ -116,6 +117,7 @@ class Call:
         self.timer: asyncio.TimerHandle | None = None
         self.summary: RequestSummary | None = None
         self.grpc_status = UNKNOWN
+        self.failure: Outcome | None = None  # how the backend failed this call, for outlier detection
 
     # ------------------------------------------------------------------------------ client -> proxy
 
@@ -272,6 +274,7 @@ class Call:
         if self.state == _DONE:
             return
         self.pool = None
+        self.failure = Outcome.CONNECT_FAILURE
         self._retry_or_fail(reason)
 
     # ------------------------------------------------------------------------------ proxy -> backend
@@ -371,6 +374,7 @@ class Call:
             self.up_lost(f"backend {self.backend} refused the stream", refused=True)
             return
         self._detach_up()
+        self.failure = Outcome.STREAM_FAILURE if self.response_started else Outcome.RESET
         self.fail(UNAVAILABLE, f"backend {self.backend} reset the stream (HTTP/2 error {int(code)})")
 
     def up_lost(self, reason: str, refused: bool) -> None:
@@ -379,8 +383,10 @@ class Call:
             return
         self._detach_up()
         if not self.response_started:
+            self.failure = Outcome.RESET
             self._retry_or_fail(reason)
         else:
+            self.failure = Outcome.STREAM_FAILURE
             self.fail(UNAVAILABLE, reason)
 
     def _detach_up(self) -> None:
@@ -398,6 +404,8 @@ class Call:
         summary = self.summary
         assert summary is not None
         ctx.inflight.release(self.backend, self.tokens)
+        ctx.attempt_failed(self.backend, self.failure or Outcome.RESET)
+        self.failure = None
         self.excluded = self.excluded | {self.backend}
         self.backend = None
         # Sent bytes go again, ahead of what was still queued; they were acknowledged already.
@@ -499,7 +507,7 @@ class Call:
         ctx = self.ctx
         if self.backend is not None:
             ctx.inflight.release(self.backend, self.tokens)
-            ctx.finished(self.backend, self.grpc_status, self.started)
+            ctx.finished(self.backend, self.grpc_status, self.started, self.failure)
             self.backend = None
         if self.up is not None:
             self.up.blocked.pop(self, None)

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from loadtest.sim.fleet import Fleet
+from proxy.core.health import Outcome
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs
@@ -159,6 +160,8 @@ async def test_client_cancel_reaches_backend(fleet: Fleet, make_proxy, channel_t
 
 async def test_backend_killed_mid_stream_gives_unavailable(fleet: Fleet, make_proxy, channel_to) -> None:
     proxy = await make_proxy(fleet_entries(fleet))
+    outcomes: list[tuple[str, Outcome]] = []
+    proxy.router.on_outcome = lambda name, outcome: outcomes.append((name, outcome))
     stream = stubs.generate_stream(channel_to(proxy_address(proxy)))
     call = stream(_req("long story", max_tokens=8000))
     first = await call.read()
@@ -172,6 +175,7 @@ async def test_backend_killed_mid_stream_gives_unavailable(fleet: Fleet, make_pr
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert first.backend in info.value.details()
     assert proxy.inflight.total_requests == 0
+    assert outcomes == [(first.backend, Outcome.STREAM_FAILURE)]
 
 
 async def test_connect_failure_is_retried_on_another_backend(fleet: Fleet, make_proxy, channel_to) -> None:
@@ -179,10 +183,15 @@ async def test_connect_failure_is_retried_on_another_backend(fleet: Fleet, make_
     dead = fleet.servers[0]
     dead.grpc_server.kill()
     proxy = await make_proxy(entries)
+    outcomes: list[tuple[str, Outcome]] = []
+    proxy.router.on_outcome = lambda name, outcome: outcomes.append((name, outcome))
     call = stubs.generate(channel_to(proxy_address(proxy)))
     backends = [(await call(_req())).backend for _ in range(4)]
     assert dead.name not in backends
     assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retries >= 1
+    # Passive outlier detection hears about the refused connection, and about the successes elsewhere.
+    assert (dead.name, Outcome.CONNECT_FAILURE) in outcomes
+    assert sum(1 for _, o in outcomes if o is Outcome.SUCCESS) == 4
 
 
 async def test_unknown_method_passes_through_as_backend_status(fleet: Fleet, make_proxy, channel_to) -> None:
