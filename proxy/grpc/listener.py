@@ -88,6 +88,8 @@ class RelayContext:
         connection), which outlier detection weighs apart from a status the backend chose to answer."""
         status = http_status_for(grpc_status)
         self.metrics.finished(backend, status, time.monotonic() - started)
+        if self.router.queue is not None:
+            self.router.queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
         report = self.router.on_outcome  # passive outlier detection (RESILIENCE), as for HTTP leases
         if report is None:
             return

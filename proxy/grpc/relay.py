@@ -36,6 +36,7 @@ import hyperframe.frame
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
+from proxy.dispatch import Overloaded
 from proxy.grpc import wire
 from proxy.grpc.extractors import Extractor
 from proxy.grpc.h2side import FastData, H2Side
@@ -73,7 +74,7 @@ class Call:
         "ctx", "down", "sid", "headers", "path", "ext", "started", "timeout", "encoding", "state",
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
-        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status", "failure",
+        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status", "failure", "admission",
     )
 
     def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
@@ -118,6 +119,7 @@ class Call:
         self.summary: RequestSummary | None = None
         self.grpc_status = UNKNOWN
         self.failure: Outcome | None = None  # how the backend failed this call, for outlier detection
+        self.admission: asyncio.Task[None] | None = None  # waiting in the overload queue
 
     # ------------------------------------------------------------------------------ client -> proxy
 
@@ -228,12 +230,41 @@ class Call:
         self.summary = summary
         try:
             name, address = ctx.pick(summary, self.excluded)
-        except NoBackendAvailable as err:
-            # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
-            # client should back off; everything else (503) is UNAVAILABLE.
-            code = RESOURCE_EXHAUSTED if getattr(err, "status", None) == 429 else UNAVAILABLE
-            self.fail(code, f"no backend available: {err}" if str(err) else "no backend available")
+        except Overloaded as err:
+            queue = ctx.router.queue
+            if queue is not None and queue.enabled:
+                # overload.action: queue -- wait (bounded) for capacity like an HTTP request would.
+                self.state = _WAIT_CONN
+                self.admission = asyncio.get_running_loop().create_task(self._admit(summary, err))
+                return
+            self._no_backend(err)
             return
+        except NoBackendAvailable as err:
+            self._no_backend(err)
+            return
+        self._picked(name, address, summary)
+
+    async def _admit(self, summary: RequestSummary, first: Overloaded) -> None:
+        queue = self.ctx.router.queue
+        assert queue is not None
+        try:
+            name, address = await queue.wait_for(lambda: self.ctx.pick(summary, self.excluded), first)
+        except NoBackendAvailable as err:
+            self.admission = None
+            self._no_backend(err)
+            return
+        self.admission = None
+        if self.state != _DONE:
+            self._picked(name, address, summary)
+
+    def _no_backend(self, err: NoBackendAvailable) -> None:
+        # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
+        # client should back off; everything else (503) is UNAVAILABLE.
+        code = RESOURCE_EXHAUSTED if getattr(err, "status", None) == 429 else UNAVAILABLE
+        self.fail(code, f"no backend available: {err}" if str(err) else "no backend available")
+
+    def _picked(self, name: str, address: str, summary: RequestSummary) -> None:
+        ctx = self.ctx
         self.backend = name
         self.tokens = ctx.tokens_of(summary)
         ctx.inflight.acquire(name, self.tokens)
@@ -504,6 +535,9 @@ class Call:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        if self.admission is not None:
+            self.admission.cancel()
+            self.admission = None
         ctx = self.ctx
         if self.backend is not None:
             ctx.inflight.release(self.backend, self.tokens)

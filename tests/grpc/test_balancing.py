@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 
 import grpc
+import pytest
 
 from loadtest.sim.fleet import Fleet
 from proxy.protos import generate_pb2 as gen
@@ -54,3 +55,29 @@ async def test_new_upstream_connection_when_max_concurrent_streams_reached(make_
             c.cancel()
     finally:
         await backend.stop()
+
+
+async def test_saturated_fleet_rejects_or_queues_grpc_calls(echoes: list[EchoBackend], make_proxy,
+                                                             channel_to) -> None:
+    one = echo_entries(echoes[:1])
+    # Reject: a second concurrent call on a backend limited to one in flight is told to back off.
+    proxy = await make_proxy(one, extra="overload: {max_inflight_per_backend: 1, reject_status: 429}\n")
+    stream = stubs.generate_stream(channel_to(proxy_address(proxy)))
+    first = stream(gen.GenerateRequest(prompt="a", max_tokens=0, temperature=0.05))
+    await first.read()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stubs.generate(channel_to(proxy_address(proxy)))(gen.GenerateRequest(prompt="b"))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    first.cancel()
+
+    # Queue: the same calls wait for capacity instead and all complete, one at a time.
+    proxy = await make_proxy(one, extra="overload: {max_inflight_per_backend: 1, action: queue, "
+                                        "queue_timeout_ms: 10000}\n")
+    stream = stubs.generate_stream(channel_to(proxy_address(proxy)))
+
+    async def run(i: int) -> list[int]:
+        return [m.index async for m in stream(gen.GenerateRequest(prompt=f"q{i}", max_tokens=3, temperature=0.02))]
+
+    results = await asyncio.gather(*(run(i) for i in range(3)))
+    assert results == [[0, 1, 2]] * 3
+    assert proxy.router.queue is not None and proxy.router.queue.admitted_after_wait == 2
