@@ -25,6 +25,7 @@ from proxy.grpc.local import LOCAL_PREFIXES, LocalServices
 from proxy.grpc.relay import Downstream
 from proxy.grpc.settings import GrpcOptions
 from proxy.grpc.upstream import BackendPool, PoolOptions, Pools
+from proxy.retry import RetryController
 
 if TYPE_CHECKING:
     from proxy.app import AffinityProxy
@@ -62,7 +63,10 @@ class RelayContext:
         self.max_body_bytes = config.limits.max_body_bytes
         self.http_session_header = config.routing.session_header
         self.http_session = http_session
-        self.retries = 0  # calls sent to a second backend after a connection failure
+        self.retried = 0  # calls sent to another backend after a connection failure
+        # The process-wide retry policy and budget (RESILIENCE's RetryController), shared with HTTP; None
+        # outside a full AffinityProxy: then a failed first attempt is retried once.
+        self.retry_controller: RetryController | None = None
         self.decompressed_for_routing = 0  # compressed first messages inflated (a copy) to be routed
         self._no_grpc_version = -1
         self._no_grpc: frozenset[str] = frozenset()
@@ -151,6 +155,10 @@ class GrpcListener:
         await self.local.start()
         self.ctx = ctx = RelayContext(proxy.config, self.options, proxy.router, self._session)
         ctx.local_pool = BackendPool(LOCAL_BACKEND, self.local.address, ctx.pools.options, ctx.flusher)
+        resilience = getattr(proxy, "resilience", None)
+        controller = getattr(resilience, "retries", None)
+        if isinstance(controller, RetryController):
+            ctx.retry_controller = controller
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: Downstream(ctx), self.host, self.requested_port, backlog=4096,

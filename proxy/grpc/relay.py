@@ -37,6 +37,7 @@ from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
 from proxy.dispatch import Overloaded
+from proxy.retry import RetryableFailure
 from proxy.grpc import wire
 from proxy.grpc.extractors import Extractor
 from proxy.grpc.h2side import FastData, H2Side
@@ -74,7 +75,7 @@ class Call:
         "ctx", "down", "sid", "headers", "path", "ext", "started", "timeout", "encoding", "state",
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
-        "headers_sent", "replay", "replay_bytes", "retried", "excluded", "timer", "route_key", "summary", "grpc_status", "failure", "admission",
+        "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "excluded", "timer", "route_key", "summary", "grpc_status", "failure", "admission",
     )
 
     def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
@@ -113,7 +114,8 @@ class Call:
         self.headers_sent = False
         self.replay: list[bytes] | None = [] if ctx.options.retry_on_connect_failure else None
         self.replay_bytes = 0
-        self.retried = False
+        self.attempts = 1
+        self.retry_reason: str | None = None
         self.excluded: frozenset[str] = frozenset()
         self.timer: asyncio.TimerHandle | None = None
         self.summary: RequestSummary | None = None
@@ -227,6 +229,8 @@ class Call:
 
     def _pick(self, summary: RequestSummary) -> None:
         ctx = self.ctx
+        if self.summary is None and ctx.retry_controller is not None:
+            ctx.retry_controller.on_request()  # first attempt: counts toward the shared retry budget
         self.summary = summary
         try:
             name, address = ctx.pick(summary, self.excluded)
@@ -258,6 +262,10 @@ class Call:
             self._picked(name, address, summary)
 
     def _no_backend(self, err: NoBackendAvailable) -> None:
+        if self.retry_reason is not None:
+            # A retry found no other backend: the client hears why the first attempt failed.
+            self.fail(UNAVAILABLE, self.retry_reason)
+            return
         # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
         # client should back off; everything else (503) is UNAVAILABLE.
         code = RESOURCE_EXHAUSTED if getattr(err, "status", None) == 429 else UNAVAILABLE
@@ -426,16 +434,27 @@ class Call:
             self.up = None
 
     def _retry_or_fail(self, reason: str) -> None:
+        """The attempt failed before any response byte: route the call again, excluding the backends
+        tried, if the shared retry policy (`retries:` -- failure kinds, attempts, budget) allows it."""
         ctx = self.ctx
-        if (self.ext is None or self.retried or self.replay is None
-                or not ctx.options.retry_on_connect_failure or self.backend is None):
+        if (self.ext is None or self.replay is None or not ctx.options.retry_on_connect_failure
+                or self.backend is None):
             self.fail(UNAVAILABLE, reason)
             return
-        self.retried = True
+        outcome = self.failure or Outcome.RESET
+        controller = ctx.retry_controller
+        if controller is not None:
+            allowed = controller.allow(RetryableFailure(outcome, None), self.attempts)
+        else:
+            allowed = self.attempts < 2
+        if not allowed:
+            self.fail(UNAVAILABLE, reason)
+            return
+        self.attempts += 1
         summary = self.summary
         assert summary is not None
         ctx.inflight.release(self.backend, self.tokens)
-        ctx.attempt_failed(self.backend, self.failure or Outcome.RESET)
+        ctx.attempt_failed(self.backend, outcome)
         self.failure = None
         self.excluded = self.excluded | {self.backend}
         self.backend = None
@@ -446,9 +465,23 @@ class Call:
         self.replay_bytes = 0
         self.up_sent_end = False
         self.state = _WAIT_CONN
-        ctx.retries += 1
+        ctx.retried += 1
+        self.retry_reason = reason
         log.info("retrying call %s on another backend: %s", self.path, reason)
-        self._pick(summary)
+        delay = 0.0
+        if controller is not None:
+            controller.retried += 1
+            controller.metrics.retries.labels(outcome.value).inc()
+            delay = controller.backoff(self.attempts - 1)
+        if delay > 0:
+            self.timer = asyncio.get_running_loop().call_later(delay, self._retry_now)
+        else:
+            self._pick(summary)
+
+    def _retry_now(self) -> None:
+        self.timer = None
+        if self.state != _DONE and self.summary is not None:
+            self._pick(self.summary)
 
     def flush_down(self) -> None:
         down = self.down

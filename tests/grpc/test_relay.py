@@ -188,7 +188,7 @@ async def test_connect_failure_is_retried_on_another_backend(fleet: Fleet, make_
     call = stubs.generate(channel_to(proxy_address(proxy)))
     backends = [(await call(_req())).backend for _ in range(4)]
     assert dead.name not in backends
-    assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retries >= 1
+    assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retried >= 1
     # Passive outlier detection hears about the refused connection, and about the successes elsewhere.
     assert (dead.name, Outcome.CONNECT_FAILURE) in outcomes
     assert sum(1 for _, o in outcomes if o is Outcome.SUCCESS) == 4
@@ -256,3 +256,16 @@ async def test_plain_h2_path_when_fast_path_is_off(monkeypatch, echoes: list[Ech
     got = [m.index async for m in stubs.generate_stream(ch)(_req("s", max_tokens=50))]
     assert got == list(range(50))
     assert all(not d.fast for d in proxy.grpc.ctx.downstreams)  # type: ignore[union-attr]
+
+
+async def test_retries_follow_the_shared_retry_policy(fleet: Fleet, make_proxy, channel_to) -> None:
+    """`retries: {enabled: false}` turns the gRPC retry off too: the client hears why the attempt failed."""
+    dead = fleet.servers[0]
+    dead.grpc_server.kill()
+    proxy = await make_proxy(fleet_entries(fleet), extra="retries: {enabled: false}\n")
+    call = stubs.generate(channel_to(proxy_address(proxy)))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call(_req())  # round robin: the first call goes to the dead backend
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot connect to backend sim-0" in info.value.details()
+    assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retried == 0
