@@ -57,7 +57,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 
 from proxy.control.store import SnapshotStore
+from proxy.core.decision import Inflight
 from proxy.core.snapshot import Snapshot
+from proxy.inflight import InflightTable
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -114,6 +116,8 @@ def reserve_port(host: str, port: int) -> socket.socket:
 # ------------------------------------------------------------------------------------------ channel
 
 _FRAME = struct.Struct("!I")
+# How stale the supervisor's view of the workers' in-flight work may be (admin API, drain completion).
+INFLIGHT_REPORT_S = 0.1
 
 
 def encode_message(message: object) -> bytes:
@@ -179,6 +183,15 @@ class BackendChanges:
 
 
 @dataclass(frozen=True)
+class InflightReport:
+    """A worker's in-flight requests and tokens per backend, sent when they changed (at most every
+    INFLIGHT_REPORT_S). The supervisor keeps their sum in its own InflightTable, which the admin API shows
+    and which tells a draining backend's removal when the whole proxy's work on it is done."""
+
+    counts: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
 class CollectMetrics:
     seq: int
 
@@ -219,10 +232,10 @@ def families_of(registry: CollectorRegistry) -> list[FamilyData]:
 
 
 # Gauges whose per-process values add up to the proxy's value (the rest describe shared state and are
-# taken from the supervisor, which owns the snapshot). Keep in step with proxy/metrics.py.
+# taken from the supervisor, which owns the snapshot and mirrors the workers' in-flight sums). Keep in step
+# with proxy/metrics.py.
 SUMMED_GAUGES = frozenset(
     {
-        "affinity_proxy_inflight_requests",
         "affinity_proxy_upstream_requests",
         "affinity_proxy_upstream_connections_opened",
         "process_resident_memory_bytes",
@@ -381,6 +394,7 @@ class Supervisor:
         drain_s: float,
         python: str = sys.executable,
         on_outcomes: Callable[[list[tuple[str, Any]]], None] | None = None,
+        inflight: InflightTable | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -398,6 +412,8 @@ class Supervisor:
         self._replies: dict[tuple[int, int], asyncio.Future[list[FamilyData]]] = {}
         self.retired: dict[str, dict[SampleKey, float]] = {}
         self.on_outcomes = on_outcomes
+        self.inflight = inflight if inflight is not None else InflightTable()
+        self._inflight_reports: dict[int, dict[str, tuple[int, int]]] = {}
         self.restarts_total = 0
         # The newest snapshot's frame, pickled once for all workers (pickling a 256-backend snapshot takes
         # ~1 ms here; per worker it would be N of those every telemetry interval).
@@ -460,6 +476,25 @@ class Supervisor:
 
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
+
+    def _sum_inflight(self) -> None:
+        totals: dict[str, list[int]] = {}
+        for counts in self._inflight_reports.values():
+            for name, (requests, tokens) in counts.items():
+                acc = totals.setdefault(name, [0, 0])
+                acc[0] += requests
+                acc[1] += tokens
+        table = self.inflight
+        for name in list(table):
+            if name not in totals:
+                entry = table[name]
+                entry.requests = entry.tokens = 0
+        for name, (requests, tokens) in totals.items():
+            entry = table.get(name)
+            if entry is None:
+                entry = table[name] = Inflight()
+            entry.requests, entry.tokens = requests, tokens
+        table.total_requests = sum(r for r, _ in totals.values())
 
     def _apply_changes(self, changes: dict[str, dict[str, Any]]) -> None:
         def change(snapshot: Snapshot) -> Snapshot:
@@ -533,6 +568,9 @@ class Supervisor:
                     worker.ready.set()
                     # Whatever was published while it started up.
                     self._queue(worker, self.store.current)
+                elif isinstance(message, InflightReport):
+                    self._inflight_reports[worker.index] = message.counts
+                    self._sum_inflight()
                 elif isinstance(message, BackendChanges):
                     self._apply_changes(message.changes)
                 elif isinstance(message, Outcomes):
@@ -583,6 +621,8 @@ class Supervisor:
             return
         log.error("worker %d (pid %d) exited with %s: restarting", worker.index, proc.pid, code)
         worker.ready.clear()
+        if self._inflight_reports.pop(worker.index, None) is not None:
+            self._sum_inflight()  # its requests died with it
         for (index, seq), future in list(self._replies.items()):
             if index == worker.index:  # a scrape waiting on the dead worker need not wait for its timeout
                 del self._replies[(index, seq)]
@@ -722,6 +762,16 @@ async def _worker(channel_fd: int) -> int:
         pending.append((name, outcome))
 
     proxy.router.on_outcome = report
+
+    async def report_inflight() -> None:
+        sent: dict[str, tuple[int, int]] = {}
+        while True:
+            counts = {name: (e.requests, e.tokens) for name, e in proxy.inflight.items() if e.requests or e.tokens}
+            if counts != sent:
+                write_message(writer, InflightReport(counts))
+                sent = counts
+            await asyncio.sleep(INFLIGHT_REPORT_S)
+
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
 
@@ -745,8 +795,10 @@ async def _worker(channel_fd: int) -> int:
     reading = asyncio.create_task(channel(), name="worker-channel")
     write_message(writer, WorkerReady(init.index, os.getpid()))
     await writer.drain()
+    reporting = asyncio.create_task(report_inflight(), name="worker-inflight")
     await stop.wait()
     await proxy.stop()
+    reporting.cancel()
     reading.cancel()
     writer.close()
     return 0
@@ -799,7 +851,7 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
 
     supervisor = Supervisor(
         config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
-        on_outcomes=outcomes,
+        on_outcomes=outcomes, inflight=proxy.inflight,
     )
     proxy.resilience.reload_listeners.append(supervisor.apply_config)
     proxy.metrics.register_collector(supervisor.collect_own)

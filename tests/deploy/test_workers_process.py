@@ -106,7 +106,7 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
     tmp_path: Path, fakes: list[FakeBackend]
 ) -> None:
     for f in fakes:
-        f.events, f.event_delay = 30, 0.05  # 1.5 s streams: still running when the worker dies
+        f.events, f.event_delay = 60, 0.05  # 3 s streams: still running when counted and when the worker dies
     proxy = await _run(tmp_path, fakes, "round_robin")
     try:
         workers = proxy.workers()
@@ -121,6 +121,13 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
                 if min(len(v) for v in on.values()) >= 3:
                     break
             assert min(len(v) for v in on.values()) >= 3
+            # The supervisor's admin API sees the workers' in-flight streams (it has none of its own).
+            opened = sum(len(v) for v in on.values())
+            for _ in range(600):  # a guard against hanging, not a timing assertion
+                if sum(b["inflight_requests"] for b in (await _backends(session, proxy)).values()) == opened:
+                    break
+                await asyncio.sleep(0.02)
+            assert sum(b["inflight_requests"] for b in (await _backends(session, proxy)).values()) == opened
             os.kill(victim, signal.SIGKILL)
             survived = await asyncio.gather(*(_finish(r) for r in on[survivor]))
             lost = await asyncio.gather(*(_finish(r) for r in on[victim]))
@@ -412,3 +419,38 @@ async def test_only_the_supervisor_scrapes_and_checks_the_backends(tmp_path: Pat
     finally:
         assert await proxy.terminate() == 0
         await runner.cleanup()
+
+
+async def test_removed_backend_drains_until_the_workers_streams_finish(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    for f in fakes:
+        f.events, f.event_delay = 40, 0.05  # 2 s streams
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_config(fakes, "round_robin"))
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        async with aiohttp.ClientSession() as session:
+            stream = await _open_stream(session, proxy.http, "long")
+            victim = stream.headers["x-affinity-backend"]
+            for _ in range(600):  # a guard against hanging: wait until the supervisor counts the stream
+                if (await _backends(session, proxy))[victim]["inflight_requests"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            cfg.write_text(_config([f for f in fakes if f.name != victim], "round_robin"))
+            os.kill(proxy.pid, signal.SIGHUP)
+            for _ in range(600):
+                if (await _backends(session, proxy))[victim]["health"] == "draining":
+                    break
+                await asyncio.sleep(0.02)
+            # Draining, not gone, while a worker still streams from it: the supervisor knows.
+            state = await _backends(session, proxy)
+            assert state[victim]["health"] == "draining" and state[victim]["inflight_requests"] == 1
+            assert await _finish(stream)
+            for _ in range(600):
+                if victim not in await _backends(session, proxy):
+                    break
+                await asyncio.sleep(0.05)
+            assert victim not in await _backends(session, proxy)
+            async with session.get(f"{proxy.admin}/metrics") as resp:
+                assert 'affinity_proxy_backends_drained_total{how="idle"} 1.0' in await resp.text()
+    finally:
+        assert await proxy.terminate() == 0

@@ -47,8 +47,9 @@ def _values(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
     return out
 
 
-def test_merge_sums_counters_histograms_and_inflight_and_keeps_supervisor_state() -> None:
-    supervisor = families_of(_process_registry(requests=0, inflight=0, version=7, routable=0))
+def test_merge_sums_counters_histograms_and_keeps_supervisor_state() -> None:
+    # The supervisor mirrors the workers' in-flight sum (InflightReport), so its value is the proxy's.
+    supervisor = families_of(_process_registry(requests=0, inflight=3, version=7, routable=0))
     w1 = families_of(_process_registry(requests=3, inflight=2, version=6, routable=1))
     w2 = families_of(_process_registry(requests=5, inflight=1, version=7, routable=1))
     values = _values(render(merge_families(supervisor, [w1, w2])))
@@ -79,7 +80,7 @@ def test_dead_worker_counters_are_carried_forward() -> None:
     values = _values(render(merge_families([], [restarted, w2], retired)))
     assert values[("affinity_proxy_requests_total", (("backend", "gpu-0"), ("status", "200")))] == 9
     assert values[("affinity_proxy_request_duration_seconds_count", (("backend", "gpu-0"),))] == 9
-    # In-flight work of the dead worker is gone with it: gauges are not carried.
+    # Gauges are not carried forward: without a supervisor value, the highest worker's counts.
     assert values[("affinity_proxy_inflight_requests", (("backend", "gpu-0"),))] == 1
 
 
@@ -178,3 +179,19 @@ async def test_readiness_holds_while_any_worker_serves() -> None:
     families = {m.name: m for m in supervisor.collect_own()}
     assert {(s.labels["state"], s.value) for s in families["affinity_proxy_workers"].samples} == {
         ("ready", 1), ("starting", 1)}
+
+
+def test_supervisor_sums_worker_inflight_reports_and_forgets_dead_workers() -> None:
+    from proxy.control.store import SnapshotStore
+    from proxy.workers import Supervisor
+
+    store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
+    supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
+    supervisor._inflight_reports = {0: {"gpu-0": (2, 200), "gpu-1": (1, 50)}, 1: {"gpu-0": (3, 300)}}
+    supervisor._sum_inflight()
+    assert (supervisor.inflight["gpu-0"].requests, supervisor.inflight["gpu-0"].tokens) == (5, 500)
+    assert supervisor.inflight.total_requests == 6
+    del supervisor._inflight_reports[0]
+    supervisor._sum_inflight()
+    assert supervisor.inflight["gpu-1"].requests == 0 and supervisor.inflight["gpu-0"].requests == 3
+    assert supervisor.inflight.total_requests == 3
