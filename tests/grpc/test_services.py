@@ -25,12 +25,19 @@ async def test_health_follows_routable_backends(fleet: Fleet, make_proxy, channe
     ch = channel_to(proxy_address(proxy))
     check = stubs.health_check(ch)
     assert (await check(health_pb2.HealthCheckRequest())).status == SERVING
+    watch = ch.unary_stream("/grpc.health.v1.Health/Watch",
+                            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    watching = watch(health_pb2.HealthCheckRequest())
+    assert (await watching.read()).status == SERVING
     drain = stubs.admin(ch, "Drain")
     for s in fleet.servers[:-1]:
         await drain(admin_pb2.DrainRequest(name=s.name, drain=True))
     assert (await check(health_pb2.HealthCheckRequest())).status == SERVING
     await drain(admin_pb2.DrainRequest(name=fleet.servers[-1].name, drain=True))
     assert (await check(health_pb2.HealthCheckRequest())).status == NOT_SERVING
+    assert (await watching.read()).status == NOT_SERVING  # Watch streams the change through the listener
+    watching.cancel()
     await drain(admin_pb2.DrainRequest(name=fleet.servers[0].name, drain=False))
     assert (await check(health_pb2.HealthCheckRequest(service="affinity.admin.v1.ProxyAdmin"))).status == SERVING
 
