@@ -97,8 +97,10 @@ class BackendConfig:
     max_inflight: int | None = field(default=None, metadata={"ge": 1})
 
     def validate(self) -> Iterable[tuple[str, str]]:
-        if not (self.url.startswith("http://") or self.url.startswith("https://")):
-            yield "url", f"must start with http:// or https://, got {self.url!r}"
+        if not self.url.startswith("http://"):
+            # The relay pool (proxy/http/pool.py) speaks plain HTTP/1.1, as GPU servers do inside a cluster;
+            # TLS to a backend belongs in a sidecar or the service mesh.
+            yield "url", f"must start with http:// (TLS to backends is not supported), got {self.url!r}"
         if self.grpc is not None and ":" not in self.grpc:
             yield "grpc", f"must be host:port, got {self.grpc!r}"
 
