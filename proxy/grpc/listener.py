@@ -151,7 +151,7 @@ class GrpcListener:
     async def start(self) -> None:
         proxy = self._proxy
         self.local = LocalServices(proxy.store, proxy.inflight, admin=self.options.admin_service,
-                                   admin_token=proxy.admin_token, admin_writable=proxy.role == "all")
+                                   admin_token=proxy.admin_token)
         await self.local.start()
         self.ctx = ctx = RelayContext(proxy.config, self.options, proxy.router, self._session)
         ctx.local_pool = BackendPool(LOCAL_BACKEND, self.local.address, ctx.pools.options, ctx.flusher)

@@ -53,19 +53,14 @@ class AdminService(ProxyAdminBase):
     metadata when the admin token is configured (`admin.token` / `admin.token_env`), as the HTTP admin
     write endpoints do."""
 
-    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None,
-                 writable: bool = True) -> None:
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None) -> None:
+        # With --workers, `store` is the worker's WorkerStore: an update here is forwarded to the
+        # supervisor, whose next snapshot carries it to every worker (proxy/workers.py).
         self._store = store
         self._inflight = inflight
         self._token = token
-        # A --workers data process only mirrors the supervisor's snapshots: a change made here would be
-        # overwritten by the next one, so it is refused rather than silently lost.
-        self._writable = writable
 
     def _authorize(self, stream: Stream) -> None:  # type: ignore[type-arg]
-        if not self._writable:
-            raise GRPCError(Status.FAILED_PRECONDITION,
-                            "this data-plane worker mirrors the supervisor's fleet; use the HTTP admin API")
         if self._token is None:
             return
         given = stream.metadata.get("authorization") if stream.metadata is not None else None
@@ -119,13 +114,13 @@ class LocalServices:
     """The private grpclib server behind the listener's local routes."""
 
     def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], *, admin: bool = True,
-                 admin_token: str | None = None, admin_writable: bool = True) -> None:
+                 admin_token: str | None = None) -> None:
         self.status = ServiceStatus()
         self._store = store
         services: list[object] = []
         checks: dict[object, list[ServiceStatus]] = {OVERALL: [self.status]}
         if admin:
-            admin_service = AdminService(store, inflight, admin_token, admin_writable)
+            admin_service = AdminService(store, inflight, admin_token)
             services.append(admin_service)
             checks[admin_service] = [self.status]
         services.append(Health(checks))  # type: ignore[arg-type]
