@@ -77,7 +77,8 @@ class FastData:
 _RECV_DATA_STATES = (h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL)
 _CONN_CLOSED = h2.connection.ConnectionState.CLOSED
 _END_HEADERS = 0x4
-_DATA_SLOW_FLAGS = 0x1 | 0x8  # END_STREAM, PADDED: h2 handles those DATA frames itself
+_END_STREAM = 0x1
+_PADDED = 0x8  # padded DATA frames are left to h2
 
 
 def _probe_fast_path() -> bool:
@@ -95,6 +96,7 @@ def _probe_fast_path() -> bool:
             and hasattr(stream, "_expected_content_length")
             and isinstance(stream._actual_content_length, int)  # noqa: SLF001
             and hasattr(stream.state_machine, "state")
+            and callable(getattr(stream, "receive_data", None))
         )
     except Exception:  # any shape we do not recognise: use h2 as it is
         return False
@@ -148,8 +150,11 @@ class H2Side(asyncio.Protocol, abc.ABC):
         (9-byte header), charged to h2's own inbound flow-control windows (so its WINDOW_UPDATE
         accounting and FLOW_CONTROL_ERROR checks stay exact) and returned as `FastData` events, in
         order with h2's events for every other frame, which h2 still parses: it is handed complete
-        frames in the original order. A DATA frame inside a header block, on a stream h2 does not think
-        open, with a content-length to check, or over the frame size limit goes to h2 as usual.
+        frames in the original order. A DATA frame that ends its stream (a unary request's only frame)
+        is handed to h2's stream object directly, so the stream's state machine closes it and h2's own
+        DataReceived/StreamEnded events come out. A padded DATA frame, one inside a header block, on a
+        stream h2 does not think open, with a content-length to check, or over the frame size limit goes
+        to h2 as usual.
         """
         conn = self.conn
         if not self.fast:
@@ -175,7 +180,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
             ftype = buf[pos + 3]
             flags = buf[pos + 4]
             if ftype == 0:
-                if not (flags & _DATA_SLOW_FLAGS) and not self._in_header_block and length <= max_frame:
+                if not (flags & _PADDED) and not self._in_header_block and length <= max_frame:
                     sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
                     if sid in calls:
                         if slow < pos:
@@ -186,9 +191,14 @@ class H2Side(asyncio.Protocol, abc.ABC):
                                 and stream._expected_content_length is None  # noqa: SLF001
                                 and conn.state_machine.state is not _CONN_CLOSED):
                             conn._inbound_flow_control_window_manager.window_consumed(length)  # noqa: SLF001
-                            stream._inbound_window_manager.window_consumed(length)  # noqa: SLF001
-                            stream._actual_content_length += length  # noqa: SLF001
-                            events.append(FastData(sid, buf[pos + 9 : nxt], length))
+                            if flags & _END_STREAM:
+                                # The last frame of the stream: h2's own stream object takes it, so the
+                                # state machine closes the stream and emits StreamEnded as usual.
+                                events.extend(stream.receive_data(buf[pos + 9 : nxt], True, length)[1])
+                            else:
+                                stream._inbound_window_manager.window_consumed(length)  # noqa: SLF001
+                                stream._actual_content_length += length  # noqa: SLF001
+                                events.append(FastData(sid, buf[pos + 9 : nxt], length))
                             slow = nxt
             elif ftype == 1 or ftype == 5 or ftype == 9:  # HEADERS, PUSH_PROMISE, CONTINUATION
                 self._in_header_block = not (flags & _END_HEADERS)
