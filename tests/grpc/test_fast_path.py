@@ -1,0 +1,73 @@
+"""The DATA fast path must be indistinguishable from plain h2: same bytes per stream, same ends, same
+inbound windows, however the byte stream is cut into reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.grpc.h2side import FastData, H2Side, h2_config
+
+
+class _Side(H2Side):
+    def flush_call(self, call: Any) -> None:  # not exercised: nothing is sent here
+        raise AssertionError("unexpected flush")
+
+
+def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int]) -> bytes:
+    client = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    for sid in (1, 3, 5):
+        client.send_headers(sid, [(b":method", b"POST"), (b":path", b"/a.B/C"), (b":scheme", b"http"),
+                                  (b":authority", b"x"), (b"content-type", b"application/grpc")])
+    ended: set[int] = set()
+    for i, (sid, data, end) in enumerate(plan):
+        if sid in ended:
+            continue
+        client.send_data(sid, data, end_stream=end, pad_length=3 if i in padded else None)
+        if end:
+            ended.add(sid)
+    return client.data_to_send()
+
+
+def _run(side_fast: bool, wire: bytes, cuts: list[int]) -> tuple[dict[int, bytes], set[int], list[int]]:
+    side = _Side(flusher=None, client_side=False)  # type: ignore[arg-type]
+    side.fast = side_fast
+    side.calls = {1: None, 3: None, 5: None}  # type: ignore[dict-item]
+    got: dict[int, bytes] = {1: b"", 3: b"", 5: b""}
+    ended: set[int] = set()
+    start = 0
+    for cut in sorted(set(cuts)) + [len(wire)]:
+        if cut <= start:
+            continue
+        for ev in side.receive(wire[start:cut]):
+            if isinstance(ev, (FastData, h2.events.DataReceived)):
+                got[ev.stream_id] += ev.data
+                side.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            elif isinstance(ev, h2.events.StreamEnded):
+                ended.add(ev.stream_id)
+        start = cut
+    windows = [side.conn.inbound_flow_control_window]
+    windows += [side.conn.streams[s].inbound_flow_control_window for s in (1, 3, 5) if s in side.conn.streams]
+    return got, ended, windows
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    plan=st.lists(st.tuples(st.sampled_from([1, 3, 5]), st.binary(max_size=3000), st.booleans()), max_size=25),
+    padded=st.sets(st.integers(0, 24), max_size=5),
+    cuts=st.lists(st.integers(0, 90_000), max_size=12),
+)
+def test_fast_path_matches_plain_h2(plan: list[tuple[int, bytes, bool]], padded: set[int], cuts: list[int]) -> None:
+    wire = _client_bytes(plan, padded)
+    cuts = [c % (len(wire) + 1) for c in cuts]
+    assert _run(True, wire, cuts) == _run(False, wire, cuts)
+
+
+def test_h2_config_keeps_headers_as_bytes() -> None:
+    assert h2_config(client_side=False).header_encoding is None
