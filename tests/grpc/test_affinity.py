@@ -46,3 +46,20 @@ async def test_same_prompt_same_backend_over_grpc(fleet: Fleet, make_proxy, chan
     after = {name: s.grpc_server.stats.methods.get("ModelInfer", 0) for name, s in by_backend.items()}
     [went] = [name for name in after if after[name] != before[name]]
     assert went == next(iter(placed[PROMPTS[0]]))
+
+
+async def test_metadata_route_key_for_methods_routed_without_their_message(echoes, make_proxy, channel_to) -> None:  # type: ignore[no-untyped-def]
+    """`kind: none` routes at the headers, on the session metadata: one session, one backend."""
+    from tests.grpc.conftest import echo_entries
+
+    extra = "grpc:\n  extractors:\n    - {method: /affinity.v1.Generation/Generate, kind: none}\n"
+    proxy = await make_proxy(echo_entries(echoes), policy="affinity", extra=extra)
+    generate = stubs.generate(channel_to(proxy_address(proxy)))
+    homes: dict[str, set[str]] = defaultdict(set)
+    for round_ in range(3):
+        for user in range(8):
+            resp = await generate(gen.GenerateRequest(prompt=f"different every time {round_}"),
+                                  metadata=(("x-session-id", f"user-{user}"),))
+            homes[f"user-{user}"].add(resp.backend)
+    assert all(len(b) == 1 for b in homes.values()), homes
+    assert len({next(iter(b)) for b in homes.values()}) == 2
