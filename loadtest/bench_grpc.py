@@ -10,7 +10,10 @@ headline ratio is best proxied / best direct over `--rounds`, and each round's o
 (a round whose proxied phase met a busy neighbour shows up there). The backend is a deliberately cheap grpclib server (an immediate fixed answer;
 streams of small messages as fast as flow control allows), so what is measured is the proxy's overhead,
 not a simulated GPU. The proxy runs as its own process (``python -m proxy run``, one worker), the backend
-in another, the client (grpcio, as most users run it) in this one.
+in another, the client (grpcio, as most users run it) in this one. As in bench_proxy, the proxy is pinned
+to core 0 and the backend and client to core 1 (``--no-pin`` lets them share both cores), and the proxy's
+own CPU time per call / per streamed message is read from /proc over each proxied phase: that figure does
+not depend on what the neighbours were doing.
 Targets (issue 7): unary >= 0.6x direct, streamed messages >= 0.8x direct.
 """
 
@@ -151,6 +154,23 @@ def _wait_port(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"nothing listening on port {port}")
 
 
+PROXY_CORE, LOAD_CORE = 0, 1
+
+
+def _pin(pid: int, core: int | None) -> None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(pid, {core})
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process from /proc (0 where /proc is missing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _start_backend() -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen([sys.executable, "-m", "loadtest.bench_grpc", "_backend"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
@@ -205,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="write a cProfile of the proxy process here")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--only", choices=["unary", "stream"], default=None, help="run one kind of phase")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin proxy / backend+client to separate cores")
     args = ap.parse_args(argv)
     if args.mode == "_backend":
         import uvloop
@@ -214,12 +235,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # A SIGTERM (e.g. from `timeout`) must still stop the child processes in the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    pin = not args.no_pin and (os.cpu_count() or 1) >= 2
     backend, backend_port = _start_backend()
     proxy, proxy_port, cfg_path = _start_proxy(backend_port, args.profile)
+    if pin:
+        _pin(proxy.pid, PROXY_CORE)
+        _pin(backend.pid, LOAD_CORE)
+        _pin(0, LOAD_CORE)  # this process: the grpcio client
     direct = f"127.0.0.1:{backend_port}"
     via = f"127.0.0.1:{proxy_port}"
     best: dict[str, float] = {}
     rounds: list[dict[str, float]] = []
+    cpu_per_op: dict[str, list[float]] = {"unary": [], "stream": []}
     phases = [
         ("unary_direct", lambda: _unary(direct, args.concurrency, args.duration)),
         ("unary_proxy", lambda: _unary(via, args.concurrency, args.duration)),
@@ -232,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             rounds.append({})
             for name, coro_fn in phases:
+                cpu0 = _cpu_seconds(proxy.pid)
                 res = asyncio.run(coro_fn())
+                if name.endswith("_proxy") and res.ops:
+                    cpu_per_op[name.split("_")[0]].append((_cpu_seconds(proxy.pid) - cpu0) / res.ops * 1e6)
                 print(f"round {r + 1} {name:14s} {res.rate:10.0f}/s  ({res.ops} in {res.seconds:.1f} s)", flush=True)
                 best[name] = max(best.get(name, 0.0), res.rate)
                 rounds[-1][name] = res.rate
@@ -243,17 +273,20 @@ def main(argv: list[str] | None = None) -> int:
     def per_round(kind: str) -> list[float]:
         return [round(r[f"{kind}_proxy"] / r[f"{kind}_direct"], 3) for r in rounds if f"{kind}_proxy" in r]
 
-    summary: dict[str, object] = {"cpus": os.cpu_count(), "rounds": args.rounds, "duration_s": args.duration}
+    summary: dict[str, object] = {"cpus": os.cpu_count(), "rounds": args.rounds, "duration_s": args.duration,
+                                  "pinned": pin}
     if "unary_proxy" in best:
         summary["unary_calls_per_s"] = {
             "direct": round(best["unary_direct"]), "proxy": round(best["unary_proxy"]),
             "ratio": round(best["unary_proxy"] / best["unary_direct"], 3), "target": 0.6,
-            "ratio_per_round": per_round("unary"), "concurrency": args.concurrency}
+            "ratio_per_round": per_round("unary"), "concurrency": args.concurrency,
+            "proxy_cpu_us_per_call": round(min(cpu_per_op["unary"]), 1) if cpu_per_op["unary"] else None}
     if "stream_proxy" in best:
         summary["stream_msgs_per_s"] = {
             "direct": round(best["stream_direct"]), "proxy": round(best["stream_proxy"]),
             "ratio": round(best["stream_proxy"] / best["stream_direct"], 3), "target": 0.8,
-            "ratio_per_round": per_round("stream"), "streams": args.streams}
+            "ratio_per_round": per_round("stream"), "streams": args.streams,
+            "proxy_cpu_us_per_msg": round(min(cpu_per_op["stream"]), 2) if cpu_per_op["stream"] else None}
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
