@@ -172,6 +172,16 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
             replayed.append(rs)
         await asyncio.sleep(0)
 
+    from loadtest.replay import isolated_ttfts, make_profile
+    from loadtest.stats import percentile
+
+    floor = isolated_ttfts(workload, make_profile(args.profile, args.max_model_len))
+    floor_line = (
+        f"TTFT floor of this window (each prompt alone on an idle {args.profile} with an empty cache, from the "
+        f"simulator's engine model): p50 {(percentile(floor, 50) or 0) * 1000:.0f} ms, p99 "
+        f"{(percentile(floor, 99) or 0) * 1000:.0f} ms, max {max(floor or [0]) * 1000:.0f} ms. No router gets the p99 "
+        "below this except through cache hits on the longest prompts."
+    )
     command = "python -m loadtest.compare " + " ".join(shlex.quote(a) for a in argv if a != "--rebuild")
     preface = (
         f"Command: `{command}`\n\n"
@@ -179,7 +189,10 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
         f"(cold caches) per column; open loop at --speed {args.speed}. Machine: 2 shared cores; numbers are from one run "
         f"each, so compare ratios, not absolutes. Load average before/after each run is in report.json (meta)."
     )
-    appendix = ["## The design's table next to ours", "", design_comparison(ok), "## Affinity policy vs. its targets", "", target_check(ok)]
+    appendix = [
+        "## The design's table next to ours", "", design_comparison(ok),
+        "## Affinity policy vs. its targets", "", floor_line, "", target_check(ok),
+    ]
     if replayed:
         appendix += ["## Live vs. offline replay (same window, same policies)", "", replay_agreement(ok, replayed)]
     if failed:

@@ -272,6 +272,30 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     return RunResult(meta, records, samples, capacity, end_t, route_cpu)
 
 
+def isolated_ttfts(workload: Workload, profile: Profile) -> list[float]:
+    """Each request's TTFT alone on an idle GPU with an empty cache: the floor no router can go below.
+
+    On long-context traces the p99 TTFT of any policy is bounded by the prefill of the longest prompts
+    that nobody has cached yet; this separates that floor from queueing, which routing can change.
+    """
+    out = []
+    for i, item in enumerate(workload.items):
+        blocks = -(-(item.input_tokens + item.output_tokens) // profile.block_size) + 2
+        p = profile.with_overrides(num_gpu_blocks_override=blocks)
+        if p.model.max_model_len < item.input_tokens + item.output_tokens:
+            continue
+        engine = Engine(p, seed=0)
+        engine.add_request(SimRequest(f"iso{i}", "w " * item.input_tokens, max_tokens=1, ignore_eos=True), 0.0)
+        t = engine.next_step_time()
+        while t is not None:
+            result = engine.step(t)
+            if any(o.first_token for o in result.outputs):
+                out.append(result.end)
+                break
+            t = engine.next_step_time()
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m loadtest.replay", description=__doc__.split("\n")[0])
     add_workload_args(ap)
