@@ -23,7 +23,13 @@ def _reference(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     It renames a counter written without `_total` (TGI's, Triton's) to `<name>_total`; we read pages as
     written, so map those back.
     """
-    lines = {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+    lines = {
+        head.split()[0]
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+        for head in [line.split("{")[0]]
+        if head.split()
+    }
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
