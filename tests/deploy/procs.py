@@ -117,6 +117,10 @@ def _inode_of(local_port: int, server_port: int) -> str | None:
         for line in lines:
             cols = line.split()
             local, remote, inode = cols[1], cols[2], cols[9]
+            # Skip TIME_WAIT leftovers of an earlier connection on the same ports (inode 0): loopback
+            # reuses such port pairs at once (net.ipv4.tcp_tw_reuse=2).
+            if inode == "0":
+                continue
             if int(local.rsplit(":", 1)[1], 16) == server_port and int(remote.rsplit(":", 1)[1], 16) == local_port:
                 return inode
     return None
