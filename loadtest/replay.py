@@ -195,13 +195,17 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
                 records.append(rec)
                 del live[out.request_id]
 
+    next_step = {n: inf for n in backends}
+
+    def refresh(name: str) -> None:
+        nt = backends[name].engine.next_step_time()
+        next_step[name] = inf if nt is None else nt
+
     while True:
         t_arr = items[i].t / cfg.speed + net if i < len(items) else inf
-        t_step, step_name = inf, ""
-        for n, b in backends.items():
-            nt = b.engine.next_step_time()
-            if nt is not None and nt < t_step:
-                t_step, step_name = nt, n
+        # An engine's next step time changes only when it is given a request or runs a step: cached.
+        step_name = min(next_step, key=next_step.__getitem__)
+        t_step = next_step[step_name]
         t_del = deliveries[0][0] if deliveries else inf
         if t_arr == inf and t_step == inf and t_del == inf:
             break
@@ -248,10 +252,12 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
                 records.append(rec)
             else:
                 live[rid] = (rec, decision.backend, tokens, t_arr - net)
+                refresh(decision.backend)
             i += 1
             continue
         b = backends[step_name]
         result = b.engine.step(t_step)
+        refresh(step_name)
         b.note_step(result.end, result.num_prefill_tokens + result.num_decode_tokens)
         end_t = max(end_t, result.end + net)
         if result.outputs:
