@@ -58,7 +58,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             await serve(config, workers, config_path=args.config)
 
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    except OSError as exc:  # a listener that cannot bind: one line, not a traceback
+        print(f"affinity-proxy: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -456,3 +456,20 @@ async def test_removed_backend_drains_until_the_workers_streams_finish(tmp_path:
                 assert 'affinity_proxy_backends_drained_total{how="idle"} 1.0' in await resp.text()
     finally:
         assert await proxy.terminate() == 0
+
+
+async def test_a_second_proxy_on_the_same_port_refuses_to_start(tmp_path: Path, fakes: list[FakeBackend]) -> None:
+    """SO_REUSEPORT would let it join the first one's listening group and take half its connections."""
+    first = await _run(tmp_path, fakes, "round_robin")
+    try:
+        cfg = tmp_path / "second.yaml"
+        cfg.write_text(_config(fakes, "round_robin").replace("port: 0}\nadmin", f"port: {first.port}}}\nadmin"))
+        second = await asyncio.create_subprocess_exec(
+            AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2", stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(second.communicate(), 60)
+        assert second.returncode == 1
+        assert f"cannot listen on 127.0.0.1:{first.port}" in err.decode()
+        assert "Traceback" not in err.decode()
+    finally:
+        assert await first.terminate() == 0
