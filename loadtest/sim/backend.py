@@ -253,18 +253,22 @@ class SimBackend:
             recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))
             while recent[0][0] < result.end - _RATE_WINDOW_S:
                 recent.popleft()
+            # The engine already holds the step's end state, so top up background load now, not after
+            # the sleep: otherwise gauges read in between show the finished background requests gone
+            # and none replacing them, i.e. artificial load that flickers to zero once per step.
+            bg_done = False
+            for out in result.outputs:
+                if out.finished and out.request_id in self._bg_ids:
+                    self._bg_ids.discard(out.request_id)
+                    bg_done = True
+            if bg_done:
+                self.sync_background()
             delay = self._wall(result.end) - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             if loop.time() < self._stall_until:
                 await self.wait_stall()
-            bg_done = False
             streams = self._streams
             for out in result.outputs:
                 stream = streams.get(out.request_id)
                 if stream is not None:
                     stream.push(out)
-                elif out.finished and out.request_id in self._bg_ids:
-                    self._bg_ids.discard(out.request_id)
-                    bg_done = True
-            if bg_done:
-                self.sync_background()
