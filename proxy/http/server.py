@@ -221,11 +221,14 @@ class HttpDataPlane:
         except _UPSTREAM_ERRORS as exc:
             return self._failed_before_response(exc, lease, request_id)
         try:
+            headers = up.headers  # end-to-end fields only; this exchange's own copy
             if load_report is not None:
-                report = up.headers.get(ORCA_HEADER)
+                report = headers.get(ORCA_HEADER)
                 if report is not None:
                     load_report(backend.name, report)
-            headers = up.headers  # end-to-end fields only; this exchange's own copy
+                    if extra:
+                        # The proxy asked for this report, not the client: it stops here.
+                        headers.popall(ORCA_HEADER)
             headers["x-request-id"] = request_id
             if self.debug_headers:
                 headers["x-affinity-backend"] = backend.name

@@ -39,6 +39,7 @@ class FakeBackend:
     status: int = 200
     pad: int = 0  # extra bytes of content per SSE event (for back-pressure tests)
     written: int = 0  # SSE events written so far
+    response_headers: dict[str, str] = field(default_factory=dict)  # added to every completion answer
     _runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -83,8 +84,10 @@ class FakeBackend:
                 obj = "text_completion"
             return web.json_response({
                 "id": "cmpl-1", "object": obj, "created": 0, "model": payload.get("model", "fake-model"),
-                "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}},
+                headers=self.response_headers)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self.response_headers})
         await resp.prepare(request)
         self.stream_started.set()
         try:

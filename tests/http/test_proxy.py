@@ -325,3 +325,32 @@ async def test_slow_client_backpressures_the_backend(backends: list[FakeBackend]
     writer.close()
     assert data.count(b'"content": "t') == fake.events
     assert fake.written == fake.events
+
+
+async def test_orca_report_the_proxy_asked_for_stops_at_the_proxy(backends: list[FakeBackend]) -> None:
+    """telemetry.orca makes the proxy ask backends for `endpoint-load-metrics`: that report is the proxy's,
+    so the client gets it only when it asked for one itself."""
+    fake = backends[0]
+    fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.kv_cache_usage_perc=0.4"}
+    text = ("listen: {port: 0}\nadmin: {port: 0}\nhealth_checks: {enabled: false}\n"
+            "telemetry: {enabled: true, orca: true}\nrouting: {policy: round_robin}\n"
+            f"backends:\n  - {{name: {fake.name}, url: '{fake.url}'}}\n")
+    proxy = AffinityProxy(parse_config(text))
+    await proxy.start()
+    url = proxy.http_url + "/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for body in (CHAT, {**CHAT, "stream": True}):
+                async with s.post(url, json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                    assert "endpoint-load-metrics" not in resp.headers
+                    assert "x-request-id" in resp.headers
+                seen = [h for h in fake.seen if h.method == "POST"][-1]
+                assert seen.headers["endpoint-load-metrics-format"] == "TEXT"
+            async with s.post(url, json=CHAT, headers={"endpoint-load-metrics-format": "TEXT"}) as resp:
+                assert resp.headers["endpoint-load-metrics"] == "TEXT named_metrics.kv_cache_usage_perc=0.4"
+        reports = proxy.metrics.registry.get_sample_value("affinity_proxy_telemetry_orca_reports_total")
+        assert reports == 3  # every report still refreshed the backend's signals
+    finally:
+        await proxy.stop()
