@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import uvloop
@@ -66,11 +67,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_config(backend_urls: Sequence[tuple[str, str]], policy: str, port: int, admin_port: int) -> Config:
-    """The built-in demo configuration: loopback listeners, debug headers on, the given backends."""
-    backends = "\n".join(f"  - {{name: {name}, url: '{url}'}}" for name, url in backend_urls)
+def demo_config(
+    backend_urls: Sequence[tuple[str, str] | tuple[str, str, str | None]], policy: str, port: int, admin_port: int,
+    grpc_port: int | None = None,
+) -> Config:
+    """The built-in demo configuration: loopback listeners, debug headers on, the given backends
+    (name, url[, gRPC address]); with `grpc_port`, the h2c/gRPC listener too."""
+    lines = []
+    for name, url, *rest in backend_urls:
+        grpc_address = rest[0] if rest else None
+        extra = f", grpc: '{grpc_address}'" if grpc_address else ""
+        lines.append(f"  - {{name: {name}, url: '{url}'{extra}}}")
+    backends = "\n".join(lines)
+    grpc_listen = f"grpc_listen: {{host: 127.0.0.1, port: {grpc_port}}}\n" if grpc_port is not None else ""
     return parse_config(
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        f"{grpc_listen}"
         f"admin: {{host: 127.0.0.1, port: {admin_port}}}\n"
         "debug_headers: true\n"
         f"routing: {{policy: {policy}}}\n"
@@ -79,12 +91,15 @@ def demo_config(backend_urls: Sequence[tuple[str, str]], policy: str, port: int,
     )
 
 
-def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, str]], policy: str, model: str) -> str:
+def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, ...]], policy: str, model: str,
+                grpc_address: str | None = None) -> str:
     lines = [
         f"affinity-proxy demo: {len(backends)} simulated backends, policy {policy}",
-        *(f"  backend {name:<8} {url}" for name, url in backends),
+        *(f"  backend {b[0]:<8} {b[1]}" + (f"   gRPC {b[2]}" if len(b) > 2 and b[2] else "") for b in backends),
         "",
         f"proxy  {proxy_url}   (OpenAI-compatible: /v1/chat/completions, /v1/completions, /v1/models)",
+        *([f"gRPC   {grpc_address}   (h2c: affinity.v1.Generation, KServe v2 ModelInfer, grpc.health.v1)"]
+          if grpc_address else []),
         f"admin  {admin_url}/admin/backends   {admin_url}/metrics",
         "",
         "try it (the x-affinity-backend response header names the backend that answered):",
@@ -101,9 +116,35 @@ def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, st
         "print()",
         "PY",
         "",
+        *(demo_grpc_example(grpc_address, model) if grpc_address else []),
         "Ctrl-C stops the proxy and the backends.",
     ]
     return "\n".join(lines)
+
+
+def demo_grpc_example(grpc_address: str, model: str) -> list[str]:
+    """The banner's gRPC lines: a grpcio call on the committed message classes (no codegen step), and
+    grpcurl for those who have it (the proxy serves no reflection, so it reads the .proto)."""
+    proto = Path(__file__).resolve().parent / "protos" / "generate.proto"
+    return [
+        "gRPC (grpcio; each call is routed on its own, reply.backend names the backend):",
+        f"{sys.executable} - <<'PY'",
+        "import grpc",
+        "from proxy.protos import generate_pb2 as pb",
+        f"channel = grpc.insecure_channel(\"{grpc_address}\")",
+        "generate = channel.unary_unary(\"/affinity.v1.Generation/Generate\",",
+        "    request_serializer=pb.GenerateRequest.SerializeToString,",
+        "    response_deserializer=pb.GenerateResponse.FromString)",
+        f"reply = generate(pb.GenerateRequest(model=\"{model}\", prompt=\"Tell me about KV caches.\",",
+        "    max_tokens=16), timeout=30)",
+        "print(reply.backend, reply.text)",
+        "PY",
+        "",
+        "  or: grpcurl -plaintext -import-path " + str(proto.parent) + " -proto generate.proto \\",
+        f"        -d '{{\"model\": \"{model}\", \"prompt\": \"Hello!\", \"max_tokens\": 16}}' \\",
+        f"        {grpc_address} affinity.v1.Generation/Generate",
+        "",
+    ]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -112,14 +153,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from proxy.app import AffinityProxy
 
     async def main() -> None:
-        fleet = await start_fleet(args.backends, host="127.0.0.1", port=0)
+        grpc_on = args.grpc_port >= 0
+        fleet = await start_fleet(args.backends, host="127.0.0.1", port=0, grpc_port=0 if grpc_on else None)
         try:
-            backends = [(s.name, s.url) for s in fleet.servers]
-            config = demo_config(backends, args.policy, args.port, args.admin_port)
+            backends = [(s.name, s.url, s.grpc_address) for s in fleet.servers]
+            config = demo_config(backends, args.policy, args.port, args.admin_port,
+                                 args.grpc_port if grpc_on else None)
             proxy = AffinityProxy(config)
             async def announce() -> None:
                 model = fleet.servers[0].backend.engine.model_name
-                print(demo_banner(proxy.http_url, proxy.admin_url, backends, args.policy, model), flush=True)
+                grpc_address = proxy.grpc.address if proxy.grpc is not None else None
+                print(demo_banner(proxy.http_url, proxy.admin_url, backends, args.policy, model, grpc_address),
+                      flush=True)
 
             proxy.add_task("demo-banner", announce)
             await proxy.serve_until_signal()
@@ -156,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
     p.add_argument("--port", type=int, default=8080, help="proxy port (default 8080; 0 = any free port)")
     p.add_argument("--admin-port", type=int, default=9090, help="admin port (default 9090; 0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=8081,
+                   help="h2c/gRPC listener port (default 8081; 0 = any free port; -1 = no gRPC)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_demo)
 

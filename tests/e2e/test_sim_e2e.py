@@ -179,7 +179,7 @@ async def test_sigterm_during_streams_loses_none(fleet: Fleet, tmp_path: Path) -
 
 
 async def test_curl_through_the_demo() -> None:
-    proc = _start_cli("demo", "--backends", "2", "--port", "0", "--admin-port", "0")
+    proc = _start_cli("demo", "--backends", "2", "--port", "0", "--admin-port", "0", "--grpc-port", "0")
     try:
         assert proc.stdout is not None
         banner: list[str] = []
