@@ -76,6 +76,7 @@ class Call:
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
         "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "excluded", "timer", "route_key", "summary", "grpc_status", "failure", "admission",
+        "deadline",
     )
 
     def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
@@ -122,6 +123,7 @@ class Call:
         self.grpc_status = UNKNOWN
         self.failure: Outcome | None = None  # how the backend failed this call, for outlier detection
         self.admission: asyncio.Task[None] | None = None  # waiting in the overload queue
+        self.deadline: asyncio.TimerHandle | None = None  # the client's grpc-timeout, enforced here too
 
     # ------------------------------------------------------------------------------ client -> proxy
 
@@ -161,6 +163,14 @@ class Call:
         self.grpc_status = CANCELLED
         self._finish(remove_down=True)
 
+    def _deadline_expired(self) -> None:
+        self.deadline = None
+        if self.state == _DONE:
+            return
+        where = {_HOLD: "waiting for the first message", _WAIT_CONN: "before the call reached a backend",
+                 _RELAY: f"on backend {self.backend}" if self.backend else "in the proxy"}[self.state]
+        self.fail(DEADLINE_EXCEEDED, f"deadline exceeded ({self.timeout:g} s) {where}")
+
     def first_message_timeout(self) -> None:
         self.timer = None
         if self.state == _HOLD:
@@ -181,6 +191,11 @@ class Call:
         """Called once the request HEADERS are in."""
         if end_stream:
             self.client_ended = True
+        if self.timeout is not None:
+            # The deadline runs from the HEADERS: holding the first message, waiting in the overload queue
+            # or for a connection, retries and the relay itself all count, and a backend that ignores the
+            # grpc-timeout it was passed is stopped here.
+            self.deadline = asyncio.get_running_loop().call_later(self.timeout, self._deadline_expired)
         if self.ext is None or not self.ext.needs_message or end_stream:
             self._route()
         else:
@@ -571,6 +586,9 @@ class Call:
         if self.admission is not None:
             self.admission.cancel()
             self.admission = None
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
         ctx = self.ctx
         if self.backend is not None:
             ctx.inflight.release(self.backend, self.tokens)
