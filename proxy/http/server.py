@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import aiohttp
 from aiohttp import HttpVersion11, web
+from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
@@ -69,6 +70,55 @@ class _JsonErrorRequestHandler(RequestHandler):
                                   "bad_request")
         resp.force_close()
         return resp
+
+
+class _RawResponse:
+    """A complete HTTP/1.1 answer serialised once and sent in one `transport.write`.
+
+    Why not `web.Response`: for the common non-streaming answer (status, the backend's end-to-end headers,
+    a body of known length) aiohttp's response object, its header preparation and its StreamWriter cost
+    more CPU than the rest of the proxy's work on the request (loadtest/bench_proxy.py, concurrency 1).
+    aiohttp's request handler only needs `prepare`, `write_eof` and `keep_alive` from what a handler
+    returns. HEAD, 1xx/204/304 and HTTP/1.0 answers keep using `web.Response`.
+    """
+
+    __slots__ = ("status", "reason", "headers", "body", "keep_alive", "prepared", "_sent")
+
+    def __init__(self, status: int, reason: str, headers: Any, body: bytes, keep_alive: bool) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+        self.keep_alive = keep_alive
+        self.prepared = False
+        self._sent = False
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        if self._sent:
+            return
+        self._sent = self.prepared = True
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        headers = self.headers
+        body = self.body
+        lines = [f"HTTP/1.1 {self.status} {self.reason}\r\n"]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n")
+        if "Date" not in headers:
+            lines.append(f"Date: {rfc822_formatted_time()}\r\n")
+        if body and "Content-Type" not in headers:
+            lines.append("Content-Type: application/octet-stream\r\n")
+        lines.append(f"Content-Length: {len(body)}\r\n")
+        if not self.keep_alive:
+            lines.append("Connection: close\r\n")
+        lines.append("\r\n")
+        head = "".join(lines).encode("utf-8", "surrogateescape")  # as aiohttp's own writer does
+        transport.write(head + body if body else head)
+        request.writer.output_size += len(head) + len(body)  # tells aiohttp's error handler bytes went out
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
 
 
 class _Server(web.Server):
@@ -240,7 +290,11 @@ class HttpDataPlane:
             ctype = up.headers.get("Content-Type", "")
             sse = ctype.startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
-                return web.Response(status=up.status, reason=up.reason, body=await up.read(), headers=headers)
+                body = await up.read()
+                if method != "HEAD" and up.status >= 200 and up.status not in (204, 304) and \
+                        request.version == HttpVersion11:
+                    return _RawResponse(up.status, up.reason, headers, body, request.keep_alive)
+                return web.Response(status=up.status, reason=up.reason, body=body, headers=headers)
             return await self._relay(request, up, headers, lease, sse)
         except asyncio.CancelledError:
             lease.status = 499
