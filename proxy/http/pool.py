@@ -131,8 +131,7 @@ class Exchange:
         "_done", "_head_fut", "_error", "_timer", "_complete", "_sink_transport", "_paused", "_pieces",
     )
 
-    def __init__(self, conn: _Connection, head_only: bool) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, conn: _Connection, head_only: bool, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = conn
         self.method_head = head_only
         self.status = 0
@@ -153,7 +152,7 @@ class Exchange:
         self._pieces: deque[bytes] | None = None
         self._piece_waiter: asyncio.Future[None] | None = None
         self._head_fut: asyncio.Future[None] = loop.create_future()
-        self._done: asyncio.Future[None] = loop.create_future()
+        self._done: asyncio.Future[None] | None = None  # made only if read() must wait for the body
         self._error: BaseException | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._complete = False
@@ -319,8 +318,9 @@ class Exchange:
         w = self._piece_waiter
         if w is not None and not w.done():
             w.set_result(None)
-        if not self._done.done():
-            self._done.set_result(None)
+        done = self._done
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
         if self._complete or self._error is not None:
@@ -329,7 +329,7 @@ class Exchange:
         if self._timer is not None:
             self._timer.cancel()
         for fut in (self._head_fut, self._done):
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(exc)
                 fut.exception()  # retrieved: whoever awaits it next re-raises it; nobody awaiting is fine
         w = self._piece_waiter
@@ -355,7 +355,12 @@ class Exchange:
 
     async def read(self) -> bytes:
         """The whole (de-chunked) body."""
-        await self._done
+        if not self._complete:
+            if self._error is not None:
+                raise self._error
+            if self._done is None:
+                self._done = asyncio.get_running_loop().create_future()
+            await self._done
         parts = self._parts
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -606,9 +611,10 @@ class UpstreamPool:
         returns once the response head arrived. The caller must `release()` the exchange."""
         b = self.backend(url)
         conn = await self._acquire(b)
-        ex = Exchange(conn, head_only)
+        loop = asyncio.get_running_loop()
+        ex = Exchange(conn, head_only, loop)
         conn.exchange = ex
-        ex._timer = asyncio.get_running_loop().call_later(self.request_timeout_s, ex.timeout)
+        ex._timer = loop.call_later(self.request_timeout_s, ex.timeout)
         assert conn.transport is not None
         conn.transport.write(head + body if body else head)
         try:

@@ -14,6 +14,7 @@ connection, so the backend sees the cancellation and stops generating.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -46,6 +47,18 @@ ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/em
 RETRY_AFTER_S = "1"
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 _ORCA_ASK = ((ORCA_FORMAT_HEADER.encode(), b"TEXT"),)
+
+
+def _request_ids() -> Callable[[], str]:
+    """32 hex digits: a random per-process prefix and a counter. Unique like os.urandom(16).hex(), without a
+    getrandom() system call on every request; every process (each --workers worker is a fresh interpreter)
+    draws its own prefix when it imports this module."""
+    prefix = os.urandom(8).hex()
+    counter = itertools.count()
+    return lambda: f"{prefix}{next(counter):016x}"
+
+
+_new_request_id = _request_ids()
 
 
 class _BodyTooLarge(Exception):
@@ -176,7 +189,7 @@ class HttpDataPlane:
                 "invalid_request_error", "headers_too_large",
             )
         headers = request.headers
-        request_id = headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = headers.get("x-request-id") or _new_request_id()
         path = request.path
         method = request.method
         session_key = headers.get(self.session_header) if self.session_header else None
