@@ -58,6 +58,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
+from proxy.core.work_ledger import WorkLedger
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -80,7 +81,7 @@ class _Ring:
     """
 
     __slots__ = ("names", "seeds", "weights", "uniform", "members", "info", "routable", "routable_w",
-                 "score_sum", "score_n", "indexes")
+                 "score_sum", "score_n", "indexes", "adapters")
 
     def __init__(self, states: list[BackendState]) -> None:
         self.names = [s.name for s in states]
@@ -98,6 +99,12 @@ class _Ring:
         self.score_sum = sum(fresh)
         self.score_n = len(fresh)
         self.indexes: list[PrefixIndex] | None = None  # filled by the policy that owns the indexes
+        # name -> LoRA adapters its fresh telemetry reports loaded (absent: no fresh telemetry)
+        self.adapters = {
+            s.name: s.signals.loaded_adapters
+            for s in states
+            if s.signals is not None and telemetry_score(s) is not None
+        }
 
     def scores(self, key: int) -> list[float]:
         """Higher is better. Weighted: w / -ln(u) gives backend i a share w_i / sum(w) of the keys."""
@@ -128,6 +135,9 @@ class AffinityPolicy:
         self._snapshot: Snapshot | None = None
         self._rings: dict[str | None, _Ring] = {}
         self._bound_factor = 1.0 + a.epsilon
+        self._work = WorkLedger()
+        self._cost_factor = 1.0 + a.cost_epsilon
+        self._block_tokens = a.block_bytes / BYTES_PER_TOKEN_ESTIMATE
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -157,6 +167,7 @@ class AffinityPolicy:
         for name in gone:
             del indexes[name]
             self._exact.discard_value(name)
+            self._work.discard(name)
 
     def _ring(self, snapshot: Snapshot, model: str | None) -> _Ring:
         ring = self._rings.get(model)
@@ -255,9 +266,16 @@ class AffinityPolicy:
                 blocks = self._fp.blocks(keys)
             return blocks
 
-        chosen, reason = self._bounded(
-            primary, reason, ring, scores, top, snapshot, inflight, exclude, req, get_blocks
+        prompt_tokens = len(keys.data) / BYTES_PER_TOKEN_ESTIMATE
+        if reason is Reason.EXACT_HIT:
+            matched = -1  # the whole prompt is cached there
+        elif reason is not Reason.PREFIX_HIT:
+            matched = -2  # not looked up yet
+        chosen, reason, matched = self._bounded(
+            primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
+            get_blocks,
         )
+        self._work.record(chosen, self._uncached(prompt_tokens, matched))
         if record_exact:
             self._exact.put(keys.fingerprint, primary)
         if reason is not Reason.EXACT_HIT:
@@ -272,15 +290,23 @@ class AffinityPolicy:
             reason,
             self.name,
             self._alternates(chosen, ring, scores, top, exclude),
-            matched if chosen == primary else 0,
+            max(matched, 0),
         )
 
     # ------------------------------------------------------------------------------------ bounded load
+
+    def _uncached(self, prompt_tokens: float, matched: int) -> float:
+        """Estimated prompt tokens a backend holding `matched` leading blocks must still prefill."""
+        if matched == -1:
+            return 0.0
+        return max(0.0, prompt_tokens - max(matched, 0) * self._block_tokens)
 
     def _bounded(
         self,
         primary: str,
         reason: Reason,
+        matched: int,
+        prompt_tokens: float,
         ring: _Ring,
         scores: list[float],
         top: list[int],
@@ -289,8 +315,12 @@ class AffinityPolicy:
         exclude: frozenset[str],
         req: RequestSummary,
         get_blocks: Callable[[], list[int]],
-    ) -> tuple[str, Reason]:
-        """Apply the bounded-load rule to `primary`; the chosen backend and the decision's reason."""
+    ) -> tuple[str, Reason, int]:
+        """Apply the bounded-load rule and the cost check to `primary`.
+
+        Returns the chosen backend, the decision's reason and the prefix blocks it holds (-1: the whole
+        prompt, an exact hit).
+        """
         a = self._a
         info = ring.info
         get = inflight.get
@@ -322,38 +352,76 @@ class AffinityPolicy:
                 return False
             return r + 1 <= math.ceil(share * w - 1e-9)
 
-        def usable(name: str) -> bool:
-            return info[name][0] and name not in exclude
+        names = ring.names
+        pending = self._work.pending
+        block_tokens = self._block_tokens
+        idxs: list[PrefixIndex] | None = None
+        uw = a.uncached_weight
+        adapter = req.adapter
+        loaded = ring.adapters
+        miss = float(a.adapter_miss_tokens) if adapter is not None else 0.0
 
-        if usable(primary):
+        def adapter_cost(name: str) -> float:
+            """The shared LoRA pool: a backend whose fresh telemetry does not list the request's adapter
+            as loaded must load it first (tokens of prefill it is worth); unknown telemetry, no penalty."""
+            if not miss:
+                return 0.0
+            have = loaded.get(name)
+            return miss if have is not None and adapter not in have else 0.0
+
+        def cheapest(limit: float) -> tuple[int, int]:
+            """The admissible backend other than `primary` with the lowest estimated cost (its queued
+            prefill plus this prompt's uncached tokens there, per unit of weight) below `limit`; ties go
+            to the higher rendezvous rank. (-1, 0) if none."""
+            nonlocal idxs
+            best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
+            chain: list[int] | None = None
+            for i, name in enumerate(names):
+                if name == primary or not can_take(name):
+                    continue
+                w = info[name][1]
+                queued = pending(name, get(name))
+                # A lower bound of the cost first (the whole prompt cached): most candidates stop here.
+                if queued / w > best_c or (queued / w == best_c and scores[i] < best_s):
+                    continue
+                if chain is None:
+                    chain = get_blocks()
+                    idxs = self._ring_indexes(ring)
+                m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]
+                c = (queued + uw * max(0.0, prompt_tokens - m * block_tokens) + adapter_cost(name)) / w
+                if c < best_c or (c == best_c and scores[i] > best_s):
+                    best_i, best_m, best_c, best_s = i, m, c, scores[i]
+            return best_i, best_m
+
+        if info[primary][0] and primary not in exclude:
             if can_take(primary):
-                return primary, reason
+                if not a.cost_aware:
+                    return primary, reason, matched
+                if matched == -2:
+                    chain = get_blocks()
+                    m = self._indexes[primary].match(chain, 1) if chain else 0
+                    matched = m
+                w = info[primary][1]
+                cost = (
+                    pending(primary, get(primary)) + uw * self._uncached(prompt_tokens, matched)
+                    + adapter_cost(primary)
+                ) / w
+                # Leave the affine backend only for one clearly cheaper: (1 + cost_epsilon) x cheaper plus
+                # cost_slack_tokens, so that near-equal fleets keep the deterministic hash placement.
+                limit = (cost - a.cost_slack_tokens) / self._cost_factor
+                if limit > 0:
+                    best_i, best_m = cheapest(limit)
+                    if best_i >= 0:
+                        return names[best_i], Reason.OVERLOAD_FALLBACK, best_m
+                return primary, reason, matched
             fallback = Reason.OVERLOAD_FALLBACK
         else:
             fallback = Reason.UNHEALTHY_FALLBACK
-        names = ring.names
-        # Cache-aware fallback: of the backends that can take it, the one holding the longest prefix of the
-        # prompt (ties: rendezvous order); without a worthwhile match, the next in rendezvous order.
-        chain = get_blocks()
-        if len(chain) >= a.min_prefix_blocks:
-            idxs = self._ring_indexes(ring)
-            best_i, best_m, best_s = -1, a.min_prefix_blocks, -1.0
-            for i in holding(idxs, chain[a.min_prefix_blocks - 1]):
-                name = names[i]
-                if name == primary:
-                    continue
-                m = idxs[i].match(chain, best_m if scores[i] > best_s else best_m + 1)
-                if m and can_take(name):
-                    best_i, best_m, best_s = i, m, scores[i]
-            if best_i >= 0:
-                return names[best_i], fallback
-        for i in top:
-            if names[i] != primary and can_take(names[i]):
-                return names[i], fallback
-        if len(top) < len(names):
-            for i in sorted(range(len(names)), key=scores.__getitem__, reverse=True)[len(top) :]:
-                if names[i] != primary and can_take(names[i]):
-                    return names[i], fallback
+        # The primary cannot take it: the cheapest admissible backend (the KV it holds of the prompt
+        # saves part of the prefill; ties in rendezvous order).
+        best_i, best_m = cheapest(math.inf)
+        if best_i >= 0:
+            return names[best_i], fallback, best_m
         # Everything eligible is saturated: the least-loaded one, by telemetry plus in-flight work.
         load_cfg = self._cfg.load
         states = [b for n in names_now if (b := snapshot.get(n)) is not None]
@@ -362,7 +430,7 @@ class AffinityPolicy:
             states,
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
-        return best.name, fallback
+        return best.name, fallback, 0
 
     def _alternates(
         self, chosen: str, ring: _Ring, scores: list[float], top: list[int], exclude: frozenset[str]

@@ -76,7 +76,7 @@ class AffinityConfig:
     # Bounded-load slack (Mirrokni et al., "Consistent Hashing with Bounded Loads"): a backend takes new
     # affine work only while its in-flight requests stay within ceil((1+epsilon) * fair share), and its
     # load score within (1+epsilon) * fleet mean (+ overload_margin).
-    epsilon: float = field(default=0.25, metadata={"gt": 0.0})
+    epsilon: float = field(default=0.5, metadata={"gt": 0.0})
     # Prefix block size in prompt bytes; the default is justified in proxy/core/fingerprint.py.
     block_bytes: int = field(default=256, metadata={"ge": 16})
     # A prefix match shorter than this many blocks is not worth leaving the hash home for.
@@ -95,13 +95,26 @@ class AffinityConfig:
     index_max_blocks: int = field(default=65536, metadata={"ge": 1})
     # Index slots per KV-capacity block: >1 remembers a little more than the cache can hold, because the
     # proxy's byte blocks only approximate the engine's token blocks.
-    index_capacity_factor: float = field(default=1.0, metadata={"gt": 0.0})
+    index_capacity_factor: float = field(default=2.0, metadata={"gt": 0.0})
     # Cap, in blocks, on the distinguishing prefix hashed for prompts without chat structure.
     hash_prefix_max_blocks: int = field(default=64, metadata={"ge": 1})
     # Load score at or above which a backend is saturated and gets no affine work.
     saturation: float = field(default=0.95, metadata={"gt": 0.0})
     # Absolute slack added to (1+epsilon) * mean load score, so near-idle fleets do not flap on noise.
     overload_margin: float = field(default=0.1, metadata={"ge": 0.0})
+    # Cost check on top of the bounded-load rule: a request's estimated cost on a backend is the prefill
+    # queued there (uncached prompt tokens of its in-flight requests, see proxy/core/work_ledger.py) plus
+    # this prompt's tokens that backend does not hold. The affine choice is kept unless another admissible
+    # backend is cheaper by more than a factor (1 + cost_epsilon) plus cost_slack_tokens.
+    # Uncached tokens weigh `uncached_weight` x queued ones: moving a request off the backend holding its
+    # prefix costs its own prefill now, and again the KV duplicated on a second GPU evicts other prompts.
+    # A LoRA request on a backend whose telemetry does not list its adapter as loaded costs
+    # `adapter_miss_tokens` more (the design's shared LoRA pool: prefer where the adapter already is).
+    cost_aware: bool = True
+    cost_epsilon: float = field(default=0.25, metadata={"ge": 0.0})
+    cost_slack_tokens: int = field(default=8192, metadata={"ge": 0})
+    uncached_weight: float = field(default=3.0, metadata={"ge": 0.0})
+    adapter_miss_tokens: int = field(default=2048, metadata={"ge": 0})
     # Keep requests carrying the session header on one backend (hash of the session key).
     session_affinity: bool = True
 

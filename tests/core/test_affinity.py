@@ -327,7 +327,7 @@ def test_removed_backend_is_forgotten_by_the_learned_state():
 
 
 def test_index_is_sized_from_reported_kv_capacity_and_bounded():
-    cfg = AffinityConfig(index_blocks=1000, index_max_blocks=5000)
+    cfg = AffinityConfig(index_blocks=1000, index_max_blocks=5000, index_capacity_factor=1.0)
     pol = AffinityPolicy(RoutingConfig(affinity=cfg))
     snap = fresh(fleet(2), {"gpu-0": 0.1}, kv_capacity_tokens=64_000)  # 64k tokens * 4 B / 256 B = 1000
     pol.pick(prompt("x"), snap, {})
