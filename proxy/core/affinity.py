@@ -15,12 +15,19 @@ Then the **bounded-load rule** (Mirrokni, Thorup, Zadimoghaddam, "Consistent Has
 on that primary choice: it must be routable and not excluded (else UNHEALTHY_FALLBACK), not saturated
 (its `max_inflight` reached or telemetry score >= `saturation`), and within the bound: its in-flight
 requests + 1 <= ceil((1+ε) · (fleet in-flight + 1) · weight/total weight), and its fresh telemetry score
-<= (1+ε) · fleet mean + `overload_margin` (else OVERLOAD_FALLBACK). A primary that fails goes to the
-backend that passes and holds the longest prefix of the prompt (at least `min_prefix_blocks`; the KV there
-still saves part of the prefill), else to the next backend in the prompt's rendezvous order that passes;
-if none passes, to the least-loaded eligible backend. (Measured with loadtest.replay on the Mooncake sample,
-4 backends: the cache-aware fallback raised the prefix-cache hit ratio from 16% to 19% and cut TTFT p99
-by 9% against a plain next-in-hash-order fallback.)
+<= (1+ε) · fleet mean + `overload_margin` (else OVERLOAD_FALLBACK).
+
+Then the **cost check** (`cost_aware`): request counts cannot see that one request is a 90k-token document
+and the next a 500-token chat turn, and a request's time to first token is the prefill queued ahead of it
+plus its own uncached prefill. A backend's cost for this request is the uncached prompt tokens of what this
+policy sent it that are still in flight (`WorkLedger`) plus `uncached_weight` x the prompt tokens it does
+not hold (from its prefix index) plus `adapter_miss_tokens` when its fresh telemetry does not list the
+request's LoRA adapter, per unit of weight. An admissible primary is kept unless another admissible
+backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`): a near-equal fleet keeps
+the deterministic placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). A
+primary that fails the bound goes to the cheapest admissible backend (ties in rendezvous order); if none
+is admissible, to the least-loaded eligible backend. (Measured with loadtest.replay on the Mooncake
+sample, 4 backends, ~75% busy: see loadtest/results/affinity-tuning.md.)
 Since some backend is always at or below its fair in-flight share, the in-flight bound is always
 satisfiable: no backend ever receives work beyond ceil((1+ε)·mean).
 
