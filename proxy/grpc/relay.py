@@ -58,6 +58,8 @@ UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
 
+NO_BACKEND_PUSHBACK_S = 1  # as the HTTP data plane's Retry-After when no backend is available
+
 _HOLD, _WAIT_CONN, _RELAY, _DONE = 0, 1, 2, 3
 _CANCEL = h2.errors.ErrorCodes.CANCEL
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
@@ -282,9 +284,14 @@ class Call:
             self.fail(UNAVAILABLE, self.retry_reason)
             return
         # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
-        # client should back off; everything else (503) is UNAVAILABLE.
-        code = RESOURCE_EXHAUSTED if getattr(err, "status", None) == 429 else UNAVAILABLE
-        self.fail(code, f"no backend available: {err}" if str(err) else "no backend available")
+        # client should back off; everything else (503) is UNAVAILABLE. Both carry grpc-retry-pushback-ms,
+        # gRPC's Retry-After: a client with a retry policy waits that long before its next attempt (the
+        # HTTP data plane's Retry-After values: overload.retry_after_s, or 1 s when no backend is up).
+        overloaded = isinstance(err, Overloaded)
+        code = RESOURCE_EXHAUSTED if overloaded and err.status == 429 else UNAVAILABLE
+        pushback_s = err.retry_after_s if overloaded else NO_BACKEND_PUSHBACK_S
+        self.fail(code, f"no backend available: {err}" if str(err) else "no backend available",
+                  ((b"grpc-retry-pushback-ms", str(int(pushback_s * 1000)).encode()),))
 
     def _picked(self, name: str, address: str, summary: RequestSummary) -> None:
         ctx = self.ctx
@@ -546,8 +553,9 @@ class Call:
 
     # ---------------------------------------------------------------------------------------- ending
 
-    def fail(self, code: int, message: str) -> None:
-        """End the client stream with a gRPC status (trailers-only when nothing was sent yet)."""
+    def fail(self, code: int, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """End the client stream with a gRPC status (trailers-only when nothing was sent yet); `extra`
+        trailers go with it."""
         if self.state == _DONE:
             return
         if self.pool is not None and self.up is None:
@@ -556,7 +564,7 @@ class Call:
             self.up.reset(self.uid, _CANCEL)
             self.up = None
         self.grpc_status = code
-        status = [(b"grpc-status", str(code).encode()), (b"grpc-message", grpc_message(message))]
+        status = [(b"grpc-status", str(code).encode()), (b"grpc-message", grpc_message(message)), *extra]
         down = self.down
         try:
             if not self.headers_sent:
