@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from loadtest.harness import FleetSpec, Proc, start_fleet_process, start_proxy_process, temp_workdir
 from loadtest.peers import Peer, parse_peers, start_peer
 from loadtest.report import design_comparison, summarize, write_report
+from loadtest.replay import parse_profile_sets
 from loadtest.run import RunConfig, RunResult, add_workload_args, prepare_workload, run_workload
 from loadtest.workloads import Workload
 
@@ -52,7 +53,10 @@ def target_check(summaries: Sequence[dict[str, Any]]) -> str:
         if "cache_aware" in label and s["ttft_p99"] and a["ttft_p99"]:
             row(f"p99 TTFT below {label}", f"{a['ttft_p99'] * 1000:.0f} ms vs {s['ttft_p99'] * 1000:.0f} ms", a["ttft_p99"] < s["ttft_p99"])
     if a["gpu_util_std"] is not None:
-        row("GPU utilisation std-dev < 5 points", f"{a['gpu_util_std'] * 100:.1f} points", a["gpu_util_std"] < 0.05)
+        row("GPU utilisation std-dev < 5 points (per 10 s window, averaged)", f"{a['gpu_util_std'] * 100:.1f} points", a["gpu_util_std"] < 0.05)
+    if a.get("gpu_util_std_whole_run") is not None:
+        w = a["gpu_util_std_whole_run"]
+        row("GPU utilisation std-dev < 5 points (whole run)", f"{w * 100:.1f} points", w < 0.05)
     return "\n".join(rows) + "\n"
 
 
@@ -89,7 +93,8 @@ async def run_target(
     peer: Peer | None = None,
 ) -> RunResult:
     fleet = await start_fleet_process(
-        FleetSpec(backends=args.backends, profile=args.profile, max_model_len=args.max_model_len, seed=args.seed),
+        FleetSpec(backends=args.backends, profile=args.profile, max_model_len=args.max_model_len, seed=args.seed,
+                  profile_sets=tuple(args.profile_set)),
         workdir,
     )
     router: Proc | None = None
@@ -111,6 +116,7 @@ async def run_target(
         result.meta["loadavg_before"] = load0
         result.meta["loadavg_after"] = os.getloadavg()
         result.meta["router"] = {"policy": policy, "peer": peer.label if peer else None, **router.info}
+        result.meta["sim_profile"] = fleet.info.get("profile")
         return result
     finally:
         if router is not None:
@@ -164,6 +170,7 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
                 continue
             rc = ReplayConfig(policy=policy, backends=args.backends, profile=args.profile,
                               max_model_len=args.max_model_len, speed=args.speed, model="llama3-8b",
+                              profile_overrides=tuple(parse_profile_sets(args.profile_set).items()),
                               epsilon=args.epsilon if args.epsilon is not None else 0.25, seed=args.seed)
             t0 = time.perf_counter()
             r = await replay(workload, rc)
@@ -175,7 +182,7 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     from loadtest.replay import isolated_ttfts, make_profile
     from loadtest.stats import percentile
 
-    floor = isolated_ttfts(workload, make_profile(args.profile, args.max_model_len))
+    floor = isolated_ttfts(workload, make_profile(args.profile, args.max_model_len, parse_profile_sets(args.profile_set)))
     floor_line = (
         f"TTFT floor of this window (each prompt alone on an idle {args.profile} with an empty cache, from the "
         f"simulator's engine model): p50 {(percentile(floor, 50) or 0) * 1000:.0f} ms, p99 "
@@ -185,7 +192,8 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
     command = "python -m loadtest.compare " + " ".join(shlex.quote(a) for a in argv if a != "--rebuild")
     preface = (
         f"Command: `{command}`\n\n"
-        f"Fleet: {args.backends} simulated `{args.profile}` servers (max_model_len {args.max_model_len}), a fresh fleet "
+        f"Fleet: {args.backends} simulated `{args.profile}` servers (max_model_len {args.max_model_len}"
+        f"{', ' + ', '.join(args.profile_set) if args.profile_set else ''}), a fresh fleet "
         f"(cold caches) per column; open loop at --speed {args.speed}. Machine: 2 shared cores; numbers are from one run "
         f"each, so compare ratios, not absolutes. Load average before/after each run is in report.json (meta)."
     )
@@ -214,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--profile", default="llama3-8b-h100")
     ap.add_argument("--max-model-len", type=int, default=131072, help="simulated context limit (Llama-3.1-8B: 131072)")
+    ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a simulator profile field for the fleet and the replays, e.g. mfu_prefill=0.55")
     ap.add_argument("--speed", type=float, default=1.0)
     ap.add_argument("--epsilon", type=float, default=None, help="affinity bounded-load epsilon (default: the proxy's)")
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -110,6 +110,7 @@ class FleetSpec:
     model_name: str = "llama3-8b"
     seed: int = 0
     adapters: tuple[str, ...] = ()
+    profile_sets: tuple[str, ...] = ()  # KEY=VALUE overrides of Profile fields
 
 
 async def start_fleet_process(spec: FleetSpec, workdir: Path) -> Proc:
@@ -121,6 +122,8 @@ async def start_fleet_process(spec: FleetSpec, workdir: Path) -> Proc:
         argv += ["--max-model-len", str(spec.max_model_len)]
     for a in spec.adapters:
         argv += ["--lora", a]
+    for kv in spec.profile_sets:
+        argv += ["--profile-set", kv]
     proc = spawn("fleet", argv, workdir)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -138,19 +141,19 @@ async def start_fleet_process(spec: FleetSpec, workdir: Path) -> Proc:
 
 
 async def _serve_fleet(args: argparse.Namespace) -> None:
+    from loadtest.replay import make_profile, parse_profile_sets
     from loadtest.sim.fleet import start_fleet
-    from loadtest.sim.profiles import get_profile
 
-    profile = get_profile(args.profile)
-    if args.max_model_len:
-        # Llama-3.1-8B has Llama-3-8B's architecture with a 128k context: long-context traces need it.
-        profile = profile.with_overrides(model=replace(profile.model, max_model_len=args.max_model_len))
+    # max_model_len: Llama-3.1-8B has Llama-3-8B's architecture with a 128k context; long traces need it.
+    profile = make_profile(args.profile, args.max_model_len, parse_profile_sets(args.profile_set))
     fleet = await start_fleet(
         args.backends, host="127.0.0.1", port=0, profile=profile, speed=args.speed, seed=args.seed,
         model_name=args.model_name, adapters=tuple(args.lora),
     )
     servers = [{"name": s.name, "url": s.url} for s in fleet.servers]
-    print(json.dumps({"servers": servers, "pid": os.getpid()}), flush=True)
+    factors = {k: getattr(profile, k) for k in ("mfu_prefill", "mbu_decode", "step_overhead_s", "per_seq_overhead_s",
+                                                  "gpu_memory_utilization", "max_num_batched_tokens")}
+    print(json.dumps({"servers": servers, "pid": os.getpid(), "profile": factors}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -202,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     f.add_argument("--model-name", default="llama3-8b")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--lora", action="append", default=[])
+    f.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     import uvloop
 

@@ -102,6 +102,7 @@ class ReplayConfig:
     backends: int = 4
     profile: str = "llama3-8b-h100"
     max_model_len: int | None = None  # e.g. 131072 for Llama-3.1-8B (same architecture, 128k context)
+    profile_overrides: tuple[tuple[str, float], ...] = ()  # Profile fields, e.g. (("mfu_prefill", 0.55),)
     speed: float = 1.0
     model: str = "llama3-8b"
     adapters: tuple[str, ...] = ()
@@ -116,10 +117,27 @@ class ReplayConfig:
     sample_s: float = 1.0
 
 
-def make_profile(name: str, max_model_len: int | None) -> Profile:
+def parse_profile_sets(items: Sequence[str]) -> dict[str, float]:
+    """``KEY=VALUE`` pairs for Profile fields (e.g. ``mfu_prefill=0.55``): what-ifs on the hardware model,
+    and a way to replay a past live run with the simulator settings it ran with."""
+    out: dict[str, float] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--profile-set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+    return out
+
+
+def make_profile(name: str, max_model_len: int | None, overrides: dict[str, float] | None = None) -> Profile:
     p = get_profile(name)
     if max_model_len:
         p = p.with_overrides(model=replace(p.model, max_model_len=max_model_len))
+    if overrides:
+        unknown = [k for k in overrides if not hasattr(p, k) or k in ("model", "gpu", "name")]
+        if unknown:
+            raise ValueError(f"unknown profile field(s) {unknown}")
+        p = p.with_overrides(**overrides)
     return p
 
 
@@ -135,7 +153,7 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
 
 async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
-    profile = make_profile(cfg.profile, cfg.max_model_len)
+    profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
     names = [f"gpu-{i}" for i in range(cfg.backends)]
     backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters) for i, n in enumerate(names)}
     specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics") for n in names]
@@ -309,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--profile", default="llama3-8b-h100")
     ap.add_argument("--max-model-len", type=int, default=131072, help="context limit of the simulated model (Llama-3.1-8B: 131072)")
+    ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a simulator profile field, e.g. mfu_prefill=0.5 (repeat)")
     ap.add_argument("--speed", type=float, default=1.0, help="time compression of the arrivals, as for loadtest.run")
     ap.add_argument("--epsilon", type=float, default=0.25)
     ap.add_argument("--block-bytes", type=int, default=256)
@@ -332,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for pol in filter(None, (p.strip() for p in args.policies.split(","))):
         cfg = ReplayConfig(
             policy=pol, backends=args.backends, profile=args.profile, max_model_len=args.max_model_len,
+            profile_overrides=tuple(parse_profile_sets(args.profile_set).items()),
             speed=args.speed, epsilon=args.epsilon, block_bytes=args.block_bytes,
             min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
             session_header=args.session_header, seed=args.seed,

@@ -33,8 +33,9 @@ Definitions:
 - Hit ratio: prefix-cache hit tokens / query tokens summed over the backends (the engines' own counters, delta over the run).
   Bound ∞: one infinite cache shared by the fleet; bound LRU: one shared LRU cache of the fleet's total KV capacity.
   Both are computed from the requests sent. hit/bound = hit ratio / LRU bound (∞ bound when capacity is unknown).
-- GPU util: each backend's busy fraction (busy-time counter) per 10 s window; std = cross-backend population std-dev per
-  window averaged over windows, in percentage points.
+- GPU util: each backend's busy fraction (busy-time counter). std "10 s": cross-backend population std-dev per 10 s
+  window, averaged over windows (imbalance that comes and goes counts); std "run": cross-backend std-dev of each
+  backend's utilisation over the whole run (lasting imbalance only). Both in percentage points.
 - p99 fluct.: coefficient of variation of the p99 TTFT of consecutive 10 s windows (by send time, windows with >= 5
   requests; at a few requests/s a window's p99 is close to its maximum); shown as ±CV. report.json also has the
   half-range ((max - min) / 2 / mean) and the same figure for end-to-end latency.
@@ -171,13 +172,15 @@ def _fmt_pct(x: float | None, sign: bool = False) -> str:
 def design_comparison(summaries: Sequence[dict[str, Any]]) -> str:
     by = {s["label"].replace("replay ", ""): s for s in summaries}
     rows = [
-        "| strategy | design: p99 fluct. | design: GPU util std | ours: policy | ours: p99 TTFT fluct. (CV / half-range) | ours: p99 e2e fluct. (CV) | ours: GPU util std (pts) |",
+        "| strategy | design: p99 fluct. | design: GPU util std | ours: policy | ours: p99 TTFT fluct. (CV / half-range) | ours: p99 e2e fluct. (CV) | ours: GPU util std, pts (10 s / run) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, policy, fl, std in DESIGN_TABLE + (("prefix affinity + bounded load (this proxy)", "affinity", "–", "–"),):
         s = by.get(policy)
         ours_fl = "not run" if s is None else f"{_fmt_pct(s['p99_fluct_cv'], True)} / {_fmt_pct(s['p99_fluct_half_range'], True)}"
         ours_std = "not run" if s is None or s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
+        if s is not None and s.get("gpu_util_std_whole_run") is not None:
+            ours_std += f" / {s['gpu_util_std_whole_run'] * 100:.1f}"
         ours_e2e = "not run" if s is None else _fmt_pct(s.get("p99_e2e_fluct_cv"), True)
         rows.append(f"| {name} | {fl} | {std} | {policy} | {ours_fl} | {ours_e2e} | {ours_std} |")
     return "\n".join(rows) + "\n"
@@ -186,13 +189,15 @@ def design_comparison(summaries: Sequence[dict[str, Any]]) -> str:
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
     head = (
         "| policy | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | e2e p99 ms | hit ratio | bound ∞ / LRU | hit/bound "
-        "| GPU util mean | GPU util std (pts) | p99 fluct. | errors | router CPU: % core, µs/req |\n"
+        "| GPU util mean | GPU util std, pts (10 s / run) | p99 fluct. | errors | router CPU: % core, µs/req |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
         bound = f"{_pct(s['bound_inf'], 0)} / {_pct(s['bound_lru'], 0)}"
         std = "–" if s["gpu_util_std"] is None else f"{s['gpu_util_std'] * 100:.1f}"
+        if s.get("gpu_util_std_whole_run") is not None:
+            std += f" / {s['gpu_util_std_whole_run'] * 100:.1f}"
         cpu = "–" if s["proxy_cpu_us_per_req"] is None else (
             f"{(s['proxy_cpu_cores'] or 0) * 100:.1f}%, {s['proxy_cpu_us_per_req']:.0f}"
         )
