@@ -54,6 +54,9 @@ class RelayContext:
                 connection_window_bytes=options.connection_window_bytes,
                 max_connections_per_backend=options.max_connections_per_backend,
                 connect_timeout_s=config.timeouts.connect_s,
+                ping_interval_s=options.upstream_ping_interval_s,
+                ping_timeout_s=options.upstream_ping_timeout_s,
+                idle_timeout_s=options.upstream_idle_timeout_s,
             ),
             self.flusher,
         )
@@ -165,6 +168,7 @@ class GrpcListener:
             reuse_port=proxy.reuse_port or None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        ctx.pools.start()
         log.info("gRPC/h2c listener on %s", self.address)
 
     async def stop(self) -> None:

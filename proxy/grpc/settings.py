@@ -74,6 +74,16 @@ class GrpcOptions:
     stream_window_bytes: int = field(default=1024 * 1024, metadata={"ge": 65535, "le": 2**31 - 1})
     connection_window_bytes: int = field(default=8 * 1024 * 1024, metadata={"ge": 65535, "le": 2**31 - 1})
     max_connections_per_backend: int = field(default=16, metadata={"ge": 1})
+    # Backend connections carrying calls that have heard nothing from the backend for this long get a PING;
+    # one that does not answer (no frame at all) within `upstream_ping_timeout_s` is dropped and its calls
+    # end UNAVAILABLE (or go to another backend when nothing was answered yet). 0 = no PINGs. The default
+    # matches gRPC servers' default minimum PING interval (5 min), which they enforce by GOAWAY
+    # (too_many_pings) when it is undercut; set it lower only for backends configured to allow it.
+    upstream_ping_interval_s: float = field(default=300.0, metadata={"ge": 0})
+    upstream_ping_timeout_s: float = field(default=20.0, metadata={"gt": 0})
+    # A backend connection without calls for this long is closed (GOAWAY); 0 = kept until the backend
+    # closes it.
+    upstream_idle_timeout_s: float = field(default=60.0, metadata={"ge": 0})
     # Serve the ProxyAdmin service on this listener (writes need the admin token when one is set).
     admin_service: bool = True
     # Retry a call once on another backend when its upstream connection fails before any response byte.

@@ -34,6 +34,14 @@ class Upstream(H2Side):
         self.ready = False  # the backend's SETTINGS arrived
         self.in_setup = True  # counted in the pool's `connecting` until ready or dead
         self.goaway = False  # no new streams (GOAWAY received or closing)
+        # Liveness and idleness, read by the pools' sweeper (`Pools.sweep`); the hot path only sets a flag
+        # and bumps a counter, the sweeper turns them into times.
+        self.heard = False  # some frame arrived since the last sweep
+        self.opened = 0  # streams opened so far
+        self.last_heard = 0.0
+        self.ping_sent = 0.0  # when the outstanding PING went out; 0 = none outstanding
+        self.idle_since = 0.0  # when the sweeper first saw it without calls; 0 = busy
+        self.opened_seen = 0
 
     @property
     def capacity(self) -> int:
@@ -52,6 +60,7 @@ class Upstream(H2Side):
         self.mark()
 
     def data_received(self, data: bytes) -> None:
+        self.heard = True
         try:
             events = self.receive(data)
         except h2.exceptions.ProtocolError as err:
@@ -139,6 +148,7 @@ class Upstream(H2Side):
         sid = self.conn.get_next_available_stream_id()
         self.conn.send_headers(sid, headers)
         self.calls[sid] = call
+        self.opened += 1
         self.mark()
         return sid
 
@@ -153,6 +163,37 @@ class Upstream(H2Side):
             pass
         self.mark()
         self.release(sid)
+
+    def sweep(self, now: float) -> None:
+        """Keepalive and idle reaping, once per sweeper tick (see `GrpcOptions` for the knobs)."""
+        opts = self.pool.options
+        if self.heard:
+            self.heard = False
+            self.last_heard = now
+            self.ping_sent = 0.0
+        if self.calls or self.opened != self.opened_seen:
+            self.opened_seen = self.opened
+            self.idle_since = 0.0
+        elif not self.idle_since:
+            self.idle_since = now
+        if self.ping_sent and now - self.ping_sent >= opts.ping_timeout_s:
+            log.warning("backend %s: no answer to a PING within %g s; dropping the connection",
+                        self.pool.name, opts.ping_timeout_s)
+            self._fail(f"backend {self.pool.name} stopped answering (no PING answer within "
+                       f"{opts.ping_timeout_s:g} s)")
+            return
+        if self.calls:
+            if (opts.ping_interval_s and not self.ping_sent and self.last_heard
+                    and now - self.last_heard >= opts.ping_interval_s):
+                try:
+                    self.conn.ping(b"affinity")
+                except h2.exceptions.ProtocolError:
+                    return
+                self.ping_sent = now
+                self.mark()
+        elif opts.idle_timeout_s and self.idle_since and now - self.idle_since >= opts.idle_timeout_s:
+            self.pool.discard(self)
+            self.close()
 
     def close(self) -> None:
         self.goaway = True
@@ -224,6 +265,7 @@ class BackendPool:
 
     def connection_ready(self, up: Upstream) -> None:
         up.in_setup = False
+        up.last_heard = asyncio.get_running_loop().time()
         self.connecting -= 1
         if self.closed:
             up.close()
@@ -268,6 +310,9 @@ class PoolOptions:
         "connection_window_bytes",
         "max_connections_per_backend",
         "connect_timeout_s",
+        "ping_interval_s",
+        "ping_timeout_s",
+        "idle_timeout_s",
     )
 
     def __init__(
@@ -277,12 +322,29 @@ class PoolOptions:
         connection_window_bytes: int,
         max_connections_per_backend: int,
         connect_timeout_s: float,
+        ping_interval_s: float = 0.0,
+        ping_timeout_s: float = 20.0,
+        idle_timeout_s: float = 0.0,
     ) -> None:
         self.max_concurrent_streams = max_concurrent_streams
         self.stream_window_bytes = stream_window_bytes
         self.connection_window_bytes = connection_window_bytes
         self.max_connections_per_backend = max_connections_per_backend
         self.connect_timeout_s = connect_timeout_s
+        self.ping_interval_s = ping_interval_s
+        self.ping_timeout_s = ping_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+
+    @property
+    def sweep_every_s(self) -> float | None:
+        """How often the sweeper looks: a quarter of the shortest knob in use (within 50 ms .. 5 s), so
+        an idle connection or a missing PING answer is acted on within 25% of its limit."""
+        knobs = [k for k in (self.ping_interval_s, self.idle_timeout_s) if k]
+        if self.ping_interval_s:
+            knobs.append(self.ping_timeout_s)
+        if not knobs:
+            return None
+        return min(5.0, max(0.05, min(knobs) / 4))
 
 
 class Pools:
@@ -292,6 +354,24 @@ class Pools:
         self.options = options
         self.flusher = flusher
         self._pools: dict[str, BackendPool] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the keepalive/idle sweeper (when PINGs or idle reaping are configured)."""
+        every = self.options.sweep_every_s
+        if every is not None and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(every), name="grpc-upstream-sweeper")
+
+    async def _sweep(self, every: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every)
+            self.sweep(loop.time())
+
+    def sweep(self, now: float) -> None:
+        for pool in list(self._pools.values()):
+            for up in list(pool.conns):
+                up.sweep(now)
 
     def get(self, name: str, address: str) -> BackendPool:
         pool = self._pools.get(name)
@@ -313,6 +393,9 @@ class Pools:
         return list(self._pools.values())
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()

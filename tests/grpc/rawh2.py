@@ -109,9 +109,11 @@ class RawClient(_Peer):
 
 
 class SilentBackend:
-    """An h2c server that takes every stream and never answers it."""
+    """An h2c server that takes every stream and never finishes it (with `headers_first`, it sends the
+    response HEADERS and then nothing more: a backend that hangs mid-call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers_first: bool = False) -> None:
+        self.headers_first = headers_first
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
         self.conns: list[_Peer] = []
@@ -132,6 +134,9 @@ class SilentBackend:
                 for ev in events:
                     if isinstance(ev, h2.events.RequestReceived):
                         backend.streams += 1
+                        if backend.headers_first:
+                            self.conn.send_headers(ev.stream_id, [(b":status", b"200"),
+                                                                  (b"content-type", b"application/grpc")])
                     elif isinstance(ev, h2.events.StreamReset):
                         backend.resets.append((ev.stream_id, int(ev.error_code)))
                     elif isinstance(ev, h2.events.PingReceived):
