@@ -12,8 +12,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
-import aiohttp
-
 from proxy.config import Config
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
@@ -29,6 +27,7 @@ from proxy.retry import RetryController
 
 if TYPE_CHECKING:
     from proxy.app import AffinityProxy
+    from proxy.http.server import HttpDataPlane
 
 log = logging.getLogger("affinity_proxy.grpc")
 
@@ -39,7 +38,7 @@ class RelayContext:
     """Everything calls on the listener share: options, extractors, router, pools, counters."""
 
     def __init__(self, config: Config, options: GrpcOptions, router: Router,
-                 http_session: Callable[[], aiohttp.ClientSession]) -> None:
+                 http_plane: Callable[[], "HttpDataPlane | None"]) -> None:
         loop = asyncio.get_running_loop()
         self.options = options
         self.router = router
@@ -65,7 +64,8 @@ class RelayContext:
         self.downstreams: set[Downstream] = set()
         self.max_body_bytes = config.limits.max_body_bytes
         self.http_session_header = config.routing.session_header
-        self.http_session = http_session
+        # The HTTP data plane (its relay pool, ORCA hook and retry controller) for plain HTTP/2 requests.
+        self.http_plane = http_plane
         self.retried = 0  # calls sent to another backend after a connection failure
         # The process-wide retry policy and budget (RESILIENCE's RetryController), shared with HTTP; None
         # outside a full AffinityProxy: then a failed first attempt is retried once.
@@ -145,18 +145,12 @@ class GrpcListener:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _session(self) -> aiohttp.ClientSession:
-        session = self._proxy.session
-        if session is None:
-            raise RuntimeError("the proxy's upstream session is not started")
-        return session
-
     async def start(self) -> None:
         proxy = self._proxy
         self.local = LocalServices(proxy.store, proxy.inflight, admin=self.options.admin_service,
                                    admin_token=proxy.admin_token)
         await self.local.start()
-        self.ctx = ctx = RelayContext(proxy.config, self.options, proxy.router, self._session)
+        self.ctx = ctx = RelayContext(proxy.config, self.options, proxy.router, lambda: proxy.http)
         ctx.local_pool = BackendPool(LOCAL_BACKEND, self.local.address, ctx.pools.options, ctx.flusher)
         resilience = getattr(proxy, "resilience", None)
         controller = getattr(resilience, "retries", None)

@@ -3,7 +3,7 @@
 - `create_pool`: the data plane's relay pool (proxy/http/pool.py). Every proxied request goes through it;
   it counts requests and new connections, from which the exported connection reuse ratio is derived.
 - `create_session`: an aiohttp ClientSession for the proxy's own, infrequent calls (GET /v1/models
-  fan-out, the gRPC-to-HTTP bridge, health checks that want one). Same limits and keep-alive rules: idle
+  fan-out, health checks that want one). Same limits and keep-alive rules: idle
   connections are reused for at most `upstream.keepalive_s`, below the backends' own keep-alive (see
   shared/README.md: reusing a connection the server is closing fails a POST), then closed.
 """
