@@ -413,9 +413,14 @@ class AffinityPolicy:
                     pending(primary, get(primary)) + uw * self._uncached(prompt_tokens, matched)
                     + adapter_cost(primary)
                 ) / w
-                # Leave the affine backend only for one clearly cheaper: (1 + cost_epsilon) x cheaper plus
-                # cost_slack_tokens, so that near-equal fleets keep the deterministic hash placement.
-                limit = (cost - a.cost_slack_tokens) / self._cost_factor
+                if matched > 0 or matched == -1:
+                    # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
+                    # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
+                    limit = (cost - a.cost_slack_tokens) / self._cost_factor
+                else:
+                    # New content: the hash home is only the deterministic tie-break (a near-equal fleet
+                    # keeps it); any backend cheaper by new_prompt_slack_tokens takes the prompt instead.
+                    limit = cost - a.new_prompt_slack_tokens
                 if limit > 0:
                     best_i, best_m = cheapest(limit)
                     if best_i >= 0:

@@ -105,7 +105,8 @@ class AffinityConfig:
     # Cost check on top of the bounded-load rule: a request's estimated cost on a backend is the prefill
     # queued there (uncached prompt tokens of its in-flight requests, see proxy/core/work_ledger.py) plus
     # this prompt's tokens that backend does not hold. The affine choice is kept unless another admissible
-    # backend is cheaper by more than a factor (1 + cost_epsilon) plus cost_slack_tokens.
+    # backend is cheaper by more than a factor (1 + cost_epsilon) plus cost_slack_tokens (when the affine
+    # backend holds none of the prompt: cheaper by more than new_prompt_slack_tokens).
     # Uncached tokens weigh `uncached_weight` x queued ones: moving a request off the backend holding its
     # prefix costs its own prefill now, and again the KV duplicated on a second GPU evicts other prompts.
     # A LoRA request on a backend whose telemetry does not list its adapter as loaded costs
@@ -114,6 +115,8 @@ class AffinityConfig:
     cost_epsilon: float = field(default=0.25, metadata={"ge": 0.0})
     cost_slack_tokens: int = field(default=8192, metadata={"ge": 0})
     uncached_weight: float = field(default=3.0, metadata={"ge": 0.0})
+    # A prompt that no backend holds any of leaves its hash home for any backend cheaper by this much.
+    new_prompt_slack_tokens: int = field(default=2048, metadata={"ge": 0})
     adapter_miss_tokens: int = field(default=2048, metadata={"ge": 0})
     # Keep requests carrying the session header on one backend (hash of the session key).
     session_affinity: bool = True

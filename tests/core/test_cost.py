@@ -114,3 +114,22 @@ def test_fallback_prefers_a_backend_with_the_adapter_loaded():
     # Stale telemetry says nothing about adapters: no preference either.
     stale = snap.evolve(replace(b, stale=True) for b in snap.backends)
     assert policy().pick(req, stale, {}).backend == order[1]
+
+
+def test_new_prompt_leaves_its_hash_home_for_a_cheaper_backend_beyond_the_small_slack():
+    snap = fleet(4)
+    req = prompt("a prompt no backend has seen " * 100)  # ~750 tokens
+    home = policy().pick(req, snap, {}).backend
+    idle = {n: Inflight(requests=1, tokens=0) for n in snap.names}  # every backend admissible
+    # 1,000 tokens queued at home: within new_prompt_slack_tokens (2,048), the hash placement holds.
+    d = policy().pick(req, snap, {**idle, home: Inflight(requests=1, tokens=1_000)})
+    assert d.backend == home and d.reason is Reason.HASH
+    # 3,000 tokens queued: another backend is cheaper by more than the slack and takes the new prompt.
+    d = policy().pick(req, snap, {**idle, home: Inflight(requests=1, tokens=3_000)})
+    assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+    # A prompt whose prefix a backend holds stays there with far more queued: here the ~20k-token
+    # prefill of the document itself (the ledger's newest entry), against re-prefilling it elsewhere.
+    pol = policy()
+    holder = pol.pick(prompt(DOC + "q1"), snap, {}).backend
+    d = pol.pick(prompt(DOC + "q2"), snap, {**idle, holder: Inflight(requests=1, tokens=3_000)})
+    assert d.backend == holder and d.reason is Reason.PREFIX_HIT
