@@ -23,8 +23,9 @@ plus its own uncached prefill. A backend's cost for this request is the uncached
 policy sent it that are still in flight (`WorkLedger`) plus `uncached_weight` x the prompt tokens it does
 not hold (from its prefix index) plus `adapter_miss_tokens` when its fresh telemetry does not list the
 request's LoRA adapter, per unit of weight. An admissible primary is kept unless another admissible
-backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`): a near-equal fleet keeps
-the deterministic placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). A
+backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`), or, when the primary holds
+none of the prompt, less than cost - `new_prompt_slack_tokens`: a near-equal fleet keeps the deterministic
+placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). A
 primary that fails the bound goes to the cheapest admissible backend (ties in rendezvous order); if none
 is admissible, to the least-loaded eligible backend. (Measured with loadtest.replay on the Mooncake
 sample, 4 backends, ~75% busy: see loadtest/results/affinity-tuning.md.)
