@@ -38,10 +38,11 @@ same in every worker process and every replica, with no per-process salt, and re
 backends moves only the keys whose top-ranked backend changed, ~1/N of them. The ranking is over all
 configured backends serving the model, healthy or not, so a health flap moves only the keys of the backend
 that flapped (to their next-ranked backend) and they come back when it recovers.
-The exact and prefix indexes are learned, per process: they only ever point a prompt at a backend that
-recently received it (or its prefix), and on a fresh process a prompt lands on its hash home. Two workers
-therefore agree on every prompt placed by hashing, and on repeats of it; they can differ only after a
-fallback or a prefix hit one of them saw and the other did not. The exact index records the *primary*
+The exact and prefix indexes and the work ledger are learned, per process: the indexes only ever point a
+prompt at a backend that recently received it (or its prefix), and on a fresh process with a near-equal
+fleet a prompt lands on its hash home. Two workers therefore agree on every prompt placed by hashing, and
+on repeats of it; they can differ only after a fallback (bounded load or cost check, which read the live
+in-flight work) or a prefix hit one of them saw and the other did not. The exact index records the *primary*
 choice, not the fallback, so keys shed by an overloaded backend return to it as soon as it recovers.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
