@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 from typing import TYPE_CHECKING, Any
 
 import h2.config
 import h2.connection
 import h2.settings
 import h2.stream
+import hpack.hpack
+import hpack.table
 
 if TYPE_CHECKING:
     from proxy.grpc.relay import Call
@@ -103,6 +106,25 @@ def _probe_fast_path() -> bool:
 
 
 _FAST_PATH = _probe_fast_path()
+
+
+def quiet_hpack_logging() -> bool:
+    """Give hpack h2's no-op logger while hpack's own logger is not enabled for DEBUG; True if swapped.
+
+    hpack calls ``log.debug`` several times per header field it encodes or decodes (h2 itself already
+    logs through a no-op logger). With DEBUG off each call still goes through `Logger.debug` and
+    `isEnabledFor`, which together cost about as much as the encoding: measured here, encoding and decoding
+    a grpcio request's 9 header fields takes 36 µs with hpack's logger and 19 µs without, and a unary
+    call does three such pairs. With DEBUG on (``--log-level debug`` configures the root logger first)
+    hpack keeps logging.
+    """
+    swapped = False
+    for module in (hpack.hpack, hpack.table):
+        logger = getattr(module, "log", None)
+        if isinstance(logger, logging.Logger) and not logger.isEnabledFor(logging.DEBUG):
+            module.log = h2.config.DummyLogger()  # type: ignore[attr-defined]
+            swapped = True
+    return swapped
 
 
 class H2Side(asyncio.Protocol, abc.ABC):

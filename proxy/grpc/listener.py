@@ -18,7 +18,7 @@ from proxy.core.request import RequestSummary
 from proxy.dispatch import Router
 from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.extractors import ExtractorRegistry
-from proxy.grpc.h2side import Flusher
+from proxy.grpc.h2side import Flusher, quiet_hpack_logging
 from proxy.grpc.local import LOCAL_PREFIXES, LocalServices
 from proxy.grpc.relay import Downstream
 from proxy.grpc.settings import GrpcOptions
@@ -147,6 +147,7 @@ class GrpcListener:
 
     async def start(self) -> None:
         proxy = self._proxy
+        quiet_hpack_logging()  # after logging is configured: hpack keeps its debug lines when asked for
         self.local = LocalServices(proxy.store, proxy.inflight, admin=self.options.admin_service,
                                    admin_token=proxy.admin_token)
         await self.local.start()
