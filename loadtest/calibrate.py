@@ -7,8 +7,9 @@ for the same model and GPU where such a figure exists, with the ratio sim / refe
 
 References carry their kind: "measured" (a published vLLM measurement on that GPU) or "derived" (vLLM's own
 published accounting applied to this GPU). A published figure is never bent to fit a row: where it was
-measured in another setup (vLLM's nightly latency test: 8 prompts of 32 tokens, 128 tokens out), the engine
-is run in that same setup in virtual time and that row is compared instead. A row without a reference says
+measured in another setup (vLLM's latency test: 8 prompts of 32 tokens, 128 tokens out; vLLM's offline
+throughput benchmark: 1000 prompts of 1000 tokens, 100 out), the engine is run in that same setup in virtual
+time and that row is compared instead. A row without a reference says
 so rather than inventing one; the roofline ideal (peak FLOP/s or bandwidth, no overheads) is always shown to
 bound the figure.
 """
@@ -56,6 +57,15 @@ _H100_8B: dict[str, Reference] = {
         "H100-80GB-HBM3 (InferenceBench 'Recipe: concurrency sweep', yobitelcomm.github.io/bench); "
         "consistent with 75 tok/s = 77% of roofline on an A100 40GB (johnmusgrave.com, vLLM 0.23)",
     ),
+    "offline_req_s": Reference(
+        20.72,
+        "measured",
+        "vLLM v0.4.1 on H100, benchmark_throughput.py --input-len 1000 --output-len 100 --model "
+        "meta-llama/Meta-Llama-3-8B-Instruct (defaults: 1000 prompts, ignore_eos, no prefix caching, no "
+        "chunked prefill): 'Throughput: 20.72 r[equests/s]' (vllm-project/vllm#4600, 'bump version to "
+        "v0.4.2', v0.4.1 8B section; the stored excerpt ends after '20.72 r', the unit is the script's "
+        "'requests/s' print)",
+    ),
     "latency_b8_s": Reference(
         0.997542,
         "measured",
@@ -102,6 +112,9 @@ _NO_REFERENCE = (
 
 # vLLM nightly latency-test setup, replayed in the engine for the matched-setup row.
 LATENCY_BATCH, LATENCY_PROMPT, LATENCY_OUTPUT = 8, 32, 128
+# vLLM benchmark_throughput setup of vllm-project/vllm#4600: 1000 prompts of 1000 tokens, 100 out, all queued
+# at once; that vLLM (v0.4.x) scheduled at most 256 sequences (its max_num_seqs default).
+OFFLINE_PROMPTS, OFFLINE_INPUT, OFFLINE_OUTPUT, OFFLINE_MAX_SEQS = 1000, 1000, 100, 256
 
 
 def _words(prefix: str, n: int) -> str:
@@ -175,6 +188,25 @@ def batch_latency(profile: Profile, batch: int = LATENCY_BATCH, prompt_tokens: i
     return end
 
 
+def offline_throughput(profile: Profile, n: int = OFFLINE_PROMPTS, prompt_tokens: int = OFFLINE_INPUT,
+                       output_tokens: int = OFFLINE_OUTPUT, max_num_seqs: int = OFFLINE_MAX_SEQS) -> float:
+    """Requests per second when `n` distinct prompts are queued at once and all run to `output_tokens`.
+
+    The shape of vLLM's benchmark_throughput (LLM.generate over the whole list, ignore_eos). Prompts are
+    distinct words so no prefix is shared (that benchmark ran without prefix caching); prefill dominates."""
+    e = Engine(profile.with_overrides(max_num_seqs=max_num_seqs))
+    for i in range(n):
+        e.add_request(
+            SimRequest(f"o{i}", _words(f"o{i}_", prompt_tokens), max_tokens=output_tokens, ignore_eos=True), 0.0
+        )
+    t = e.next_step_time()
+    end = 0.0
+    while t is not None:
+        end = e.step(t).end
+        t = e.next_step_time()
+    return n / end
+
+
 def ideal(profile: Profile, key: str) -> float | None:
     m = profile.model
     peak_flops = profile.gpu.peak_bf16_flops * profile.tp
@@ -188,6 +220,8 @@ def ideal(profile: Profile, key: str) -> float | None:
         return 1024 * 2 * m.params / peak_flops
     if key == "ttft_8k_s":
         return 8192 * 2 * m.params / peak_flops
+    if key == "offline_req_s":
+        return peak_flops / (2 * m.params * (OFFLINE_INPUT + OFFLINE_OUTPUT))
     if key == "latency_b8_s":
         b, n_in, n_out = LATENCY_BATCH, LATENCY_PROMPT, LATENCY_OUTPUT
         prefill = b * n_in * 2 * m.params / peak_flops
@@ -207,6 +241,11 @@ def calibrate(name: str) -> list[dict[str, object]]:
     rows.append(("ttft_1k_s", "TTFT, 1k-token prompt, idle server (s)", ttft(profile, 1024)))
     rows.append(("ttft_8k_s", "TTFT, 8k-token prompt, idle server (s)", ttft(profile, 8000)))
     rows.append(("kv_capacity_tokens", "KV cache capacity (tokens)", float(profile.kv_capacity_tokens)))
+    rows.append((
+        "offline_req_s",
+        f"{OFFLINE_PROMPTS} x {OFFLINE_INPUT} in / {OFFLINE_OUTPUT} out queued, max {OFFLINE_MAX_SEQS} seqs (req/s)",
+        offline_throughput(profile),
+    ))
     rows.append((
         "latency_b8_s",
         f"batch {LATENCY_BATCH} x {LATENCY_PROMPT} in / {LATENCY_OUTPUT} out, end to end (s)",

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.calibrate import batch_latency, calibrate, main
+from loadtest.calibrate import batch_latency, calibrate, main, offline_throughput
 from loadtest.sim.profiles import PROFILES, get_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = {"prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b32", "decode_tok_s_b128",
-        "ttft_1k_s", "ttft_8k_s", "kv_capacity_tokens", "latency_b8_s"}
+        "ttft_1k_s", "ttft_8k_s", "kv_capacity_tokens", "offline_req_s", "latency_b8_s"}
 
 
 @pytest.mark.parametrize("name", sorted(PROFILES))
@@ -64,7 +64,7 @@ def test_cli_json_every_referenced_row_within_25_percent(name: str) -> None:
 
 def test_h100_has_the_measured_rows() -> None:
     keys = {r["key"] for r in calibrate("llama3-8b-h100") if r["reference"] is not None}
-    assert {"decode_tok_s_b1", "kv_capacity_tokens", "latency_b8_s"} <= keys
+    assert {"decode_tok_s_b1", "kv_capacity_tokens", "offline_req_s", "latency_b8_s"} <= keys
 
 
 def test_batch_latency_replays_the_latency_test_setup() -> None:
@@ -75,6 +75,15 @@ def test_batch_latency_replays_the_latency_test_setup() -> None:
     eight = batch_latency(p, batch=8)
     assert one < eight < 2 * one
     assert batch_latency(p, batch=8, output_tokens=64) < eight
+
+
+def test_offline_throughput_is_prefill_bound() -> None:
+    """The offline row is a prefill-heavy replay: 1000-token prompts make prompt math most of the time, so a
+    faster prefill (higher MFU) raises it almost in proportion, a faster decode (higher MBU) barely."""
+    p = get_profile("llama3-8b-h100")
+    base = offline_throughput(p, n=200)
+    assert offline_throughput(p.with_overrides(mfu_prefill=p.mfu_prefill * 1.2), n=200) > 1.12 * base
+    assert offline_throughput(p.with_overrides(mbu_decode=p.mbu_decode * 1.2), n=200) < 1.06 * base
 
 
 def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
