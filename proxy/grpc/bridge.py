@@ -271,7 +271,10 @@ class HttpBridgeCall:
                 raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
-                await self._respond(up.status, headers, await up.read())
+                body = await up.read()
+                # A HEAD answer has no body but keeps the length a GET would have had.
+                length = _declared_length(up.raw_headers) if req.method == "HEAD" else None
+                await self._respond(up.status, headers, body, length)
                 return None
             # Streamed: from the first byte on, never retried.
             self._send_headers(up.status, headers, end=False)
@@ -316,8 +319,9 @@ class HttpBridgeCall:
             raise RetryableFailure(lease.outcome, failed) from exc
         return failed
 
-    async def _respond(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        headers["content-length"] = str(len(body))
+    async def _respond(self, status: int, headers: CIMultiDict[str], body: bytes, length: int | None = None) -> None:
+        if length is not None or status not in (204, 304):
+            headers["content-length"] = str(len(body) if length is None else length)
         self._send_headers(status, headers, end=not body)
         if body:
             await self._write(body)
@@ -343,6 +347,13 @@ class _Request:
         self.request_id = request_id
         self.body = body
         self.asked_orca = asked_orca
+
+
+def _declared_length(raw_headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in raw_headers:
+        if name.lower() == b"content-length" and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def _json_headers(request_id: str) -> CIMultiDict[str]:

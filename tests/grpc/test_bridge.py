@@ -62,3 +62,14 @@ async def test_bridge_retries_a_dead_backend_before_the_first_byte(fleet: Fleet,
     # Every answer was a 200: the dead backend's attempts went to the live one (until outlier detection,
     # fed by those connect failures, ejected the dead one).
     assert proxy.resilience.retries.retried >= 1
+
+
+async def test_bridge_head_keeps_the_length_and_unrouted_paths_pass(fleet: Fleet, make_proxy) -> None:
+    proxy = await make_proxy(fleet_entries(fleet)[:1])
+    async with httpx.AsyncClient(http1=False, http2=True, base_url=f"http://{proxy_address(proxy)}",
+                                 timeout=10) as client:
+        got = await client.get("/v1/models")
+        assert got.status_code == 200 and got.json()["data"]
+        head = await client.head("/v1/models")
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers.get("content-length") == got.headers["content-length"]
