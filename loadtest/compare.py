@@ -171,7 +171,7 @@ async def compare(args: argparse.Namespace, argv: Sequence[str]) -> Path:
             rc = ReplayConfig(policy=policy, backends=args.backends, profile=args.profile,
                               max_model_len=args.max_model_len, speed=args.speed, model="llama3-8b",
                               profile_overrides=tuple(parse_profile_sets(args.profile_set).items()),
-                              epsilon=args.epsilon if args.epsilon is not None else 0.25, seed=args.seed)
+                              epsilon=args.epsilon, seed=args.seed)
             t0 = time.perf_counter()
             r = await replay(workload, rc)
             rs = summarize(r, workload, label=f"replay {policy}")

@@ -106,9 +106,10 @@ class ReplayConfig:
     speed: float = 1.0
     model: str = "llama3-8b"
     adapters: tuple[str, ...] = ()
-    epsilon: float = 0.25
-    block_bytes: int = 256
-    min_prefix_blocks: int = 4
+    # None: the proxy's own default (AffinityConfig), so a replay matches a live proxy run without flags.
+    epsilon: float | None = None
+    block_bytes: int | None = None
+    min_prefix_blocks: int | None = None
     session_header: bool = False
     score: ScoreConfig = ScoreConfig()
     poll_ms: int = 200
@@ -147,7 +148,10 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
         seed=cfg.seed,
         session_header="x-session-id" if cfg.session_header else None,
         load=LoadConfig(),
-        affinity=AffinityConfig(epsilon=cfg.epsilon, block_bytes=cfg.block_bytes, min_prefix_blocks=cfg.min_prefix_blocks),
+        affinity=replace(AffinityConfig(), **{
+            k: v for k, v in (("epsilon", cfg.epsilon), ("block_bytes", cfg.block_bytes),
+                              ("min_prefix_blocks", cfg.min_prefix_blocks)) if v is not None
+        }),
     )
 
 
@@ -330,9 +334,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--profile-set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a simulator profile field, e.g. mfu_prefill=0.5 (repeat)")
     ap.add_argument("--speed", type=float, default=1.0, help="time compression of the arrivals, as for loadtest.run")
-    ap.add_argument("--epsilon", type=float, default=0.25)
-    ap.add_argument("--block-bytes", type=int, default=256)
-    ap.add_argument("--min-prefix-blocks", type=int, default=4)
+    ap.add_argument("--epsilon", type=float, help="affinity bounded-load slack (default: the proxy's)")
+    ap.add_argument("--block-bytes", type=int, help="affinity prefix block size in bytes (default: the proxy's)")
+    ap.add_argument("--min-prefix-blocks", type=int, help="shortest prefix match worth following (default: the proxy's)")
     ap.add_argument("--score-kind", default="design", choices=("design", "qps_memory", "request_cost"))
     ap.add_argument("--score-weights", help="design score weights memory,queue,kv_rate (e.g. 0.4,0.35,0.25)")
     ap.add_argument("--poll-ms", type=int, default=200)
