@@ -74,9 +74,13 @@ class AffinityConfig:
     """Knobs of the affinity policy (see proxy/core/affinity.py for the algorithm)."""
 
     # Bounded-load slack (Mirrokni et al., "Consistent Hashing with Bounded Loads"): a backend takes new
-    # affine work only while its in-flight requests stay within ceil((1+epsilon) * fair share), and its
-    # load score within (1+epsilon) * fleet mean (+ overload_margin).
-    epsilon: float = field(default=0.5, metadata={"gt": 0.0})
+    # affine work only while its telemetry load score stays within (1+epsilon) * fleet mean
+    # (+ overload_margin) ...
+    epsilon: float = field(default=0.25, metadata={"gt": 0.0})
+    # ... and its in-flight requests within ceil((1+request_epsilon) * fair share): the hard cap. Looser
+    # than epsilon because with a few requests in flight per GPU a tight cap sheds reuses off their cache
+    # (the cost check balances the work finely; see loadtest/results/affinity-tuning.md).
+    request_epsilon: float = field(default=1.5, metadata={"gt": 0.0})
     # Prefix block size in prompt bytes; the default is justified in proxy/core/fingerprint.py.
     block_bytes: int = field(default=256, metadata={"ge": 16})
     # A prefix match shorter than this many blocks is not worth leaving the hash home for.
@@ -101,7 +105,7 @@ class AffinityConfig:
     # Load score at or above which a backend is saturated and gets no affine work.
     saturation: float = field(default=0.95, metadata={"gt": 0.0})
     # Absolute slack added to (1+epsilon) * mean load score, so near-idle fleets do not flap on noise.
-    overload_margin: float = field(default=0.1, metadata={"ge": 0.0})
+    overload_margin: float = field(default=0.2, metadata={"ge": 0.0})
     # Cost check on top of the bounded-load rule: a request's estimated cost on a backend is the prefill
     # queued there (uncached prompt tokens of its in-flight requests, see proxy/core/work_ledger.py) plus
     # this prompt's tokens that backend does not hold. The affine choice is kept unless another admissible

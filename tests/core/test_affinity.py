@@ -236,13 +236,13 @@ def test_no_backend_available():
 
 @given(
     n=st.integers(min_value=2, max_value=12),
-    eps=st.sampled_from([0.1, 0.25, 0.5, 1.0]),
+    eps=st.sampled_from([0.1, 0.25, 0.5, 1.0, 1.5]),
     keys=st.lists(st.integers(min_value=0, max_value=4), min_size=1, max_size=150),
 )
 @settings(max_examples=80, deadline=None)
 def test_bounded_load_guarantee_with_inflight_fed_back(n, eps, keys):
     """A batch of picks (skewed to at most 5 hot prompts): no backend above ceil((1+eps) * mean)."""
-    pol, snap, ledger = policy(epsilon=eps), fleet(n), Ledger()
+    pol, snap, ledger = policy(request_epsilon=eps), fleet(n), Ledger()
     for assigned, k in enumerate(keys, start=1):
         d = pol.pick(prompt(f"hot key {k}"), snap, ledger.inflight)
         ledger.start(d)
@@ -257,7 +257,7 @@ def test_bounded_load_guarantee_with_inflight_fed_back(n, eps, keys):
 @settings(max_examples=60, deadline=None)
 def test_bounded_load_guarantee_is_weighted(weights, count):
     eps = 0.25
-    pol, snap, ledger = policy(epsilon=eps), fleet(len(weights), weights=weights), Ledger()
+    pol, snap, ledger = policy(request_epsilon=eps), fleet(len(weights), weights=weights), Ledger()
     total_w = sum(weights)
     for assigned in range(1, count + 1):
         ledger.start(pol.pick(prompt("one very hot prompt"), snap, ledger.inflight))

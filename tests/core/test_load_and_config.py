@@ -54,7 +54,7 @@ def test_assumed_score_is_fleet_mean_or_floor():
 
 def test_defaults_and_plain_types_for_the_config_parser():
     cfg = RoutingConfig()
-    assert cfg.policy == "affinity" and cfg.affinity.epsilon == 0.5
+    assert cfg.policy == "affinity" and cfg.affinity.epsilon == 0.25 and cfg.affinity.request_epsilon == 1.5
     allowed = (str, int, float, bool, tuple, type(None))
     for section in (cfg, cfg.affinity, cfg.load):
         assert dataclasses.is_dataclass(section)
