@@ -179,9 +179,8 @@ class HttpDataPlane:
     # ------------------------------------------------------------------------------------------ handler
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        size = 0
-        for name, value in request.raw_headers:
-            size += len(name) + len(value) + 4
+        raw_headers = request.raw_headers
+        size = sum(map(len, itertools.chain.from_iterable(raw_headers))) + 4 * len(raw_headers)
         if size > self.max_headers:
             self.metrics.error("headers_too_large")
             return error_response(
@@ -233,7 +232,15 @@ class HttpDataPlane:
             if transport is not None:
                 transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if length is not None:
-            return await request.content.readexactly(length) if length else b""
+            if not length:
+                return b""
+            content = request.content
+            if content.is_eof():  # the usual case: the whole body came with the head, nothing to wait for
+                body = content.read_nowait()
+                if len(body) == length:
+                    return body
+                raise asyncio.IncompleteReadError(body, length)  # as readexactly would
+            return await content.readexactly(length)
         if not request.body_exists:
             return b""
         buf = bytearray()
