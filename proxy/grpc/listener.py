@@ -102,7 +102,7 @@ class RelayContext:
             return
         if failure is not None:
             report(backend, failure)
-        elif grpc_status != 1:  # CANCELLED: the client left, nothing about the backend
+        elif grpc_status not in _CLIENT_CHOSEN:
             report(backend, Outcome.STATUS_5XX if status >= 500 else Outcome.SUCCESS)
 
     def attempt_failed(self, backend: str, failure: Outcome) -> None:
@@ -117,6 +117,12 @@ class RelayContext:
 
 
 # grpc-status -> the HTTP status recorded in the shared request metrics (as grpc-gateway maps them).
+# Endings the client chose, which say nothing about the backend: CANCELLED (the client left) and
+# DEADLINE_EXCEEDED (the client's own grpc-timeout ran out, enforced here or by the backend). Counting a
+# deadline as a backend failure would let one client with tight deadlines eject every backend in turn;
+# a backend that is really slow or hung is caught by the active health checks (adaptive timeout).
+_CLIENT_CHOSEN = frozenset({1, 4})
+
 _HTTP_FOR_GRPC = {0: 200, 1: 499, 2: 500, 3: 400, 4: 504, 5: 404, 6: 409, 7: 403, 8: 429, 9: 400, 10: 409,
                   11: 400, 12: 501, 13: 500, 14: 503, 15: 500, 16: 401}
 

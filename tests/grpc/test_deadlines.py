@@ -78,3 +78,16 @@ async def test_deadline_counts_the_time_queued_for_capacity(silent: SilentBacken
     client.conn.reset_stream(busy)
     client.flush()
     await silent.wait(lambda: silent.resets)
+
+
+async def test_client_deadlines_never_eject_the_backend(silent: SilentBackend, make_proxy, client_for) -> None:
+    # Outlier detection ejects after 2 consecutive 5xx here; five calls in a row end on the client's own
+    # deadline. The deadline is the client's choice, not the backend failing: it must stay routable.
+    proxy = await make_proxy([("silent", "http://127.0.0.1:9", silent.address)],
+                             extra="outlier_detection: {consecutive_5xx: 2}\n")
+    client = await client_for(proxy)
+    for _ in range(5):
+        code, message = await client.status(client.call(GENERATE, MESSAGE, timeout="50m"))
+        assert code == 4, message
+    state = proxy.store.current.get("silent")
+    assert state is not None and state.health.routable, state.health
