@@ -103,6 +103,7 @@ class ReplayConfig:
     profile: str = "llama3-8b-h100"
     max_model_len: int | None = None  # e.g. 131072 for Llama-3.1-8B (same architecture, 128k context)
     profile_overrides: tuple[tuple[str, float], ...] = ()  # Profile fields, e.g. (("mfu_prefill", 0.55),)
+    affinity_overrides: tuple[tuple[str, float], ...] = ()  # any AffinityConfig field, e.g. (("request_epsilon", 3),)
     speed: float = 1.0
     model: str = "llama3-8b"
     adapters: tuple[str, ...] = ()
@@ -149,8 +150,9 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
         session_header="x-session-id" if cfg.session_header else None,
         load=LoadConfig(),
         affinity=replace(AffinityConfig(), **{
-            k: v for k, v in (("epsilon", cfg.epsilon), ("block_bytes", cfg.block_bytes),
-                              ("min_prefix_blocks", cfg.min_prefix_blocks)) if v is not None
+            **{k: v for k, v in (("epsilon", cfg.epsilon), ("block_bytes", cfg.block_bytes),
+                                 ("min_prefix_blocks", cfg.min_prefix_blocks)) if v is not None},
+            **dict(cfg.affinity_overrides),
         }),
     )
 
@@ -158,7 +160,9 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
 async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
-    names = [f"gpu-{i}" for i in range(cfg.backends)]
+    # The live fleet's names (loadtest.sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
+    # so equal names give a live run and its replay the same hash homes.
+    names = [f"sim-{i}" for i in range(cfg.backends)]
     backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters) for i, n in enumerate(names)}
     specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics") for n in names]
     store = SnapshotStore(Snapshot.initial(specs))
@@ -337,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--epsilon", type=float, help="affinity bounded-load slack (default: the proxy's)")
     ap.add_argument("--block-bytes", type=int, help="affinity prefix block size in bytes (default: the proxy's)")
     ap.add_argument("--min-prefix-blocks", type=int, help="shortest prefix match worth following (default: the proxy's)")
+    ap.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other field of the routing.affinity section, e.g. request_epsilon=3 (repeat)")
     ap.add_argument("--score-kind", default="design", choices=("design", "qps_memory", "request_cost"))
     ap.add_argument("--score-weights", help="design score weights memory,queue,kv_rate (e.g. 0.4,0.35,0.25)")
     ap.add_argument("--poll-ms", type=int, default=200)
@@ -357,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = ReplayConfig(
             policy=pol, backends=args.backends, profile=args.profile, max_model_len=args.max_model_len,
             profile_overrides=tuple(parse_profile_sets(args.profile_set).items()),
+            affinity_overrides=tuple(parse_profile_sets(args.affinity_set).items()),
             speed=args.speed, epsilon=args.epsilon, block_bytes=args.block_bytes,
             min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
             session_header=args.session_header, seed=args.seed,

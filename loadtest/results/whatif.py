@@ -9,10 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 base = ["--workload", "mooncake", "--window", "0:180", "--speed", "1", "--profile-set", "mfu_prefill=0.55"]
 configs = [
-    ("affinity, epsilon 0.25", ["--policies", "affinity", "--epsilon", "0.25"]),
-    ("affinity, proxy defaults (epsilon 0.5)", ["--policies", "affinity"]),
-    ("affinity, epsilon 1", ["--policies", "affinity", "--epsilon", "1"]),
-    ("affinity, epsilon 4", ["--policies", "affinity", "--epsilon", "4"]),
+    ("affinity, proxy defaults", ["--policies", "affinity"]),
+    ("affinity, epsilon (telemetry score) 1", ["--policies", "affinity", "--epsilon", "1"]),
+    ("affinity, request_epsilon 0.5", ["--policies", "affinity", "--affinity-set", "request_epsilon=0.5"]),
+    ("affinity, request_epsilon 4", ["--policies", "affinity", "--affinity-set", "request_epsilon=4"]),
+    ("affinity, cost check off", ["--policies", "affinity", "--affinity-set", "cost_aware=0"]),
+    ("affinity, uncached_weight 6", ["--policies", "affinity", "--affinity-set", "uncached_weight=6"]),
     ("affinity, block 1024 bytes", ["--policies", "affinity", "--block-bytes", "1024"]),
     ("affinity, request_cost score", ["--policies", "affinity", "--score-kind", "request_cost"]),
     ("least_load, request_cost score", ["--policies", "least_load", "--score-kind", "request_cost"]),
