@@ -13,7 +13,6 @@ prometheus port of its own.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys

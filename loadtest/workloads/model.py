@@ -10,7 +10,7 @@ been cached".
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from loadtest.workloads.text import BlockText, Segment
 

@@ -53,11 +53,11 @@ def make_app(name: str, *, token_delay_s: float = 0.0, fail_every: int = 0) -> w
         lines = [
             "# TYPE vllm:num_requests_running gauge",
             f'vllm:num_requests_running{{model_name="m"}} {state["running"]}',
-            f'vllm:num_requests_waiting{{model_name="m"}} 0',
-            f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.5',
+            'vllm:num_requests_waiting{model_name="m"} 0',
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.5',
             f'vllm:prefix_cache_queries_total{{model_name="m"}} {state["queries"]}',
             f'vllm:prefix_cache_hits_total{{model_name="m"}} {state["hits"]}',
-            f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="1000"}} 1.0',
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000"} 1.0',
             f"gpu_busy_seconds_total {state['busy']}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
