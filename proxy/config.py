@@ -288,6 +288,7 @@ class _Parser:
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         kwargs: dict[str, Any] = {}
         nodes: dict[str, Node] = {}
+        failed: set[str] = set()  # fields whose own value was wrong (already reported)
         ok = True
         for key_node, value_node in node.value:
             key = _constructor.construct_object(key_node, deep=True)
@@ -302,19 +303,22 @@ class _Parser:
                 continue
             nodes[key] = value_node
             value = self.parse(hints[key], value_node, sub)
-            if value is _MISSING:
-                ok = False
-                continue
-            if not self.check_bounds(fields[key], value, value_node, sub):
+            if value is _MISSING or not self.check_bounds(fields[key], value, value_node, sub):
+                failed.add(key)
                 ok = False
                 continue
             kwargs[key] = value
-        for name, f in fields.items():
-            if name not in nodes and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                self.error(f"{path}.{name}" if path else name, node, "is required")
-                ok = False
-        if not ok:
-            return _MISSING
+        required = {n for n, f in fields.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        for name in required - nodes.keys():
+            self.error(f"{path}.{name}" if path else name, node, "is required")
+            ok = False
+        if required & (failed | (required - nodes.keys())):
+            return _MISSING  # nothing to build the rest of the checks on
+        # Build the object even when some fields were wrong, with their defaults standing in, so that
+        # its own checks (__post_init__, validate) and the enclosing sections' checks still run: the user
+        # sees every error in one pass, not one layer per run. Messages about the failed fields
+        # themselves are dropped, since they would describe the stand-in default, not what was written.
         try:
             obj = cls(**kwargs)
         except (TypeError, ValueError) as exc:
@@ -322,6 +326,8 @@ class _Parser:
             # field's line, the same as a metadata bound.
             message = str(exc)
             name = message.split(" ", 1)[0].rstrip(":")
+            if name in failed:
+                return _MISSING
             if name in nodes:
                 self.error(f"{path}.{name}" if path else name, nodes[name], message[len(name):].lstrip(": "))
             else:
@@ -330,10 +336,14 @@ class _Parser:
         validate = getattr(obj, "validate", None)
         if callable(validate):
             for name, message in validate() or ():
+                if name in failed:
+                    continue
                 sub = f"{path}.{name}" if name and path else (name or path)
                 self.error(sub, nodes.get(name, node), message)
                 ok = False
-        return obj if ok else _MISSING
+        # Every error is already recorded and parse_section refuses the whole file when there is one, so
+        # handing a partly-defaulted object upward can only surface more errors, never accept a bad file.
+        return obj
 
     def check_bounds(self, f: dataclasses.Field[Any], value: Any, node: Node, path: str) -> bool:
         meta = f.metadata

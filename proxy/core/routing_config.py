@@ -12,6 +12,7 @@ same backend set hash every prompt to the same backend.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -160,6 +161,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         _check_bounds(self)
         if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}")
+            close = difflib.get_close_matches(self.policy, POLICY_NAMES, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}{hint}")
         if self.session_header is not None and not self.session_header.strip():
             raise ValueError("session_header must be a header name or null")

@@ -99,6 +99,38 @@ routing:
     assert any(e.startswith("routing.policy (line 7): must be one of") for e in errs)
 
 
+def test_one_pass_reports_errors_of_every_layer() -> None:
+    # A wrong field must not hide its section's own checks (the policy name, checked in RoutingConfig's
+    # __post_init__ after its nested affinity section parsed), nor the fleet-wide ones (duplicate names,
+    # checked on the whole backend list although one entry has a typo). The user fixes all in one go.
+    errs = errors_of(Config, """backends:
+  - name: a
+    url: http://127.0.0.1:1
+    weigth: 2
+  - {name: a, url: "http://127.0.0.1:2"}
+routing:
+  policy: afinity
+  affinity: {epsilon: -1}
+telemetry: {interval_ms: 200, timeout_ms: 500}
+""")
+    assert errs == [
+        "backends[0].weigth (line 4): unknown key (did you mean 'weight'?)",
+        "routing.affinity.epsilon (line 8): must be > 0.0, got -1.0",
+        "routing.policy (line 7): must be one of affinity, round_robin, weighted_round_robin, least_request, "
+        "random, power_of_two, least_load, not 'afinity' (did you mean 'affinity'?)",
+        "telemetry.timeout_ms (line 9): must be shorter than interval_ms (200): a slow scrape would overlap "
+        "the next round",
+        "backends (line 2): duplicate backend name 'a'",
+    ]
+
+
+def test_a_check_about_a_wrong_field_is_not_reported_twice() -> None:
+    # interval_ms is wrong, so the default stands in while the section's checks run: the cross-field check
+    # must not then blame timeout_ms against a default the user never wrote.
+    errs = errors_of(Config, "telemetry: {interval_ms: -5, timeout_ms: 150}\n")
+    assert len(errs) == 1 and errs[0].startswith("telemetry.interval_ms (line 1): must be")
+
+
 def test_duplicate_backend_names_rejected() -> None:
     errs = errors_of(Config, 'backends:\n  - {name: a, url: "http://h:1"}\n  - {name: a, url: "http://h:2"}\n')
     assert errs == ["backends (line 2): duplicate backend name 'a'"]
