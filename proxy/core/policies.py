@@ -12,6 +12,7 @@ capped at `RoutingConfig.max_alternates` so a 256-backend fleet does not pay for
 
 from __future__ import annotations
 
+import abc
 import heapq
 import random
 from typing import Mapping, Sequence
@@ -127,18 +128,21 @@ class WeightedRoundRobin:
         return Decision(best, Reason.BALANCED, self.name, tuple(alts))
 
 
-class LeastRequest:
-    """Fewest in-flight requests (the proxy's own, always fresh) per unit of weight.
+class _LeastLoaded(abc.ABC):
+    """Shared by the "fewest of something per unit of weight" policies: rank, then break ties by a
+    rotating start, so that an idle fleet is used evenly instead of the first backend taking every request
+    that arrives between completions. Subclasses only say what load is (`_loads`)."""
 
-    Ties are broken by a rotating start so that an idle fleet is used evenly instead of the first backend
-    taking every request that arrives between completions.
-    """
-
-    name = "least_request"
+    name: str
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._max_alt = cfg.max_alternates
+        self._cfg = cfg
         self._rot = 0
+
+    @abc.abstractmethod
+    def _loads(self, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> list[float]:
+        """Each eligible backend's load per unit of weight, in the order of `states`."""
 
     def pick(
         self,
@@ -151,12 +155,20 @@ class LeastRequest:
         n = len(states)
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
-        keyed = [
-            (inflight.get(b.name, _NO_INFLIGHT).requests / b.effective_weight, (i - start) % n, b.name)
-            for i, b in enumerate(states)
-        ]
-        ranked = heapq.nsmallest(1 + self._max_alt, keyed)
+        loads = self._loads(states, snapshot, inflight)
+        keyed = [(load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads))]
+        ranked = heapq.nsmallest(1 + self._cfg.max_alternates, keyed)
         return Decision(ranked[0][2], Reason.BALANCED, self.name, tuple(k[2] for k in ranked[1:]))
+
+
+class LeastRequest(_LeastLoaded):
+    """Fewest in-flight requests (the proxy's own, always fresh) per unit of weight; ties rotate."""
+
+    name = "least_request"
+
+    def _loads(self, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> list[float]:
+        return [inflight.get(b.name, _NO_INFLIGHT).requests / b.effective_weight for b in states]
 
 
 class RandomPolicy:
@@ -226,7 +238,7 @@ class PowerOfTwo:
         return Decision(win.name, Reason.BALANCED, self.name, alts)
 
 
-class LeastLoad:
+class LeastLoad(_LeastLoaded):
     """Lowest `effective_load` per unit of weight: telemetry score when fresh, plus in-flight work.
 
     Stale backends are ranked at the fleet's assumed score plus what the proxy knows it sent them, never as
@@ -235,33 +247,14 @@ class LeastLoad:
 
     name = "least_load"
 
-    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._cfg = cfg
-        self._rot = 0
-
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        n = len(states)
-        start = self._rot % n
-        self._rot = (self._rot + 1) % (1 << 62)
+    def _loads(self, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> list[float]:
         load_cfg = self._cfg.load
         assumed = assumed_score(snapshot.backends, load_cfg)
-        keyed = [
-            (
-                effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
-                (i - start) % n,
-                b.name,
-            )
-            for i, b in enumerate(states)
+        return [
+            effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight
+            for b in states
         ]
-        ranked = heapq.nsmallest(1 + self._cfg.max_alternates, keyed)
-        return Decision(ranked[0][2], Reason.BALANCED, self.name, tuple(k[2] for k in ranked[1:]))
 
 
 def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
