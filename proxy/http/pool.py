@@ -406,13 +406,17 @@ class Exchange:
             return
         if self._error is not None:
             raise self._error
+        await self._next_piece()
+        if self._error is not None and not self._paused:
+            raise self._error
+
+    async def _next_piece(self) -> None:
+        """Sleep until the protocol callbacks report progress (a piece, the end, an error, a pause)."""
         self._piece_waiter = asyncio.get_running_loop().create_future()
         try:
             await self._piece_waiter
         finally:
             self._piece_waiter = None
-        if self._error is not None and not self._paused:
-            raise self._error
 
     def resume(self) -> None:
         if self._paused:
@@ -440,11 +444,7 @@ class Exchange:
                 return
             if self._error is not None:
                 raise self._error
-            self._piece_waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._piece_waiter
-            finally:
-                self._piece_waiter = None
+            await self._next_piece()
 
     def release(self) -> None:
         """Return the connection to the pool if the exchange completed cleanly, else close it."""
