@@ -283,14 +283,9 @@ class HttpDataPlane:
             request.scheme, request_id, len(body), extra,
         )
         self.counters.requests += 1
+        up: Exchange | None = None
         try:
             up = await self.pool.request(url, head, body, head_only=method == "HEAD")
-        except asyncio.CancelledError:
-            lease.status = 499
-            raise
-        except _UPSTREAM_ERRORS as exc:
-            return self._failed_before_response(exc, lease, request_id)
-        try:
             headers = up.headers  # end-to-end fields only; this exchange's own copy
             if load_report is not None:
                 report = headers.get(ORCA_HEADER)
@@ -320,10 +315,12 @@ class HttpDataPlane:
             lease.status = 499
             raise
         except _UPSTREAM_ERRORS as exc:
-            # Only reachable before anything was sent (reading a held or JSON body): _relay handles its own.
+            # Only reachable before anything was sent to the client (connecting, sending, reading a held or
+            # JSON body): once _relay has started answering it handles failures itself.
             return self._failed_before_response(exc, lease, request_id)
         finally:
-            up.release()
+            if up is not None:
+                up.release()
 
     def _failed_before_response(self, exc: BaseException, lease: Lease, request_id: str) -> web.Response:
         backend = lease.backend
