@@ -289,30 +289,25 @@ class _Parser:
         kwargs: dict[str, Any] = {}
         nodes: dict[str, Node] = {}
         failed: set[str] = set()  # fields whose own value was wrong (already reported)
-        ok = True
         for key_node, value_node in node.value:
             key = _constructor.construct_object(key_node, deep=True)
             sub = f"{path}.{key}" if path else str(key)
             if not isinstance(key, str) or key not in fields:
                 self.error(sub, key_node, "unknown key" + _suggest(str(key), list(fields)))
-                ok = False
                 continue
             if key in nodes:
                 self.error(sub, key_node, "duplicate key")
-                ok = False
                 continue
             nodes[key] = value_node
             value = self.parse(hints[key], value_node, sub)
             if value is _MISSING or not self.check_bounds(fields[key], value, value_node, sub):
                 failed.add(key)
-                ok = False
                 continue
             kwargs[key] = value
         required = {n for n, f in fields.items()
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
         for name in required - nodes.keys():
             self.error(f"{path}.{name}" if path else name, node, "is required")
-            ok = False
         if required & (failed | (required - nodes.keys())):
             return _MISSING  # nothing to build the rest of the checks on
         # Build the object even when some fields were wrong, with their defaults standing in, so that
@@ -340,7 +335,6 @@ class _Parser:
                     continue
                 sub = f"{path}.{name}" if name and path else (name or path)
                 self.error(sub, nodes.get(name, node), message)
-                ok = False
         # Every error is already recorded and parse_section refuses the whole file when there is one, so
         # handing a partly-defaulted object upward can only surface more errors, never accept a bad file.
         return obj
