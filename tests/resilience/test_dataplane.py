@@ -16,22 +16,11 @@ from proxy.core.health import Outcome, RetryConfig
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Health
 from proxy.retry import RetryController, RetryableFailure, run_with_retries
-from tests.http.fakes import FakeBackend
 
 from .helpers import free_port, until
 
 BASE = "listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture
-async def fakes() -> AsyncIterator[list[FakeBackend]]:
-    out = [FakeBackend(f"b{i}") for i in range(3)]
-    for f in out:
-        await f.start()
-    yield out
-    for f in out:
-        await f.stop()
 
 
 @pytest.fixture

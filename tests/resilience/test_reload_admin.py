@@ -30,16 +30,6 @@ def config_text(backends: list[FakeBackend], extra: str = "") -> str:
 
 
 @pytest.fixture
-async def fakes() -> AsyncIterator[list[FakeBackend]]:
-    out = [FakeBackend(f"b{i}") for i in range(3)]
-    for f in out:
-        await f.start()
-    yield out
-    for f in out:
-        await f.stop()
-
-
-@pytest.fixture
 async def running(tmp_path: Path, fakes: list[FakeBackend]) -> AsyncIterator[tuple[AffinityProxy, Path]]:
     path = tmp_path / "proxy.yaml"
     path.write_text(config_text(fakes[:2]))
