@@ -40,7 +40,6 @@ STREAM = "/affinity.v1.Generation/GenerateStream"
 # ------------------------------------------------------------------------------------------- backend
 
 async def _serve_backend(port: int) -> None:
-    import uvloop  # noqa: F401  (the backend runs on uvloop, like the simulator)
     from grpclib.server import Server
 
     from proxy.protos import generate_pb2 as gen
