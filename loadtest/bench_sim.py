@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_sim --servers 8 --rate 50 --duration 20
 
-starts `python -m loadtest.sim --servers N` in a child process pinned to one core (CPU 0), sends `rate`
+starts `python -m sim --servers N` in a child process pinned to one core (CPU 0), sends `rate`
 streaming completions per second in total (round robin over the servers, open loop: arrivals do not wait
 for answers) from this process pinned to another core, and reports the child's CPU time (user + system,
 from /proc) per request and per streamed token, next to the achieved rate and the client-side latencies.
@@ -104,7 +104,7 @@ def run(servers: int, rate: float, duration: float, prompt_tokens: int, max_toke
         profile: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.sim", "--port", "0", "--servers", str(servers), "--profile", profile],
+        [sys.executable, "-m", "sim", "--port", "0", "--servers", str(servers), "--profile", profile],
         stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, preexec_fn=lambda: _pin(0),
     )
     try:

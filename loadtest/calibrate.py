@@ -21,9 +21,9 @@ import json
 import sys
 from dataclasses import dataclass
 
-from loadtest.sim.api import SimRequest
-from loadtest.sim.engine import Engine
-from loadtest.sim.profiles import PROFILES, Profile, get_profile
+from sim.api import SimRequest
+from sim.engine import Engine
+from sim.profiles import PROFILES, Profile, get_profile
 
 
 @dataclass(frozen=True)

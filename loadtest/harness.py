@@ -142,7 +142,7 @@ async def start_fleet_process(spec: FleetSpec, workdir: Path) -> Proc:
 
 async def _serve_fleet(args: argparse.Namespace) -> None:
     from loadtest.replay import make_profile, parse_profile_sets
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
 
     # max_model_len: Llama-3.1-8B has Llama-3-8B's architecture with a 128k context; long traces need it.
     profile = make_profile(args.profile, args.max_model_len, parse_profile_sets(args.profile_set))

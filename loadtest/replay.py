@@ -7,7 +7,7 @@ Nothing here is a re-implementation: requests become `RequestSummary`s through t
 `summary_from_openai`, the policy is `build_policy(RoutingConfig)` from proxy/core, in-flight accounting is
 the data plane's `InflightTable` (acquired at pick, released when the stream ends, as `Lease` does), and
 telemetry is the real `Poller` (extractor, rate deriver, load score, staleness) reading the simulator's own
-`/metrics` rendering every `--poll-ms` of virtual time. The engines are `loadtest.sim.engine.Engine`
+`/metrics` rendering every `--poll-ms` of virtual time. The engines are `sim.engine.Engine`
 driven by the caller's clock, exactly as the simulated servers drive them in real time.
 
 What the replay leaves out, and the live run has: HTTP and proxy latency (about a millisecond per hop
@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loadtest.run import Record, RunResult, add_workload_args, prepare_workload
-from loadtest.sim.api import SimRequest, render_chat
-from loadtest.sim.engine import Engine
-from loadtest.sim.metrics import render as render_metrics
-from loadtest.sim.profiles import Profile, get_profile
+from sim.api import SimRequest, render_chat
+from sim.engine import Engine
+from sim.metrics import render as render_metrics
+from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
@@ -46,7 +46,7 @@ from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 
 _RATE_WINDOW_S = 1.0
 # Policies that read telemetry (load scores). For the others the poller is skipped: their decisions cannot
@@ -55,7 +55,7 @@ TELEMETRY_POLICIES = frozenset({"affinity", "least_load", "power_of_two"})
 
 
 class VirtualBackend:
-    """What `loadtest.sim.metrics.render` reads from a simulated server, on a virtual clock."""
+    """What `sim.metrics.render` reads from a simulated server, on a virtual clock."""
 
     def __init__(self, name: str, profile: Profile, seed: int, adapters: tuple[str, ...]) -> None:
         self.name = name
@@ -160,7 +160,7 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
 async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
-    # The live fleet's names (loadtest.sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
+    # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
     names = [f"sim-{i}" for i in range(cfg.backends)]
     backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters) for i, n in enumerate(names)}

@@ -1,6 +1,6 @@
 """Fault injection through the simulator under steady load, counted: the numbers behind issue 8.
 
-Each scenario starts a small simulated fleet (loadtest.sim.fleet), an in-process affinity-proxy with short
+Each scenario starts a small simulated fleet (sim.fleet), an in-process affinity-proxy with short
 check intervals, and a bounded load loop of streaming chat requests; it injects one fault and returns a
 `Result` with what happened: requests sent, completed, failed (clean = an OpenAI-shaped error the client can
 parse, unclean = a hang or a cut connection), retried, plus scenario-specific times measured on the
@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import load_config, parse_config
 from proxy.core.snapshot import Health, Snapshot

@@ -18,12 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Readiness conditions beyond "this listener answers": each returns the reasons it is not ready (empty when
-# ready). proxy/workers.py adds "a data-plane worker is serving" in the supervisor.
+# ready). proxy/multiproc/serve.py adds "a data-plane worker is serving" in the supervisor.
 ReadyCheck = Callable[[], list[str]]
 READY_CHECKS = web.AppKey("ready_checks", list)
 

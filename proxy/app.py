@@ -43,13 +43,13 @@ from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
 from proxy.core.policies import build_policy
 from proxy.core.snapshot import Snapshot
-from proxy.dispatch import Router
+from proxy.dataplane.router import Router
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
-from proxy.http.pool import UpstreamPool
-from proxy.http.upstream import create_pool, create_session
+from proxy.upstream.http1 import UpstreamPool
+from proxy.upstream.factory import create_pool, create_session
 from proxy.resilience import Resilience
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
 
 log = logging.getLogger("affinity_proxy")
@@ -77,13 +77,13 @@ class AffinityProxy:
         config_path: str | None = None, store: SnapshotStore | None = None,
     ) -> None:
         self.config = config
-        self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/workers.py)
-        # "all": one process does everything. With --workers N (proxy/workers.py) the supervisor runs
+        self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/multiproc/serve.py)
+        # "all": one process does everything. With --workers N (proxy/multiproc/serve.py) the supervisor runs
         # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
         # listeners and data-plane services) on snapshots the supervisor publishes into its store.
         self.role = role
         self.config_path = config_path  # the file hot reload re-reads (SIGHUP, file change, POST /admin/reload)
-        # A worker process passes its own store (proxy/workers.py) so that data-plane writes reach the supervisor.
+        # A worker process passes its own store (proxy/multiproc/serve.py) so that data-plane writes reach the supervisor.
         self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
         self.policy = policy if policy is not None else build_policy(config.routing)
         self.inflight = InflightTable()

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import uvloop
 
-from proxy import gpu_agent
+from proxy.agent import gpu_agent
 from proxy.config import Config, ConfigError, dump_config, load_config, parse_config
 
 EXIT_CONFIG_ERROR = 2
@@ -45,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     _setup_logging(args.log_level)
     from proxy.app import AffinityProxy
-    from proxy.workers import default_worker_count, serve
+    from proxy.multiproc.serve import default_worker_count, serve
 
     workers = args.workers if args.workers is not None else default_worker_count()
     if workers < 1:
@@ -149,7 +149,7 @@ def demo_grpc_example(grpc_address: str, model: str) -> list[str]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
     from proxy.app import AffinityProxy
 
     async def main() -> None:

@@ -33,7 +33,7 @@ from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
-from proxy.grpc.settings import GrpcOptions
+from proxy.grpc.grpc_config import GrpcOptions
 
 __all__ = [
     "AdminConfig",
@@ -98,7 +98,7 @@ class BackendConfig:
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if not self.url.startswith("http://"):
-            # The relay pool (proxy/http/pool.py) speaks plain HTTP/1.1, as GPU servers do inside a cluster;
+            # The relay pool (proxy/upstream/http1.py) speaks plain HTTP/1.1, as GPU servers do inside a cluster;
             # TLS to a backend belongs in a sidecar or the service mesh.
             yield "url", f"must start with http:// (TLS to backends is not supported), got {self.url!r}"
         if self.grpc is not None and ":" not in self.grpc:

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Reason
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 
 # Latency buckets span a cached short completion (tens of ms) to a long generation (minutes).
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -88,7 +88,7 @@ class ProxyMetrics:
         # process_cpu_seconds_total, resident memory, open fds: the proxy's own cost on the dashboard. With
         # --workers N every process reports its own and the supervisor's merge adds them up.
         ProcessCollector(registry=r)
-        # What the admin /metrics endpoint serves. proxy/workers.py points it, in the supervisor, at an
+        # What the admin /metrics endpoint serves. proxy/multiproc/serve.py points it, in the supervisor, at an
         # exposition merged from every worker process (collected asynchronously over their channels).
         self.render: Callable[[], Awaitable[bytes]] = self._render_own
 

@@ -3,13 +3,13 @@
 Control plane (roles "all" and "control"): health monitor + active checker, membership (joins and drains),
 DNS discovery, hot reload (SIGHUP and file watch) and the admin write endpoints.
 Data plane (roles "all" and "data"): retry controller, overload queue, panic view, in-flight limits and
-passive outcome reports, all hooked into the protocol-neutral `Router` (proxy/dispatch.py) so every
+passive outcome reports, all hooked into the protocol-neutral `Router` (proxy/dataplane/router.py) so every
 protocol gets them.
 
 With `--workers N` the data-plane processes get snapshots from the supervisor and cannot publish: they send
 their passive outcome reports to the supervisor (batched per event-loop turn over the worker channel), whose
 monitor ejects for the whole fleet, and they receive the data-plane half of every reload
-(`apply_data_config`); see proxy/workers.py.
+(`apply_data_config`); see proxy/multiproc/serve.py.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from proxy.control.reload import Reloader
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.core.health import PanicView
 from proxy.core.snapshot import BackendSpec
-from proxy.overload import AdmissionQueue
-from proxy.retry import RetryController
+from proxy.dataplane.admission import AdmissionQueue
+from proxy.dataplane.retry import RetryController
 
 if TYPE_CHECKING:
     from proxy.app import AffinityProxy
@@ -80,7 +80,7 @@ class Resilience:
         self.retries = RetryController(cfg.retries, metrics=self.metrics)
         self.queue = AdmissionQueue(cfg.overload, self.metrics)
         self._tasks: list[asyncio.Task[None]] = []
-        # Called with every configuration a reload swapped in (proxy/workers.py forwards it to the workers).
+        # Called with every configuration a reload swapped in (proxy/multiproc/serve.py forwards it to the workers).
         self.reload_listeners: list[Callable[[Config], None]] = []
         router = proxy.router
         if self.data:
@@ -161,7 +161,7 @@ class Resilience:
 
     def apply_data_config(self, new: Config) -> None:
         """The data-plane half of a reload (retries, overload, routing). With --workers N the supervisor
-        runs `apply_config` and each worker process this half, sent over its channel (proxy/workers.py)."""
+        runs `apply_config` and each worker process this half, sent over its channel (proxy/multiproc/serve.py)."""
         old = self.proxy.config
         self.retries.reconfigure(new.retries)
         self.queue.cfg = new.overload

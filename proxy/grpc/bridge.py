@@ -3,7 +3,7 @@ calling ``/v1/chat/completions``): proxied like the HTTP/1.1 ones.
 
 The request is handled the way `proxy.http.server` handles it, with the same pieces: the body is read
 once (bounded by `limits.max_body_bytes`), parsed with `summary_from_openai`, routed through the shared
-`Router`, and sent over the HTTP data plane's own relay pool (proxy/http/pool.py) with its header rules, so
+`Router`, and sent over the HTTP data plane's own relay pool (proxy/upstream/http1.py) with its header rules, so
 it gets what an HTTP/1.1 request gets: ORCA load reports asked for and folded into the routing signals
 (telemetry.orca), and retries on another backend before the first byte (the shared `retries:` policy and
 budget). The answer goes back whole (JSON) or piece by piece as it arrives (SSE) under the client's
@@ -28,16 +28,16 @@ from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
-from proxy.dispatch import Lease, Overloaded, UnknownModel
+from proxy.dataplane.router import Lease, Overloaded, UnknownModel
 from proxy.http.errors import error_body, sse_error_event
-from proxy.http.headers import upstream_request_head
-from proxy.http.retry import classify_upstream_error
+from proxy.upstream.headers import upstream_request_head
+from proxy.upstream.failures import classify_upstream_error
 from proxy.http.server import RETRY_AFTER_S, ROUTED_ENDPOINTS
-from proxy.retry import RetryableFailure, run_with_retries
+from proxy.dataplane.retry import RetryableFailure, run_with_retries
 
 if TYPE_CHECKING:
     from proxy.grpc.listener import RelayContext
-    from proxy.grpc.relay import Downstream
+    from proxy.grpc.call import Downstream
     from proxy.http.server import HttpDataPlane
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from proxy.core.request import RequestSummary, estimate_tokens
-from proxy.grpc import wire
-from proxy.grpc.settings import GrpcOptions, MethodExtractorConfig
+from proxy.wire import grpc as wire
+from proxy.grpc.grpc_config import GrpcOptions, MethodExtractorConfig
 
 GENERATION_SERVICE = "/affinity.v1.Generation/"
 KSERVE_SERVICE = "/inference.GRPCInferenceService/"

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Callable
 from proxy.config import Config
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
-from proxy.dispatch import Router
+from proxy.dataplane.router import Router
 from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.extractors import ExtractorRegistry
-from proxy.grpc.h2side import Flusher, quiet_hpack_logging
+from proxy.grpc.connection import Flusher, quiet_hpack_logging
 from proxy.grpc.local import LOCAL_PREFIXES, LocalServices
-from proxy.grpc.relay import Downstream
-from proxy.grpc.settings import GrpcOptions
+from proxy.grpc.call import Downstream
+from proxy.grpc.grpc_config import GrpcOptions
 from proxy.grpc.upstream import BackendPool, PoolOptions, Pools
-from proxy.retry import RetryController
+from proxy.dataplane.retry import RetryController
 
 if TYPE_CHECKING:
     from proxy.app import AffinityProxy

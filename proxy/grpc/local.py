@@ -55,7 +55,7 @@ class AdminService(ProxyAdminBase):
 
     def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None) -> None:
         # With --workers, `store` is the worker's WorkerStore: an update here is forwarded to the
-        # supervisor, whose next snapshot carries it to every worker (proxy/workers.py).
+        # supervisor, whose next snapshot carries it to every worker (proxy/multiproc/serve.py).
         self._store = store
         self._inflight = inflight
         self._token = token

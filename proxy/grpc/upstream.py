@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Callable
 import h2.events
 import h2.exceptions
 
-from proxy.grpc.h2side import FastData, Flusher, H2Side
+from proxy.grpc.connection import FastData, Flusher, H2Side
 
 if TYPE_CHECKING:
-    from proxy.grpc.relay import Call
+    from proxy.grpc.call import Call
 
 log = logging.getLogger(__name__)
 

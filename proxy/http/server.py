@@ -33,13 +33,13 @@ from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
 from proxy.core.snapshot import BackendState
-from proxy.dispatch import Lease, Overloaded, Router, UnknownModel
-from proxy.http.retry import classify_upstream_error, client_gone
+from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
+from proxy.upstream.failures import classify_upstream_error, client_gone
 from proxy.http.errors import error_body, error_response, sse_error_event
-from proxy.http.headers import upstream_request_head
-from proxy.http.pool import Exchange, UpstreamPool
+from proxy.upstream.headers import upstream_request_head
+from proxy.upstream.http1 import Exchange, UpstreamPool
 from proxy.metrics import ProxyMetrics
-from proxy.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 
 log = logging.getLogger("affinity_proxy.http")
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control.adapters import Extractor
-from proxy.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
+from proxy.agent.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
 from tests.control.fakes import FakeMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_real_cli_without_a_gpu_exits_with_one_line() -> None:
 
 async def test_poller_reads_a_backend_through_its_agent() -> None:
     """Sim engine <- gpu-agent (fake NVML) <- the proxy's poller via metrics_url: one scrape, both halves."""
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
     from proxy.control.poller import Poller
     from proxy.control.store import SnapshotStore
     from proxy.control.telemetry_config import TelemetryConfig

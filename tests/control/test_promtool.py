@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import aiohttp
 import pytest
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 

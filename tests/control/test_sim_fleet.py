@@ -9,7 +9,7 @@ from typing import AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from proxy.core.snapshot import Snapshot

@@ -118,7 +118,7 @@ def image(podman: Podman, base_image: str) -> str:
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[object]:
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
 
     fleet = await start_fleet(4, flavor="vllm", speed=20.0)
     yield fleet

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import AffinityProxy
 from proxy.cli import build_parser
 from proxy.config import load_config, parse_config
-from proxy.workers import Supervisor
+from proxy.multiproc.serve import Supervisor
 from tests.deploy.files import (
     DOCKER,
     DEPLOY,
@@ -254,7 +254,7 @@ def test_compose_wiring_matches_the_proxy_config() -> None:
     assert mounts[in_image] == source.resolve()
     config = load_config(str(source))
     # Every backend is a simulator service on the port it listens on; every simulator is a backend.
-    sims = {name: svc for name, svc in services.items() if svc.get("entrypoint", [])[-1:] == ["loadtest.sim"]}
+    sims = {name: svc for name, svc in services.items() if svc.get("entrypoint", [])[-1:] == ["sim"]}
     assert len(sims) == 4
     for b in config.backends:
         host, port = b.url.removeprefix("http://").split(":")
@@ -265,7 +265,7 @@ def test_compose_wiring_matches_the_proxy_config() -> None:
             assert ghost == host and int(gport) == int(args[args.index("--grpc-port") + 1])
     assert {b.url.removeprefix("http://").split(":")[0] for b in config.backends} == set(sims)
     # The simulator command line is one the simulator accepts.
-    from loadtest.sim.__main__ import build_parser as sim_parser
+    from sim.__main__ import build_parser as sim_parser
 
     for svc in sims.values():
         sim_parser().parse_args(svc["command"])
@@ -318,7 +318,7 @@ def _sample_names(text: str) -> set[str]:
 
 
 async def test_dashboard_queries_metrics_that_exist() -> None:
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
     from prometheus_client import generate_latest
 
     proxy = AffinityProxy(load_config(str(image_config_path()[1])))

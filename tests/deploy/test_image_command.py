@@ -24,7 +24,7 @@ from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, post_json, start_pr
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[object]:
-    from loadtest.sim.fleet import start_fleet
+    from sim.fleet import start_fleet
 
     fleet = await start_fleet(4, flavor="vllm", grpc_port=0, speed=20.0)
     yield fleet

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.core.snapshot import BackendSpec, Snapshot
-from proxy.workers import (
+from proxy.multiproc.serve import (
     FamilyData,
     PublishSnapshot,
     _cgroup_cpu_quota,
@@ -169,7 +169,7 @@ async def test_channel_round_trips_a_snapshot() -> None:
 
 async def test_readiness_holds_while_any_worker_serves() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.workers import Supervisor
+    from proxy.multiproc.serve import Supervisor
 
     store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
@@ -183,7 +183,7 @@ async def test_readiness_holds_while_any_worker_serves() -> None:
 
 def test_supervisor_sums_worker_inflight_reports_and_forgets_dead_workers() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.workers import Supervisor
+    from proxy.multiproc.serve import Supervisor
 
     store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)

@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 

@@ -12,7 +12,7 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 import pytest
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from tests.grpc.echo import EchoBackend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 from collections import defaultdict
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs

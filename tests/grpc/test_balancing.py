@@ -8,7 +8,7 @@ from collections import Counter
 import grpc
 import pytest
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from proxy.protos import generate_pb2 as gen
 from tests.grpc import stubs
 from tests.grpc.conftest import echo_entries, fleet_entries, proxy_address

@@ -7,7 +7,7 @@ import socket
 
 import httpx
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from tests.grpc.conftest import fleet_entries, proxy_address
 
 

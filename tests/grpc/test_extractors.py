@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from proxy.config import ConfigError, parse_config
 from proxy.core.request import summary_from_openai
-from proxy.grpc import wire
+from proxy.wire import grpc as wire
 from proxy.grpc.extractors import ExtractorRegistry, parse_generate, parse_kserve
-from proxy.grpc.settings import GrpcOptions, MethodExtractorConfig
+from proxy.grpc.grpc_config import GrpcOptions, MethodExtractorConfig
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 

@@ -11,7 +11,7 @@ import h2.events
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.grpc.h2side import FastData, H2Side, h2_config
+from proxy.grpc.connection import FastData, H2Side, h2_config
 
 
 class _Side(H2Side):

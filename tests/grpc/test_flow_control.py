@@ -7,7 +7,7 @@ import collections
 
 import grpc
 
-from proxy.grpc.relay import take
+from proxy.grpc.call import take
 from proxy.protos import generate_pb2 as gen
 from tests.grpc import stubs
 from tests.grpc.conftest import echo_entries, proxy_address

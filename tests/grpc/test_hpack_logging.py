@@ -9,7 +9,7 @@ import hpack.hpack
 import hpack.table
 import pytest
 
-from proxy.grpc.h2side import quiet_hpack_logging
+from proxy.grpc.connection import quiet_hpack_logging
 
 
 @pytest.fixture

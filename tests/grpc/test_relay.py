@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from proxy.core.health import Outcome
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
@@ -247,7 +247,7 @@ async def test_stop_drains_streams_in_flight(echoes: list[EchoBackend], make_pro
 async def test_plain_h2_path_when_fast_path_is_off(monkeypatch, echoes: list[EchoBackend], make_proxy,
                                                    channel_to) -> None:
     """The DATA fast path is an optimisation over h2; the relay must behave the same without it."""
-    import proxy.grpc.h2side as h2side
+    import proxy.grpc.connection as h2side
 
     monkeypatch.setattr(h2side, "_FAST_PATH", False)
     proxy = await make_proxy(echo_entries(echoes))

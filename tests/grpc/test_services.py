@@ -9,7 +9,7 @@ import httpx
 import pytest
 from grpclib.health.v1 import health_pb2
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from proxy.core.snapshot import Health
 from proxy.protos import admin_pb2
 from proxy.protos import generate_pb2 as gen

@@ -1,4 +1,4 @@
-"""The simulator's gRPC front end (loadtest/sim/grpc.py) seen by a grpcio client: KServe surface and
+"""The simulator's gRPC front end (sim/grpc.py) seen by a grpcio client: KServe surface and
 how simulator faults become gRPC outcomes (what the proxy's failure handling is tested against)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from loadtest.sim.fleet import Fleet
+from sim.fleet import Fleet
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs

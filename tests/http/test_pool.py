@@ -7,7 +7,7 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from proxy.http.pool import UpstreamConnectError, UpstreamPool, UpstreamReset, UpstreamTimeout
+from proxy.upstream.http1 import UpstreamConnectError, UpstreamPool, UpstreamReset, UpstreamTimeout
 from proxy.metrics import UpstreamCounters
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

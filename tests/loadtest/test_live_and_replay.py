@@ -11,8 +11,8 @@ import pytest
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import summarize
 from loadtest.run import RunConfig, run_workload
-from loadtest.sim.fleet import Fleet, start_fleet
-from loadtest.sim.profiles import get_profile
+from sim.fleet import Fleet, start_fleet
+from sim.profiles import get_profile
 from loadtest.workloads import Workload, load_workload
 from proxy.app import AffinityProxy
 from proxy.config import parse_config

@@ -96,7 +96,7 @@ def test_shared_ids_give_byte_identical_prefixes_and_exact_token_counts() -> Non
 
 
 def test_chat_turns_extend_the_previous_prompt_for_the_proxy_and_the_simulator() -> None:
-    from loadtest.sim.api import render_chat
+    from sim.api import render_chat
 
     w = load_workload("chat:sessions=3,turns_mean=4,think_s=1", seed=3)
     text = w.text()

@@ -15,7 +15,7 @@ from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome, RetryConfig
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Health
-from proxy.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 
 from .helpers import free_port, until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from loadtest.sim.fleet import start_fleet
+from sim.fleet import start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from proxy.protos import generate_pb2 as gen

@@ -13,7 +13,7 @@ from proxy.control.membership import Membership, close_idle_connections
 from proxy.control.store import SnapshotStore
 from proxy.core.health import CheckResult, DiscoveryConfig, HealthCheckConfig, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 
 from .helpers import FakeBackend, until
 

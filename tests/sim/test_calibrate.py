@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.calibrate import batch_latency, calibrate, main, offline_throughput
-from loadtest.sim.profiles import PROFILES, get_profile
+from sim.profiles import PROFILES, get_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = {"prefill_tok_s", "decode_tok_s_b1", "decode_tok_s_b32", "decode_tok_s_b128",

@@ -1,4 +1,4 @@
-"""`python -m loadtest.sim` as a user runs it: ports printed, HTTP and gRPC answer, SIGTERM stops it."""
+"""`python -m sim` as a user runs it: ports printed, HTTP and gRPC answer, SIGTERM stops it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_fleet_runner_serves_http_and_grpc_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtest.sim", "--host", "127.0.0.1", "--port", "0", "--servers", "2",
+        [sys.executable, "-m", "sim", "--host", "127.0.0.1", "--port", "0", "--servers", "2",
          "--grpc-port", "0", "--flavor", "vllm,tgi", "--speed", "100"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )
@@ -53,6 +53,6 @@ def test_fleet_runner_serves_http_and_grpc_and_stops_on_sigterm() -> None:
 
 def test_bad_flavor_is_a_usage_error() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "loadtest.sim", "--port", "0", "--flavor", "nginx"],
+    r = subprocess.run([sys.executable, "-m", "sim", "--port", "0", "--flavor", "nginx"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=30)
     assert r.returncode == 2 and "unknown --flavor" in r.stderr

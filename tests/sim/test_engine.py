@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from loadtest.sim.api import InvalidRequest, ModelNotFound, SimRequest
-from loadtest.sim.engine import Engine
-from loadtest.sim.profiles import PROFILES, get_profile
+from sim.api import InvalidRequest, ModelNotFound, SimRequest
+from sim.engine import Engine
+from sim.profiles import PROFILES, get_profile
 
 
 @dataclass

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from loadtest.sim.fleet import Fleet, start_fleet
+from sim.fleet import Fleet, start_fleet
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.sim.fleet import Fleet, start_fleet
-from loadtest.sim.metrics import FLAVORS
-from loadtest.sim.tokenizer import TOKENIZER_DIR, tokenizer_files
+from sim.fleet import Fleet, start_fleet
+from sim.metrics import FLAVORS
+from sim.tokenizer import TOKENIZER_DIR, tokenizer_files
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 

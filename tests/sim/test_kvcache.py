@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.sim.kvcache import BlockPool, chain_seed, extend_block_keys
+from sim.kvcache import BlockPool, chain_seed, extend_block_keys
 
 
 def keys_of(words: list[str], seed: int, block_size: int = 4) -> list[int]:

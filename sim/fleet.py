@@ -81,7 +81,7 @@ class SimServer:
 
     @property
     def grpc_server(self) -> Any:
-        """The gRPC front end (`loadtest.sim.grpc.SimGrpcServer`) or None."""
+        """The gRPC front end (`sim.grpc.SimGrpcServer`) or None."""
         return self._grpc
 
     def _lookup(self, name: str) -> SimHttpApp | None:
@@ -195,7 +195,7 @@ async def start_fleet(
     if n < 1:
         raise ValueError("a fleet needs at least one server")
     if grpc_port is not None and not grpc_available():
-        raise RuntimeError("--grpc-port needs loadtest/sim/grpc.py (the simulator's gRPC front end), which is missing")
+        raise RuntimeError("--grpc-port needs sim/grpc.py (the simulator's gRPC front end), which is missing")
     prof = profile if isinstance(profile, Profile) else get_profile(profile)
     if profile_overrides:
         prof = prof.with_overrides(**profile_overrides)

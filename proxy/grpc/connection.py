@@ -25,7 +25,7 @@ import hpack.hpack
 import hpack.table
 
 if TYPE_CHECKING:
-    from proxy.grpc.relay import Call
+    from proxy.grpc.call import Call
 
 
 class Flusher:

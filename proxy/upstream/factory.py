@@ -1,6 +1,6 @@
 """The two upstream clients of a proxy process, built from the same `upstream:` and `timeouts:` config.
 
-- `create_pool`: the data plane's relay pool (proxy/http/pool.py). Every proxied request goes through it;
+- `create_pool`: the data plane's relay pool (proxy/upstream/http1.py). Every proxied request goes through it;
   it counts requests and new connections, from which the exported connection reuse ratio is derived.
 - `create_session`: an aiohttp ClientSession for the proxy's own, infrequent calls (GET /v1/models
   fan-out, health checks that want one). Same limits and keep-alive rules: idle
@@ -13,7 +13,7 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.config import Config
-from proxy.http.pool import UpstreamPool
+from proxy.upstream.http1 import UpstreamPool
 from proxy.metrics import UpstreamCounters
 
 

@@ -33,7 +33,7 @@ from grpclib.health.service import OVERALL, Health
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server, Stream
 
-from loadtest.sim.api import ConnectionDropped, SimError, SimRequest, TokenChunk, render_chat
+from sim.api import ConnectionDropped, SimError, SimRequest, TokenChunk, render_chat
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from proxy.protos.generate_grpc import GenerationBase
@@ -56,7 +56,7 @@ _TEXT_OUTPUT = "text_output"
 
 
 class GenerateBackend(Protocol):
-    """What the front end needs from a simulated server (``loadtest.sim`` ``SimBackend``)."""
+    """What the front end needs from a simulated server (``sim`` ``SimBackend``)."""
 
     name: str
 

@@ -1,6 +1,6 @@
-"""`python -m loadtest.sim`: run a fleet of simulated GPU servers until Ctrl-C / SIGTERM.
+"""`python -m sim`: run a fleet of simulated GPU servers until Ctrl-C / SIGTERM.
 
-    python -m loadtest.sim --host 127.0.0.1 --port 8001 --servers 4 --grpc-port 9001 \\
+    python -m sim --host 127.0.0.1 --port 8001 --servers 4 --grpc-port 9001 \\
         --profile llama3-8b-h100 --flavor vllm
 
 serves HTTP on 8001..8004 and gRPC on 9001..9004 and prints one line per server
@@ -23,7 +23,7 @@ from .profiles import PROFILES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.sim", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001, help="first HTTP port (0 = free ports)")
     p.add_argument("--servers", type=int, default=1)
@@ -59,7 +59,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"error: --flavor lists {len(flavors)} flavors for {args.servers} servers", file=sys.stderr)
         return 2
     if args.grpc_port is not None and not grpc_available():
-        print("error: --grpc-port needs loadtest/sim/grpc.py (the simulator's gRPC front end), which is missing",
+        print("error: --grpc-port needs sim/grpc.py (the simulator's gRPC front end), which is missing",
               file=sys.stderr)
         return 2
     faults = Faults()

@@ -24,11 +24,11 @@ from proxy.core.decision import Decision, NoBackendAvailable, Policy
 from proxy.core.health import Outcome, OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 from proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
-    from proxy.overload import AdmissionQueue
+    from proxy.dataplane.admission import AdmissionQueue
 
 
 class UnknownModel(NoBackendAvailable):

@@ -192,7 +192,7 @@ def _triton(w: _Writer, b: SimBackend) -> None:
 
 
 def _agent(w: _Writer, b: SimBackend) -> None:
-    """The series our GPU agent (proxy/gpu_agent.py) exports next to every engine."""
+    """The series our GPU agent (proxy/agent/gpu_agent.py) exports next to every engine."""
     e = b.engine
     w.gauge("gpu_memory_used_bytes", b.memory_used_bytes(), "GPU memory holding weights, reserve and live KV blocks.")
     w.gauge("gpu_memory_total_bytes", b.profile.total_memory_bytes, "GPU memory in total (all tensor-parallel GPUs).")

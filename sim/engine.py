@@ -20,7 +20,7 @@ Driving API (stable; times are seconds on the caller's clock, any origin, never 
 
     engine.abort("r1", now)              # frees its blocks (they stay cached); False if unknown/finished
 
-`add_request(req, now, default_max_tokens=None)` raises `InvalidRequest` / `ModelNotFound` (loadtest.sim.api)
+`add_request(req, now, default_max_tokens=None)` raises `InvalidRequest` / `ModelNotFound` (sim.api)
 without queueing; `default_max_tokens` applies when `req.max_tokens` is None (else: the rest of the context).
 `RequestOutput.usage` (on the finishing output) carries prompt, completion and cached prompt tokens; the
 first-token output's `StepResult.end - arrival` is the request's TTFT.

@@ -36,11 +36,11 @@ import hyperframe.frame
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
-from proxy.dispatch import Overloaded
-from proxy.retry import RetryableFailure
-from proxy.grpc import wire
+from proxy.dataplane.router import Overloaded
+from proxy.dataplane.retry import RetryableFailure
+from proxy.wire import grpc as wire
 from proxy.grpc.extractors import Extractor
-from proxy.grpc.h2side import FastData, H2Side
+from proxy.grpc.connection import FastData, H2Side
 from proxy.grpc.upstream import BackendPool, Upstream
 
 if TYPE_CHECKING:

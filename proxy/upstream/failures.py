@@ -1,6 +1,6 @@
 """aiohttp specifics of retries: which upstream errors are which failure kind, and is the client still there.
 
-The protocol-neutral loop, budget and backoff are in proxy/retry.py; this module only maps aiohttp's
+The protocol-neutral loop, budget and backoff are in proxy/dataplane/retry.py; this module only maps aiohttp's
 exception zoo onto the `Outcome` kinds the retry policy and outlier detection reason about.
 """
 
@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.core.health import Outcome
-from proxy.http.pool import UpstreamConnectError
+from proxy.upstream.http1 import UpstreamConnectError
 
 
 def classify_upstream_error(exc: BaseException) -> Outcome | None:

@@ -14,7 +14,7 @@ Why these choices:
   supervisor binds each address first WITHOUT listening: that resolves port 0 to one real port for every
   worker and keeps the port reserved across worker restarts, while a socket that never listens is not in
   the kernel's reuseport group and so is never handed a connection it would not accept.
-- Workers are fresh interpreters (`python -m proxy.workers`), not forks of a process that runs an event
+- Workers are fresh interpreters (`python -m proxy.multiproc.serve`), not forks of a process that runs an event
   loop and threads: nothing half-initialised is inherited, and a restarted worker is identical to the
   first one. The channel's file descriptor is the only thing passed down.
 - Snapshots are coalesced per worker: a slow worker gets the newest snapshot, never a backlog of stale
@@ -59,7 +59,7 @@ from prometheus_client.exposition import generate_latest
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Inflight
 from proxy.core.snapshot import Snapshot
-from proxy.inflight import InflightTable
+from proxy.core.inflight import InflightTable
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -552,7 +552,7 @@ class Supervisor:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             worker.proc = await asyncio.create_subprocess_exec(
-                self._python, "-m", "proxy.workers", "--channel-fd", str(child.fileno()),
+                self._python, "-m", "proxy.multiproc.serve", "--channel-fd", str(child.fileno()),
                 "--index", str(worker.index), "--log-level", str(logging.getLogger().getEffectiveLevel()),
                 pass_fds=(child.fileno(),),
             )
@@ -818,8 +818,8 @@ async def _worker(channel_fd: int) -> int:
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m proxy.workers --channel-fd FD --index I`: what the supervisor starts, never users."""
-    parser = argparse.ArgumentParser(prog="python -m proxy.workers")
+    """`python -m proxy.multiproc.serve --channel-fd FD --index I`: what the supervisor starts, never users."""
+    parser = argparse.ArgumentParser(prog="python -m proxy.multiproc.serve")
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
@@ -896,8 +896,8 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
 
 
 if __name__ == "__main__":
-    # Run the imported module's copy, not this __main__ one: the supervisor pickles `proxy.workers.*`
+    # Run the imported module's copy, not this __main__ one: the supervisor pickles `proxy.multiproc.serve.*`
     # messages, and isinstance checks must compare against those very classes.
-    from proxy.workers import worker_main as _worker_main
+    from proxy.multiproc.serve import worker_main as _worker_main
 
     sys.exit(_worker_main())

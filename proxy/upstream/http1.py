@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from proxy.http.headers import HOP_BY_HOP
+from proxy.upstream.headers import HOP_BY_HOP
 from proxy.metrics import UpstreamCounters
 
 _MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
