@@ -28,7 +28,8 @@ from loadtest.harness import FleetSpec, Proc, start_fleet_process, start_proxy_p
 from loadtest.peers import Peer, parse_peers, start_peer
 from loadtest.report import design_comparison, summarize, write_report
 from loadtest.replay import parse_profile_sets
-from loadtest.run import RunConfig, RunResult, add_workload_args, prepare_workload, run_workload
+from loadtest.records import RunConfig, RunResult
+from loadtest.run import add_workload_args, prepare_workload, run_workload
 from loadtest.workloads import Workload
 
 def target_check(summaries: Sequence[dict[str, Any]]) -> str:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from loadtest.run import Record, RunResult, add_workload_args, prepare_workload
+from loadtest.records import Record, RunResult
+from loadtest.run import add_workload_args, prepare_workload
 from sim.api import SimRequest, render_chat
 from sim.engine import Engine
 from sim.metrics import render as render_metrics

@@ -18,7 +18,7 @@ from statistics import pstdev
 from typing import Any, Iterable, Sequence
 
 from loadtest import stats
-from loadtest.run import Record, RunResult
+from loadtest.records import Record, RunResult
 from loadtest.workloads import Workload
 from loadtest.workloads.bound import one_cache_bound
 

@@ -25,87 +25,19 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import aiohttp
 
 from loadtest.fleet_sampler import FleetSampler
+from loadtest.records import Record, RunConfig, RunResult
 from loadtest.workloads import BlockText, Workload, WorkItem, build_body, load_workload, parse_window
 
 BACKEND_HEADER = "x-affinity-backend"
 # The simulator names itself in every response; peers that forward upstream headers keep it, so runs
 # through sglang-router / vllm-router still know which backend served each request.
 SIM_BACKEND_HEADER = "x-sim-backend"
-
-
-@dataclass(slots=True)
-class Record:
-    """What one request saw. Times are seconds; `sent` is relative to the run's start."""
-
-    index: int
-    sent: float
-    scheduled: float
-    input_tokens: int
-    status: int = 0  # HTTP status; 0 when no response arrived
-    ttft: float | None = None
-    e2e: float | None = None
-    tpot: float | None = None
-    output_tokens: int = 0
-    cached_tokens: int | None = None
-    backend: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class RunConfig:
-    url: str
-    model: str = "llama3-8b"
-    speed: float = 1.0
-    closed: int | None = None  # closed loop with N users
-    session_header: str | None = None
-    timeout_s: float = 600.0
-    max_inflight: int = 4096
-    progress: bool = True
-    label: str = ""
-    api_key: str | None = None
-    extra_body: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class RunResult:
-    meta: dict[str, Any]
-    records: list[Record]
-    samples: list[dict[str, Any]]
-    capacity_tokens: dict[str, int]
-    wall_s: float
-    proxy_cpu_s: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        cols = [f for f in Record.__dataclass_fields__]
-        return {
-            "meta": self.meta,
-            "wall_s": self.wall_s,
-            "proxy_cpu_s": self.proxy_cpu_s,
-            "capacity_tokens": self.capacity_tokens,
-            "record_columns": cols,
-            "records": [[getattr(r, c) for c in cols] for r in self.records],
-            "samples": self.samples,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "RunResult":
-        cols = data["record_columns"]
-        records = [Record(**dict(zip(cols, row))) for row in data["records"]]
-        return cls(data["meta"], records, data["samples"], data.get("capacity_tokens", {}), data["wall_s"], data.get("proxy_cpu_s"))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json()))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "RunResult":
-        return cls.from_json(json.loads(Path(path).read_text()))
 
 
 def process_cpu_seconds(pids: Sequence[int]) -> float | None:

@@ -10,7 +10,8 @@ import pytest
 
 from loadtest.replay import ReplayConfig, replay
 from loadtest.report import summarize
-from loadtest.run import RunConfig, run_workload
+from loadtest.records import RunConfig
+from loadtest.run import run_workload
 from sim.fleet import Fleet, start_fleet
 from sim.profiles import get_profile
 from loadtest.workloads import Workload, load_workload

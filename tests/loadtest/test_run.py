@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from loadtest.report import summarize, write_report
-from loadtest.run import RunConfig, RunResult, run_workload
+from loadtest.records import RunConfig, RunResult
+from loadtest.run import run_workload
 from loadtest.workloads import load_workload
 from tests.loadtest.fake_openai import STATE, make_app
 
