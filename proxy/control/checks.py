@@ -19,7 +19,7 @@ import errno
 import logging
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -35,6 +35,9 @@ from proxy.core.health import (
     OutlierConfig,
 )
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
+
+if TYPE_CHECKING:  # grpclib is imported only when a gRPC check runs
+    from grpclib.client import Channel
 
 log = logging.getLogger("affinity_proxy.health")
 
@@ -148,7 +151,7 @@ class HealthChecker:
         self.clock = clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
-        self._channels: dict[str, object] = {}
+        self._channels: dict[str, Channel] = {}
         self._running = False
 
     @property
@@ -173,7 +176,7 @@ class HealthChecker:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for ch in self._channels.values():
-            ch.close()  # type: ignore[attr-defined]
+            ch.close()
         self._channels.clear()
         if self._session is not None:
             await self._session.close()
@@ -194,7 +197,7 @@ class HealthChecker:
                 self._tasks.pop(name).cancel()
                 ch = self._channels.pop(name, None)
                 if ch is not None:
-                    ch.close()  # type: ignore[attr-defined]
+                    ch.close()
         for name in wanted:
             if name not in self._tasks:
                 self._tasks[name] = asyncio.get_running_loop().create_task(self._probe_loop(name), name=f"check-{name}")
@@ -258,13 +261,13 @@ class HealthChecker:
         if channel is None:
             host, port = _host_port(spec.grpc_address or "")
             channel = self._channels[spec.name] = Channel(host, port)
-        reply = await HealthStub(channel).Check(HealthCheckRequest(service=self.cfg.grpc_service))  # type: ignore[arg-type]
+        reply = await HealthStub(channel).Check(HealthCheckRequest(service=self.cfg.grpc_service))
         return reply is not None and reply.status == HealthCheckResponse.SERVING
 
     def _drop_channel(self, name: str) -> None:
         ch = self._channels.pop(name, None)
         if ch is not None:
-            ch.close()  # type: ignore[attr-defined]
+            ch.close()
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -130,7 +130,8 @@ class Membership:
         if name not in cur:
             raise KeyError(name)
         self._manual.add(name)
-        if cur.get(name).health is Health.DRAINING:  # type: ignore[union-attr]
+        state = cur.get(name)  # not None: `name in cur` above
+        if state is not None and state.health is Health.DRAINING:
             return cur
         return self.store.publish(cur.replace_backend(name, health=Health.DRAINING))
 
@@ -142,7 +143,8 @@ class Membership:
             raise ValueError(f"backend {name!r} was removed from the configuration and is leaving")
         self._manual.discard(name)
         health = self.monitor.health(name)
-        if cur.get(name).health is health:  # type: ignore[union-attr]
+        state = cur.get(name)  # not None: `name in cur` above
+        if state is not None and state.health is health:
             return cur
         return self.store.publish(cur.replace_backend(name, health=health))
 

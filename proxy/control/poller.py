@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import aiohttp
 
@@ -330,7 +330,8 @@ class Poller:
             if values is None or s is None or b.stale:
                 out.append(b)
                 continue
-            changes = {k: v for k, v in values.items() if k != "mem_fraction"}
+            # Signals field name -> value; the names come from the adapter tables, so the checker sees str keys
+            changes: dict[str, Any] = {k: v for k, v in values.items() if k != "mem_fraction"}
             if "mem_fraction" in values and s.mem_total_bytes:
                 changes["mem_used_bytes"] = values["mem_fraction"] * s.mem_total_bytes
             if ("running" in changes or "waiting" in changes) and "kernel_queue" not in changes:
