@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control.adapters import Extractor
 from proxy.agent.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
-from tests.control.fakes import FakeMetrics
+from tests.support import FakeMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from proxy.control.telemetry_config import TelemetryConfig
 from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.score import ScoreConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
-from tests.control.fakes import FakeMetrics, agent_page
+from tests.support import FakeMetrics, agent_page
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, owner_of_connection, post_json, start_proxy
-from tests.http.fakes import FakeBackend
+from tests.support import FakeBackend
 
 
 def _config(fakes: list[FakeBackend], policy: str) -> str:

@@ -6,7 +6,7 @@ import pytest
 
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
-from tests.http.fakes import FakeBackend
+from tests.support import FakeBackend
 
 ProxyFactory = Callable[..., Awaitable[AffinityProxy]]
 

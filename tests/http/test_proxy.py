@@ -14,7 +14,7 @@ from yarl import URL
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from tests.http.conftest import QUIET, ProxyFactory
-from tests.http.fakes import FakeBackend
+from tests.support import FakeBackend
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 

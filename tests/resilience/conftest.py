@@ -6,7 +6,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from tests.http.fakes import FakeBackend
+from tests.support import FakeBackend
 
 
 @pytest.fixture

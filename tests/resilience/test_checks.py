@@ -13,7 +13,7 @@ from proxy.control.store import SnapshotStore
 from proxy.core.health import CheckResult, HealthCheckConfig, Outcome, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
-from .helpers import FakeBackend, free_port, until
+from tests.support import FakeBackend, free_port, until
 
 FAST = HealthCheckConfig(interval_ms=20, jitter=0.2, timeout_ms=200, healthy_threshold=2, unhealthy_threshold=2)
 
@@ -32,10 +32,10 @@ async def test_http_checks_follow_the_backend_with_hysteresis() -> None:
     await checker.start()
     try:
         await until(lambda: store.current.get("a").health is Health.HEALTHY)
-        fake.mode = "fail"
+        fake.health = "fail"
         await until(lambda: store.current.get("a").health is Health.UNHEALTHY)
         assert monitor.metrics.checks.labels("a", "fail")._value.get() >= 2  # hysteresis: two failures needed
-        fake.mode = "ok"
+        fake.health = "ok"
         await until(lambda: store.current.get("a").health is Health.HEALTHY)
     finally:
         await checker.stop()
@@ -50,10 +50,10 @@ async def test_check_classifies_refused_timeout_and_pass() -> None:
     try:
         result, latency = await checker.check(BackendSpec("a", url), 1.0)
         assert result is CheckResult.PASS and latency is not None and latency >= 0
-        fake.stall_s = 0.3
+        fake.health_stall_s = 0.3
         assert (await checker.check(BackendSpec("a", url), 0.05))[0] is CheckResult.TIMEOUT
-        fake.stall_s = 0
-        fake.mode = "fail"
+        fake.health_stall_s = 0
+        fake.health = "fail"
         assert (await checker.check(BackendSpec("a", url), 1.0))[0] is CheckResult.FAIL
         dead = f"http://127.0.0.1:{free_port()}"
         assert (await checker.check(BackendSpec("b", dead), 1.0))[0] is CheckResult.REFUSED

@@ -17,7 +17,7 @@ from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Health
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 
-from .helpers import free_port, until
+from tests.support import free_port, until
 
 BASE = "listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}

@@ -15,7 +15,7 @@ from proxy.core.health import CheckResult, DiscoveryConfig, HealthCheckConfig, O
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 from proxy.core.inflight import InflightTable
 
-from .helpers import FakeBackend, until
+from tests.support import FakeBackend, until
 
 
 def spec(name: str, port: int = 1, **kw) -> BackendSpec:

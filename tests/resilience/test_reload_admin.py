@@ -15,9 +15,7 @@ from proxy.app import AffinityProxy
 from proxy.config import load_config, parse_config
 from proxy.control.reload import Reloader
 from proxy.core.snapshot import Health
-from tests.http.fakes import FakeBackend
-
-from .helpers import established_to, until
+from tests.support import FakeBackend, established_to, until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,7 +1,8 @@
 """A tiny, scriptable OpenAI-ish backend for pure-proxy behaviour (the e2e tests use the real simulator).
 
 It records what reached it (raw body bytes, headers, path) and whether a handler was cancelled, so tests
-can observe from the backend's side what the proxy did.
+can observe from the backend's side what the proxy did. Its /health answer is scriptable too (ok, 503 or
+stalled), for the health checks' tests.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ class Seen:
 
 @dataclass
 class FakeBackend:
-    name: str
+    name: str = "fake"
     url: str = ""
+    port: int = 0
     seen: list[Seen] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     stream_started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -40,20 +42,38 @@ class FakeBackend:
     pad: int = 0  # extra bytes of content per SSE event (for back-pressure tests)
     written: int = 0  # SSE events written so far
     response_headers: dict[str, str] = field(default_factory=dict)  # added to every completion answer
+    # GET /health: "ok" answers like any other path (recorded in `seen`), "fail" answers 503; `health_stall_s`
+    # delays either answer. `health_calls` counts them all.
+    health: str = "ok"
+    health_stall_s: float = 0.0
+    health_calls: int = 0
     _runner: web.AppRunner | None = None
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> str:
+        """Listen on 127.0.0.1:`port` (a free one by default; a given one to come back where it was)."""
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)  # the telemetry poller's scrapes: not counted in `seen`
+        app.router.add_get("/health", self.health_check)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self.url
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+
+    async def health_check(self, request: web.Request) -> web.StreamResponse:
+        self.health_calls += 1
+        if self.health_stall_s:
+            await asyncio.sleep(self.health_stall_s)
+        if self.health == "fail":
+            return web.Response(status=503, text="no")
+        return await self.handle(request)
 
     async def metrics(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=404, text="no metrics here")
