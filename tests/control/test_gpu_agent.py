@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control.adapters import Extractor
 from proxy.agent.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
-from tests.support import FakeMetrics
+from tests.support import FakeMetrics, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -95,10 +95,7 @@ async def test_agent_exports_nvml_and_engine_series(engine: FakeMetrics) -> None
     await agent.start()
     try:
         assert agent.engine is not None
-        for _ in range(500):  # until the engine probe has run (hang guard, not a timing check)
-            if agent.engine.up:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: agent.engine.up, timeout=5, message="the engine probe has run")
         text = await scrape(agent.url)
     finally:
         await agent.stop()
@@ -206,10 +203,8 @@ async def test_poller_reads_a_backend_through_its_agent() -> None:
     try:
         await fleet.servers[0].set_faults({"background_requests": 8})
         assert agent.engine is not None
-        for _ in range(500):  # hang guard: until the agent has seen the engine with its load
-            if agent.engine.up and (agent.engine.queue or 0) >= 8:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: agent.engine.up and (agent.engine.queue or 0) >= 8, timeout=5,
+                    message="the agent has seen the engine with its load")
         spec = BackendSpec(name="gpu-0", url=fleet.servers[0].url, metrics_url=agent.url + "/metrics")
         store = SnapshotStore(Snapshot.initial([spec]))
         poller = Poller(store, TelemetryConfig())

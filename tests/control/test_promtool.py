@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import AsyncIterator
@@ -19,6 +18,7 @@ import pytest
 from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
+from tests.support import free_port, until
 
 
 @pytest.fixture
@@ -65,10 +65,6 @@ async def test_promtool_check_metrics_passes(running: tuple[Fleet, AffinityProxy
     assert proc.stdout.strip() == "" and proc.stderr.strip() == "", proc.stdout + proc.stderr  # no lint findings
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (apt-get install prometheus)")
@@ -80,7 +76,7 @@ async def test_a_real_prometheus_scrapes_the_proxy(running: tuple[Fleet, Affinit
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"scrape_configs:\n  - job_name: affinity-proxy\n    static_configs: [{{targets: ['{admin}']}}]\n"
     )
-    port = _free_port()
+    port = free_port()
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
          f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
@@ -88,22 +84,22 @@ async def test_a_real_prometheus_scrapes_the_proxy(running: tuple[Fleet, Affinit
     )
     query = f"http://127.0.0.1:{port}/api/v1/query"
     try:
-        results: dict[str, list[dict[str, object]]] = {}
         async with aiohttp.ClientSession() as s:
-            for _ in range(300):  # until Prometheus has scraped twice (a hang guard, not a timing check)
+            async def scraped() -> dict[str, list[dict[str, object]]] | None:
+                """Every query's result once Prometheus has scraped the proxy, else None."""
+                results = {}
                 try:
                     for q in ("up", "affinity_proxy_backend_metrics_stale", "affinity_proxy_backend_load_score"):
                         async with s.get(query, params={"query": q}) as resp:
                             results[q] = json.loads(await resp.text())["data"]["result"]
                 except (aiohttp.ClientError, KeyError, ValueError):
-                    results = {}
-                if results and results["up"] and all(results.values()):
-                    break
-                await asyncio.sleep(0.1)
+                    return None
+                return results if results["up"] and all(results.values()) else None
+
+            results = await until(scraped, timeout=30, interval=0.1, message="Prometheus has scraped the proxy")
     finally:
         prom.terminate()
         prom.wait(timeout=30)
-    assert results, "Prometheus never answered"
     assert results["up"][0]["value"][1] == "1"  # type: ignore[index]
     stale = {r["metric"]["backend"]: r["value"][1] for r in results["affinity_proxy_backend_metrics_stale"]}  # type: ignore[index]
     assert stale == {"sim-0": "0", "sim-1": "0", "sim-2": "1"}

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, owner_of_connection, post_json, start_proxy
-from tests.support import FakeBackend
+from tests.support import FakeBackend, until
 
 
 def _config(fakes: list[FakeBackend], policy: str) -> str:
@@ -123,11 +123,10 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
             assert min(len(v) for v in on.values()) >= 3
             # The supervisor's admin API sees the workers' in-flight streams (it has none of its own).
             opened = sum(len(v) for v in on.values())
-            for _ in range(600):  # a guard against hanging, not a timing assertion
-                if sum(b["inflight_requests"] for b in (await _backends(session, proxy)).values()) == opened:
-                    break
-                await asyncio.sleep(0.02)
-            assert sum(b["inflight_requests"] for b in (await _backends(session, proxy)).values()) == opened
+            async def counted() -> bool:
+                return sum(b["inflight_requests"] for b in (await _backends(session, proxy)).values()) == opened
+
+            await until(counted, timeout=30, interval=0.02, message=f"the supervisor counts {opened} streams")
             os.kill(victim, signal.SIGKILL)
             survived = await asyncio.gather(*(_finish(r) for r in on[survivor]))
             lost = await asyncio.gather(*(_finish(r) for r in on[victim]))
@@ -135,17 +134,16 @@ async def test_killed_worker_loses_nothing_on_the_other_and_comes_back(
             assert not any(lost)  # the victim's own streams really were cut (the kill was real)
 
             # It comes back: the supervisor restarts the slot, and the new process serves again.
-            replacement = None
-            for _ in range(600):  # a guard against hanging, not a timing assertion
+            async def replacement_ready() -> int | None:
                 now = proxy.workers()
                 new = [p for p in now if p not in workers]
                 if new and len(now) == 2:
                     async with session.get(f"{proxy.admin}/metrics") as resp:
                         if 'affinity_proxy_workers{state="ready"} 2.0' in await resp.text():
-                            replacement = new[0]
-                            break
-                await asyncio.sleep(0.1)
-            assert replacement is not None
+                            return new[0]
+                return None
+
+            replacement = await until(replacement_ready, timeout=60, interval=0.1, message="a new worker is ready")
             hits = 0
             for i in range(200):
                 owners: list[int | None] = []
@@ -262,11 +260,10 @@ async def test_reload_reaches_every_worker(tmp_path: Path, fakes: list[FakeBacke
         cfg.write_text(_config(fakes[:3], "least_request"))
         os.kill(proxy.pid, signal.SIGHUP)
         async with aiohttp.ClientSession() as session:
-            for _ in range(600):  # a guard against hanging, not a timing assertion
-                if "gpu-3" not in await _backends(session, proxy):
-                    break
-                await asyncio.sleep(0.05)
-            assert "gpu-3" not in await _backends(session, proxy)
+            async def gpu3_gone() -> bool:
+                return "gpu-3" not in await _backends(session, proxy)
+
+            await until(gpu3_gone, timeout=30, interval=0.05, message="the reload removed gpu-3")
             seen = _completions(fakes[3])
             workers = proxy.workers()
             owners: set[int | None] = set()
@@ -305,11 +302,10 @@ async def test_grpc_admin_write_in_one_worker_reaches_every_worker(tmp_path: Pat
             status = await stubs.admin(ch, "SetWeight")(admin_pb2.SetWeightRequest(name="gpu-1", weight=0))
             assert status.weight == 0
         async with aiohttp.ClientSession() as session:
-            for _ in range(600):  # a guard against hanging, not a timing assertion
-                if (await _backends(session, proxy))["gpu-1"]["weight"] == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert (await _backends(session, proxy))["gpu-1"]["weight"] == 0  # the supervisor has it
+            async def weight_zero() -> bool:
+                return (await _backends(session, proxy))["gpu-1"]["weight"] == 0
+
+            await until(weight_zero, timeout=30, interval=0.05, message="the supervisor has gpu-1's weight 0")
         workers = proxy.workers()
         owners: set[int | None] = set()
         seen = _completions(fakes[1])
@@ -364,15 +360,12 @@ async def test_workers_leave_when_their_supervisor_is_killed(tmp_path: Path, fak
     workers = proxy.workers()
     os.kill(proxy.pid, signal.SIGKILL)
     await proxy.proc.wait()
-    alive = workers
-    for _ in range(600):  # a guard against hanging, not a timing assertion
-        alive = [pid for pid in workers if _running(pid)]
-        if not alive:
-            break
-        await asyncio.sleep(0.05)
-    for pid in alive:  # do not leave orphans behind even when the assertion fails
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, "workers kept serving without their supervisor"
+    try:
+        await until(lambda: not any(_running(pid) for pid in workers), timeout=30, interval=0.05,
+                    message="workers leave without their supervisor")
+    finally:
+        for pid in [pid for pid in workers if _running(pid)]:  # no orphans left behind, even on failure
+            os.kill(pid, signal.SIGKILL)
 
 
 async def test_only_the_supervisor_scrapes_and_checks_the_backends(tmp_path: Path) -> None:
@@ -411,11 +404,11 @@ async def test_only_the_supervisor_scrapes_and_checks_the_backends(tmp_path: Pat
     proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
     try:
         pids.extend([proxy.pid, *proxy.workers()])
-        for _ in range(600):  # a guard against hanging, not a timing assertion
+        def polled() -> bool:
             paths = [p for p, _ in callers]
-            if paths.count("/metrics") >= 10 and paths.count("/health") >= 3:
-                break
-            await asyncio.sleep(0.05)
+            return paths.count("/metrics") >= 10 and paths.count("/health") >= 3
+
+        await until(polled, timeout=30, interval=0.05, message="10 scrapes and 3 health checks")
         assert {p for p, _ in callers} == {"/metrics", "/health"}
         assert {who for _, who in callers} == {proxy.pid}, callers
     finally:
@@ -433,25 +426,23 @@ async def test_removed_backend_drains_until_the_workers_streams_finish(tmp_path:
         async with aiohttp.ClientSession() as session:
             stream = await _open_stream(session, proxy.http, "long")
             victim = stream.headers["x-affinity-backend"]
-            for _ in range(600):  # a guard against hanging: wait until the supervisor counts the stream
-                if (await _backends(session, proxy))[victim]["inflight_requests"] == 1:
-                    break
-                await asyncio.sleep(0.02)
+            async def state_is(key: str, value: object) -> bool:
+                return (await _backends(session, proxy))[victim][key] == value
+
+            await until(lambda: state_is("inflight_requests", 1), timeout=30, interval=0.02,
+                        message="the supervisor counts the stream")
             cfg.write_text(_config([f for f in fakes if f.name != victim], "round_robin"))
             os.kill(proxy.pid, signal.SIGHUP)
-            for _ in range(600):
-                if (await _backends(session, proxy))[victim]["health"] == "draining":
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: state_is("health", "draining"), timeout=30, interval=0.02,
+                        message=f"{victim} is draining")
             # Draining, not gone, while a worker still streams from it: the supervisor knows.
             state = await _backends(session, proxy)
             assert state[victim]["health"] == "draining" and state[victim]["inflight_requests"] == 1
             assert await _finish(stream)
-            for _ in range(600):
-                if victim not in await _backends(session, proxy):
-                    break
-                await asyncio.sleep(0.05)
-            assert victim not in await _backends(session, proxy)
+            async def gone() -> bool:
+                return victim not in await _backends(session, proxy)
+
+            await until(gone, timeout=30, interval=0.05, message=f"{victim} has left")
             async with session.get(f"{proxy.admin}/metrics") as resp:
                 assert 'affinity_proxy_backends_drained_total{how="idle"} 1.0' in await resp.text()
     finally:

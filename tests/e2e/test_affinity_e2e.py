@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from typing import AsyncIterator
 
@@ -18,6 +17,7 @@ import pytest
 from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
+from tests.support import until
 
 SYSTEM = "You are a terse assistant for a logistics company. Answer with facts only. " * 10
 
@@ -84,19 +84,11 @@ async def test_multi_turn_chats_stay_on_their_backend(fleet: Fleet, proxy: Affin
     assert all(len(h) == 1 for h in homes.values()), homes
 
 
-async def _until(predicate, timeout: float = 20.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if predicate():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
-
-
 async def test_slow_backend_sheds_its_keys_and_takes_them_back(fleet: Fleet, proxy: AffinityProxy) -> None:
     def scores() -> dict[str, float | None]:
         return {b.name: b.load_score for b in proxy.store.current.backends}
 
-    await _until(lambda: all(v is not None for v in scores().values()))
+    await until(lambda: all(v is not None for v in scores().values()), timeout=20, interval=0.05)
     async with aiohttp.ClientSession() as s:
         before = {i: await ask(s, proxy, fleet, question(i)) for i in range(20)}
         slow = collections.Counter(before.values()).most_common(1)[0][0]
@@ -108,7 +100,7 @@ async def test_slow_backend_sheds_its_keys_and_takes_them_back(fleet: Fleet, pro
             others = [v for n, v in sc.items() if n != slow and v is not None]
             return sc[slow] is not None and sc[slow] > 1.25 * sum(others) / len(others) + 0.15
 
-        await _until(slow_is_hot)
+        await until(slow_is_hot, timeout=20, interval=0.05)
         during = {i: await ask(s, proxy, fleet, question(i)) for i in range(20)}
         assert slow not in during.values()
         assert all(during[i] == before[i] for i in before if before[i] != slow)
@@ -120,6 +112,6 @@ async def test_slow_backend_sheds_its_keys_and_takes_them_back(fleet: Fleet, pro
             others = [v for n, v in sc.items() if n != slow and v is not None]
             return sc[slow] is not None and sc[slow] <= max(others) + 0.02
 
-        await _until(recovered)
+        await until(recovered, timeout=20, interval=0.05)
         after = {i: await ask(s, proxy, fleet, question(i)) for i in range(20)}
     assert after == before

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,12 @@ import pytest
 from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
+from tests.support import free_port, until
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = "telemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proxy_yaml(fleet: Fleet, port: int = 0, admin_port: int = 0, policy: str = "round_robin") -> str:
@@ -94,12 +90,8 @@ async def test_client_disconnect_cancels_the_simulated_generation(fleet: Fleet, 
                 break
         await stream.close()
     engines = [s.backend.engine for s in fleet.servers]
-    for _ in range(500):
-        if sum(e.stats.requests_aborted for e in engines) == 1 and all(e.num_running == 0 for e in engines):
-            break
-        await asyncio.sleep(0.01)
-    assert sum(e.stats.requests_aborted for e in engines) == 1
-    assert all(e.num_running == 0 for e in engines)
+    await until(lambda: sum(e.stats.requests_aborted for e in engines) == 1 and all(e.num_running == 0 for e in engines),
+                timeout=5, message="one aborted request and nothing running")
     assert proxy.inflight.total_requests == 0
 
 
@@ -128,16 +120,15 @@ def _start_cli(*args: str) -> subprocess.Popen[str]:
 
 async def _wait_ready(url: str, proc: subprocess.Popen[str]) -> None:
     async with aiohttp.ClientSession() as s:
-        for _ in range(600):
+        async def answers() -> bool:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
                 async with s.get(url) as resp:
-                    if resp.status == 200:
-                        return
+                    return resp.status == 200
             except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"{url} never answered")
+                return False
+
+        await until(answers, timeout=30, interval=0.05, message=f"{url} answers 200")
 
 
 async def test_sigterm_during_streams_loses_none(fleet: Fleet, tmp_path: Path) -> None:

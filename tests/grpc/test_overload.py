@@ -15,6 +15,7 @@ from proxy.protos import generate_pb2 as gen
 from tests.grpc import stubs
 from tests.grpc.conftest import echo_entries, proxy_address
 from tests.grpc.echo import EchoBackend
+from tests.support import until
 
 
 async def _shed(proxy, channel_to) -> grpc.aio.AioRpcError:  # type: ignore[no-untyped-def]
@@ -63,8 +64,8 @@ async def test_grpcio_retry_policy_waits_out_the_pushback(echoes: list[EchoBacke
     await busy.read()
     shed_before = proxy.metrics._errors.get("overloaded", 0)  # noqa: SLF001
     call = asyncio.ensure_future(stubs.generate(ch)(gen.GenerateRequest(prompt="b")))
-    while proxy.metrics._errors.get("overloaded", 0) == shed_before:  # noqa: SLF001
-        await asyncio.sleep(0.005)
+    await until(lambda: proxy.metrics._errors.get("overloaded", 0) != shed_before, interval=0.005,  # noqa: SLF001
+                message="the first attempt is shed")
     busy.cancel()  # capacity is back well within the pushback
     resp = await asyncio.wait_for(call, 30)  # bounded: a client that never gets its answer fails here
     assert resp.text == "b"

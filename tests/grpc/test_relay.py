@@ -14,6 +14,7 @@ from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs
 from tests.grpc.conftest import echo_entries, fleet_entries, proxy_address
 from tests.grpc.echo import EchoBackend
+from tests.support import until
 
 
 def _req(prompt: str = "a b c d", max_tokens: int = 4, **kw: object) -> gen.GenerateRequest:
@@ -133,11 +134,7 @@ async def test_deadline_exceeded(echoes: list[EchoBackend], make_proxy, channel_
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert got >= 1
     # The backend saw a deadline too (grpc-timeout passed on): its handler was cancelled.
-    for _ in range(100):
-        if sum(e.cancelled for e in echoes) == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert sum(e.cancelled for e in echoes) == 1
+    await until(lambda: sum(e.cancelled for e in echoes) == 1, timeout=5, message="one backend handler cancelled")
 
 
 async def test_client_cancel_reaches_backend(fleet: Fleet, make_proxy, channel_to) -> None:
@@ -148,11 +145,7 @@ async def test_client_cancel_reaches_backend(fleet: Fleet, make_proxy, channel_t
     assert first.text
     call.cancel()
     stats = [s.grpc_server.stats for s in fleet.servers]
-    for _ in range(200):
-        if sum(st.cancelled for st in stats) == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert sum(st.cancelled for st in stats) == 1
+    await until(lambda: sum(st.cancelled for st in stats) == 1, timeout=5, message="one backend call cancelled")
     assert sum(st.active for st in stats) == 0
     # And the proxy's in-flight accounting is back to zero.
     assert proxy.inflight.total_requests == 0
@@ -219,11 +212,7 @@ async def test_call_whose_first_message_is_late_is_routed_without_it(echoes: lis
     proxy = await make_proxy(echo_entries(echoes), extra="grpc: {first_message_timeout_s: 0.1}\n")
     bidi = stubs.generate_bidi(channel_to(proxy_address(proxy)))()
     # Nothing written yet: after the timeout the proxy routes on metadata alone and the backend sees the call.
-    for _ in range(200):
-        if sum(e.calls for e in echoes) == 1:
-            break
-        await asyncio.sleep(0.01)
-    assert sum(e.calls for e in echoes) == 1
+    await until(lambda: sum(e.calls for e in echoes) == 1, timeout=5, message="the backend sees the call")
     await bidi.write(_req("late"))
     assert (await bidi.read()).text == "LATE"
     await bidi.done_writing()

@@ -18,13 +18,9 @@ from tests.grpc import stubs
 from tests.grpc.conftest import echo_entries, proxy_address
 from tests.grpc.echo import EchoBackend
 from tests.grpc.rawh2 import SilentBackend
+from tests.support import until
 
 
-async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async def loop() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(loop(), timeout)
 
 
 def _pools(proxy):  # type: ignore[no-untyped-def]
@@ -48,14 +44,14 @@ async def test_idle_backend_connection_is_closed_and_reopened_on_demand(echoes: 
     pools.sweep(t0 + 1000)
     assert pool.conns == [up] and not up.goaway
     stream.cancel()
-    await _until(lambda: not up.calls)
+    await until(lambda: not up.calls)
     # Idle from the next sweep on: kept up to the limit, closed after it.
     pools.sweep(t0 + 1001)
     pools.sweep(t0 + 1050)
     assert pool.conns == [up]
     pools.sweep(t0 + 1101)
     assert pool.conns == [] and up.goaway
-    await _until(lambda: up.closed)
+    await until(lambda: up.closed)
     # The next call opens a new connection.
     assert (await stubs.generate(ch)(gen.GenerateRequest(prompt="two"))).text == "two"
     assert len(pool.conns) == 1 and pool.conns[0] is not up
@@ -87,7 +83,7 @@ async def test_silent_connection_is_pinged_and_kept_while_it_answers(silent_mid_
     assert backend.pings == 0  # quiet for less than the interval
     pools.sweep(t0 + 101)
     await backend.wait(lambda: backend.pings == 1)
-    await _until(lambda: up.heard)  # its PING answer arrived
+    await until(lambda: up.heard)  # its PING answer arrived
     pools.sweep(t0 + 115)  # past the PING timeout, but it answered: kept
     assert pools.all()[0].conns == [up] and not up.closed
     call.cancel()
@@ -110,7 +106,7 @@ async def test_connection_that_stops_answering_pings_is_dropped_and_its_calls_un
     assert pools.all()[0].conns == [up]  # still within the PING timeout
     pools.sweep(t0 + 112)
     assert pools.all()[0].conns == []
-    await _until(lambda: up.closed)  # aborted
+    await until(lambda: up.closed)  # aborted
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await asyncio.wait_for(call.read(), 10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

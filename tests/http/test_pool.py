@@ -9,6 +9,7 @@ import pytest
 
 from proxy.upstream.http1 import UpstreamConnectError, UpstreamPool, UpstreamReset, UpstreamTimeout
 from proxy.metrics import UpstreamCounters
+from tests.support import until
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 HEAD = b"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: 2\r\n\r\n"
@@ -221,8 +222,7 @@ async def test_per_backend_limit_queues_then_serves_everyone() -> None:
                 ex.release()
 
         tasks = [asyncio.create_task(one()) for _ in range(6)]
-        while active < 2:
-            await asyncio.sleep(0.01)
+        await until(lambda: active >= 2, message="two requests reach the backend")
         gate.set()
         assert await asyncio.gather(*tasks) == [b"{}"] * 6
         assert peak == 2 and backend.connections == 2
@@ -243,11 +243,7 @@ async def test_idle_connections_expire_and_are_swept() -> None:
         await ex.read()
         ex.release()
         assert pool.idle_connections(url) == 1
-        for _ in range(200):
-            if pool.idle_connections(url) == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert pool.idle_connections(url) == 0  # swept: no ghost connection
+        await until(lambda: pool.idle_connections(url) == 0, interval=0.02, message="swept: no ghost connection")
         ex = await pool.request(url, HEAD, b"{}")
         await ex.read()
         ex.release()

@@ -14,7 +14,7 @@ from yarl import URL
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
 from tests.http.conftest import QUIET, ProxyFactory
-from tests.support import FakeBackend
+from tests.support import FakeBackend, until
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -208,11 +208,7 @@ async def test_client_disconnect_cancels_upstream(backends: list[FakeBackend], m
         assert proxy.inflight.total_requests == 1
         resp.close()  # drop the connection mid-stream
     await asyncio.wait_for(backends[0].cancelled.wait(), 10)
-    for _ in range(100):
-        if proxy.inflight.total_requests == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert proxy.inflight.total_requests == 0
+    await until(lambda: proxy.inflight.total_requests == 0, timeout=5, message="nothing in flight")
 
 
 async def test_backend_dying_mid_stream_gives_clean_error(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:

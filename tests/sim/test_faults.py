@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from sim.fleet import Fleet, start_fleet
+from tests.support import until
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
@@ -107,15 +108,15 @@ async def test_refuse_connections_and_recover(fleet: Fleet) -> None:
     s0, s1 = fleet.servers
     r = await set_faults(s0.url, {"refuse_connections": True})
     assert r.status_code == 200 and r.json()["refuse_connections"] is True
-    for _ in range(100):  # the listener closes right after the reply
+    async def refused() -> bool:  # the listener closes right after the reply
         try:
             async with httpx.AsyncClient() as h:
                 await h.get(s0.url + "/health")
         except httpx.ConnectError:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        pytest.fail("the listener kept accepting")
+            return True
+        return False
+
+    await until(refused, timeout=5, message="the listener stops accepting")
     # A sibling can address it while it refuses; turning the fault off reopens the same port.
     r = await set_faults(s1.url, {"refuse_connections": False}, server=s0.name)
     assert r.json()["refuse_connections"] is False
@@ -129,10 +130,7 @@ async def test_refuse_for_a_while_reopens_by_itself(fleet: Fleet) -> None:
     with pytest.raises(httpx.ConnectError):
         async with httpx.AsyncClient() as h:
             await h.get(s0.url + "/health")
-    for _ in range(300):
-        if not s0.backend.faults.refuse_connections:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: not s0.backend.faults.refuse_connections, timeout=5, message="the refusal ends by itself")
     async with httpx.AsyncClient() as h:
         assert (await h.get(s0.url + "/health")).status_code == 200
 
@@ -203,11 +201,10 @@ async def test_grpc_port_follows_health_and_refuse_faults() -> None:
 
         assert await status() == HealthCheckResponse.SERVING
         await set_faults(s.url, {"health_fail": True})
-        for _ in range(100):
-            if await status() == HealthCheckResponse.NOT_SERVING:
-                break
-            await asyncio.sleep(0.01)
-        assert await status() == HealthCheckResponse.NOT_SERVING
+        async def not_serving() -> bool:
+            return await status() == HealthCheckResponse.NOT_SERVING
+
+        await until(not_serving, timeout=5, message="gRPC health says NOT_SERVING")
         await s.set_faults({"health_fail": False, "refuse_connections": True})
         with pytest.raises((ConnectionError, OSError, StreamTerminatedError)):
             await status()

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sim.fleet import Fleet, start_fleet
 from sim.metrics import FLAVORS
 from sim.tokenizer import TOKENIZER_DIR, tokenizer_files
+from tests.support import until
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
 
@@ -222,10 +223,7 @@ async def test_client_disconnect_aborts_the_request_in_the_engine() -> None:
                         got += 1
                         if got == 2:
                             break
-        for _ in range(200):
-            if backend.engine.stats.requests_aborted:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: backend.engine.stats.requests_aborted, timeout=5, message="the engine aborts the request")
         assert backend.engine.stats.requests_aborted == 1
         assert backend.engine.num_running == 0 and backend.engine.kv_usage == 0
     finally:
