@@ -10,6 +10,7 @@ from sim.fleet import Fleet
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs
+from tests.grpc.conftest import channel_to, fleet  # noqa: F401  # the gRPC tests' fixtures: a gRPC fleet, channels
 
 
 def _infer(model: str, prompt: bytes, max_tokens: int) -> kv2.ModelInferRequest:

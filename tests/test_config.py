@@ -13,7 +13,7 @@ import pytest
 
 from proxy.config import Config, ConfigError, dump_config, load_config, parse_config, parse_section
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Color(str, enum.Enum):
