@@ -345,6 +345,13 @@ def test_the_routing_core_imports_no_io_logging_or_clock(graph: ImportGraph) -> 
         + "\n  ".join(describe_chain(c, PROXY) for c in chains))
 
 
+def test_the_product_does_not_reach_into_the_load_tests_or_the_tests(graph: ImportGraph) -> None:
+    # The demo runs the simulator, a package of its own (sim/); loadtest/ and tests/ use the proxy, never
+    # the other way round.
+    chains = graph.forbidden_imports("proxy", ("loadtest", "tests"))
+    assert not chains, "proxy/ imports:\n  " + "\n  ".join(describe_chain(c, PROXY) for c in chains)
+
+
 def test_every_type_ignore_in_proxy_says_why() -> None:
     bad = unexplained_type_ignores(PROXY)
     assert not bad, (
