@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.control.membership import Membership
-from proxy.core.health import DiscoveryConfig
+from proxy.config import DiscoveryConfig
 from proxy.core.snapshot import BackendSpec
 
 log = logging.getLogger("affinity_proxy.discovery")

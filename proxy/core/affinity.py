@@ -63,9 +63,9 @@ from typing import Callable, Mapping
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
+from proxy.core.eligibility import eligible
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.load import effective_load, assumed_score, telemetry_score
-from proxy.core.policies import eligible
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig

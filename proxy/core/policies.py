@@ -1,10 +1,9 @@
-"""The load-balancing policies without prompt affinity, and `build_policy`, the one factory for all.
+"""The load-balancing policies without prompt affinity (proxy/core/registry.py names and builds them all).
 
 Every policy implements the `Policy` protocol of proxy/core/decision.py. Each is a small state machine
 (a rotation position, smooth-WRR current weights, a seeded RNG) that one data-plane event loop drives;
 none reads a clock or draws unseeded randomness, so a sequence of picks is reproducible in tests and in
-the offline replay. Eligibility is the same for all: routable (healthy/unknown, weight > 0), not excluded
-by the caller (a retry excludes the backends it already tried), and serving the requested model.
+the offline replay. Eligibility is the same for all (proxy/core/eligibility.py).
 
 Alternates (for retries) are the other eligible backends in the order the policy itself would try them,
 capped at `RoutingConfig.max_alternates` so a 256-backend fleet does not pay for a full sort per request.
@@ -15,50 +14,14 @@ from __future__ import annotations
 import abc
 import heapq
 import random
-from typing import Mapping, Sequence
+from typing import Mapping
 
-from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Policy, Reason
+from proxy.core.decision import Decision, Inflight, Reason
+from proxy.core.eligibility import NO_INFLIGHT, eligible, rotated, stream_seed
 from proxy.core.load import assumed_score, effective_load
 from proxy.core.request import RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendState, Snapshot
-
-_NO_INFLIGHT = Inflight()
-
-
-def eligible(req: RequestSummary, snapshot: Snapshot, exclude: frozenset[str]) -> list[BackendState]:
-    """The backends a request may go to, in configuration order; raises NoBackendAvailable if none."""
-    model = req.model
-    out = [
-        b
-        for b in snapshot.backends
-        if b.routable
-        and b.name not in exclude
-        and (model is None or not b.spec.models or model in b.spec.models)
-    ]
-    if not out:
-        if model is not None and not any(
-            not b.spec.models or model in b.spec.models for b in snapshot.backends
-        ):
-            raise NoBackendAvailable(f"no backend serves model {model!r}")
-        raise NoBackendAvailable("no routable backend" + (f" outside {sorted(exclude)}" if exclude else ""))
-    return out
-
-
-def _stream_seed(seed: int, instance: int) -> int:
-    """One reproducible random stream per policy instance.
-
-    Worker processes that drew from the same stream would make the same "random" choices in lockstep and
-    herd onto the same backends; an instance number (the worker index) separates them while every run of
-    the same (seed, instance) stays reproducible. No randomness is involved in the affinity mapping.
-    """
-    return seed * 1_000_003 + instance
-
-
-def _rotated(names: Sequence[str], start: int, limit: int) -> tuple[str, ...]:
-    n = len(names)
-    return tuple(names[(start + i) % n] for i in range(1, min(n, limit + 1)))
-
 
 class RoundRobin:
     """Each eligible backend in turn, in configuration order."""
@@ -79,7 +42,7 @@ class RoundRobin:
         names = [b.name for b in eligible(req, snapshot, exclude)]
         i = self._pos % len(names)
         self._pos = (self._pos + 1) % (1 << 62)
-        return Decision(names[i], Reason.BALANCED, self.name, _rotated(names, i, self._max_alt))
+        return Decision(names[i], Reason.BALANCED, self.name, rotated(names, i, self._max_alt))
 
 
 class WeightedRoundRobin:
@@ -168,7 +131,7 @@ class LeastRequest(_LeastLoaded):
 
     def _loads(self, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> list[float]:
-        return [inflight.get(b.name, _NO_INFLIGHT).requests / b.effective_weight for b in states]
+        return [inflight.get(b.name, NO_INFLIGHT).requests / b.effective_weight for b in states]
 
 
 class RandomPolicy:
@@ -178,7 +141,7 @@ class RandomPolicy:
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         self._max_alt = cfg.max_alternates
-        self._rng = random.Random(_stream_seed(cfg.seed, instance))
+        self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -214,7 +177,7 @@ class PowerOfTwo:
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         self._cfg = cfg
-        self._rng = random.Random(_stream_seed(cfg.seed, instance))
+        self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -255,30 +218,3 @@ class LeastLoad(_LeastLoaded):
             effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight
             for b in states
         ]
-
-
-def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
-    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
-
-    `instance` (e.g. the worker process index) gives `random` and `power_of_two` their own seeded
-    stream per worker; it has no effect on the other policies, and none on the affinity mapping, which
-    is the same in every worker and replica by design.
-    """
-    if cfg.policy == "affinity":
-        from proxy.core.affinity import AffinityPolicy
-
-        return AffinityPolicy(cfg)
-    if cfg.policy == RandomPolicy.name:
-        return RandomPolicy(cfg, instance)
-    if cfg.policy == PowerOfTwo.name:
-        return PowerOfTwo(cfg, instance)
-    factories = {
-        RoundRobin.name: RoundRobin,
-        WeightedRoundRobin.name: WeightedRoundRobin,
-        LeastRequest.name: LeastRequest,
-        LeastLoad.name: LeastLoad,
-    }
-    factory = factories.get(cfg.policy)
-    if factory is None:
-        raise ValueError(f"policy: unknown policy {cfg.policy!r}")
-    return factory(cfg)

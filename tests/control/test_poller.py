@@ -253,7 +253,8 @@ def test_config_errors_name_their_yaml_line() -> None:
     text = str(err.value)
     assert "telemetry.timeout_ms (line 3): must be shorter than interval_ms" in text
     assert "telemetry.metric_map (line 4)" in text and "unknown signal 'bar'" in text
-    cfg = parse_config("telemetry:\n  score: {kind: qps_memory, qps_full: 20}\n  metric_map: {q: waiting}\n")
+    cfg = parse_config("backends: [{name: a, url: 'http://127.0.0.1:1'}]\n"
+                       "telemetry:\n  score: {kind: qps_memory, qps_full: 20}\n  metric_map: {q: waiting}\n")
     assert cfg.telemetry.score == ScoreConfig(kind="qps_memory", qps_full=20.0)
 
 

@@ -9,6 +9,7 @@ import pytest
 from proxy.config import ConfigError, parse_section
 from proxy.core.decision import Inflight
 from proxy.core.load import assumed_score, effective_load, fleet_loads, inflight_load
+from proxy.core.registry import build_policy
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Signals
 
@@ -68,7 +69,7 @@ def test_defaults_and_plain_types_for_the_config_parser():
 @pytest.mark.parametrize(
     "build, field",
     [
-        (lambda: RoutingConfig(policy="fastest"), "policy"),
+        (lambda: build_policy(RoutingConfig(policy="fastest")), "policy"),
         (lambda: RoutingConfig(max_alternates=-1), "max_alternates"),
         (lambda: RoutingConfig(session_header=" "), "session_header"),
         (lambda: AffinityConfig(epsilon=0), "epsilon"),

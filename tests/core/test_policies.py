@@ -16,9 +16,9 @@ from proxy.core.policies import (
     RandomPolicy,
     RoundRobin,
     WeightedRoundRobin,
-    build_policy,
 )
-from proxy.core.routing_config import POLICY_NAMES, RoutingConfig
+from proxy.core.registry import POLICIES, build_policy
+from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
 from .helpers import Ledger, fleet, fresh, prompt, with_state
@@ -31,7 +31,8 @@ def picks(policy, snap, n, inflight=None, exclude=frozenset()):
 
 
 def test_build_policy_covers_every_name():
-    for name in POLICY_NAMES:
+    assert "affinity" in POLICIES and "round_robin" in POLICIES
+    for name in POLICIES:
         policy = build_policy(RoutingConfig(policy=name))
         assert policy.name == name
         d = policy.pick(REQ, fleet(3), {})
@@ -163,7 +164,7 @@ def test_least_load_balances_a_stale_fleet_by_inflight():
     assert {ledger.requests(n) for n in snap.names} == {5}
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", POLICIES)
 def test_no_backend_available(name):
     policy = build_policy(RoutingConfig(policy=name))
     snap = fleet(2)
@@ -174,7 +175,7 @@ def test_no_backend_available(name):
         policy.pick(REQ, drained, {})
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", POLICIES)
 def test_model_filter_and_alternates_exclude_chosen(name):
     snap = Snapshot.initial(
         [
@@ -197,7 +198,7 @@ def test_model_filter_and_alternates_exclude_chosen(name):
 
 def test_max_alternates_caps_every_policy():
     snap = fleet(10)
-    for name in POLICY_NAMES:
+    for name in POLICIES:
         d = build_policy(RoutingConfig(policy=name, max_alternates=2)).pick(REQ, snap, {})
         assert len(d.alternates) == 2, name
         d = build_policy(RoutingConfig(policy=name, max_alternates=0)).pick(REQ, snap, {})

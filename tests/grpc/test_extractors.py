@@ -99,6 +99,7 @@ def test_kserve_vllm_sampling_parameters_and_request_parameters() -> None:
 
 def test_generic_field_path_extractor_from_yaml() -> None:
     cfg = parse_config(
+        "backends: [{name: a, url: 'http://127.0.0.1:1'}]\n"
         "grpc:\n"
         "  extractors:\n"
         "    - {method: /acme.v1.Llm/Complete, kind: fields, prompt: [8, 2], model: [1], max_tokens: [3],\n"

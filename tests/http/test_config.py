@@ -100,9 +100,9 @@ routing:
 
 
 def test_one_pass_reports_errors_of_every_layer() -> None:
-    # A wrong field must not hide its section's own checks (the policy name, checked in RoutingConfig's
-    # __post_init__ after its nested affinity section parsed), nor the fleet-wide ones (duplicate names,
-    # checked on the whole backend list although one entry has a typo). The user fixes all in one go.
+    # A wrong field must not hide its section's own checks (the nested affinity section's bounds), nor the
+    # whole config's (duplicate names, checked on the whole backend list although one entry has a typo; the
+    # policy name, checked against the table of policies). The user fixes all in one go.
     errs = errors_of(Config, """backends:
   - name: a
     url: http://127.0.0.1:1
@@ -116,24 +116,24 @@ telemetry: {interval_ms: 200, timeout_ms: 500}
     assert errs == [
         "backends[0].weigth (line 4): unknown key (did you mean 'weight'?)",
         "routing.affinity.epsilon (line 8): must be > 0.0, got -1.0",
-        "routing.policy (line 7): must be one of affinity, round_robin, weighted_round_robin, least_request, "
-        "random, power_of_two, least_load, not 'afinity' (did you mean 'affinity'?)",
         "telemetry.timeout_ms (line 9): must be shorter than interval_ms (200): a slow scrape would overlap "
         "the next round",
-        "backends (line 2): duplicate backend name 'a'",
+        "backends[1].name (line 5): duplicate backend name 'a' (also backends[0])",
+        "routing.policy (line 7): must be one of affinity, round_robin, weighted_round_robin, least_request, "
+        "random, power_of_two, least_load, not 'afinity' (did you mean 'affinity'?)",
     ]
 
 
 def test_a_check_about_a_wrong_field_is_not_reported_twice() -> None:
     # interval_ms is wrong, so the default stands in while the section's checks run: the cross-field check
     # must not then blame timeout_ms against a default the user never wrote.
-    errs = errors_of(Config, "telemetry: {interval_ms: -5, timeout_ms: 150}\n")
+    errs = errors_of(Config, "telemetry: {interval_ms: -5, timeout_ms: 150}\nbackends: [{name: a, url: 'http://h:1'}]\n")
     assert len(errs) == 1 and errs[0].startswith("telemetry.interval_ms (line 1): must be")
 
 
 def test_duplicate_backend_names_rejected() -> None:
     errs = errors_of(Config, 'backends:\n  - {name: a, url: "http://h:1"}\n  - {name: a, url: "http://h:2"}\n')
-    assert errs == ["backends (line 2): duplicate backend name 'a'"]
+    assert errs == ["backends[1].name (line 3): duplicate backend name 'a' (also backends[0])"]
 
 
 def test_yaml_syntax_error_has_line() -> None:
@@ -141,8 +141,10 @@ def test_yaml_syntax_error_has_line() -> None:
     assert len(errs) == 1 and errs[0].startswith("<yaml> (line")
 
 
-def test_empty_file_is_all_defaults_and_dump_round_trips() -> None:
-    assert parse_config("") == Config()
+def test_empty_file_is_invalid_and_dump_round_trips() -> None:
+    # A file caught between truncate and rewrite must not pass for "all defaults, no backends".
+    for empty in ("", "\n  \n", "# only a comment\n"):
+        assert errors_of(Config, empty) and "empty" in errors_of(Config, empty)[0]
     cfg = parse_config('debug_headers: true\nbackends: [{name: g, url: "http://h:1", models: [m]}]\n')
     assert parse_config(dump_config(cfg)) == cfg
 

@@ -11,7 +11,8 @@ from proxy.control.checks import HealthMonitor
 from proxy.control.discovery import Discovery, expand, is_dns_name, split_services
 from proxy.control.membership import Membership, close_idle_connections
 from proxy.control.store import SnapshotStore
-from proxy.core.health import CheckResult, DiscoveryConfig, HealthCheckConfig, OutlierConfig
+from proxy.config import DiscoveryConfig
+from proxy.core.health import CheckResult, HealthCheckConfig, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 from proxy.core.inflight import InflightTable
 
