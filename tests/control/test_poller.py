@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from proxy.control.adapters import Reading
+from proxy.control.adapters import ADAPTERS, Reading
 from proxy.control.poller import Deriver, Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -54,7 +54,7 @@ async def started(store: SnapshotStore, cfg: TelemetryConfig | None = None, **kw
 
 
 async def test_one_round_reads_every_engine(servers: list[FakeMetrics]) -> None:
-    names = ["vllm", "sglang", "tgi", "triton", "agent"]
+    names = list(ADAPTERS)
     await make_servers(servers, [(FIXTURES / f"{n}.txt").read_text() for n in names])
     store = store_for(servers)
     poller = await started(store)
@@ -68,7 +68,7 @@ async def test_one_round_reads_every_engine(servers: list[FakeMetrics]) -> None:
         assert b.signals is not None and b.signals.engine == engine
         assert not b.stale
         assert b.load_score is not None and 0 < b.load_score <= 1
-    vllm = snap.backends[0].signals
+    vllm = snap.backends[names.index("vllm")].signals
     assert vllm is not None and vllm.kernel_queue == 15.0 and vllm.kv_capacity_tokens == 16 * 27910
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import typing
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 from proxy.config import ConfigError, parse_config
 from proxy.core.request import summary_from_openai
 from proxy.wire import grpc as wire
-from proxy.grpc.extractors import ExtractorRegistry, parse_generate, parse_kserve
-from proxy.grpc.grpc_config import GrpcOptions, MethodExtractorConfig
+from proxy.grpc.extractors import KINDS, ExtractorRegistry, parse_generate, parse_kserve
+from proxy.grpc.grpc_config import ExtractorKind, GrpcOptions, MethodExtractorConfig
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 
@@ -173,3 +174,15 @@ def test_extractor_config_errors_name_path_and_line() -> None:
         parse_config("grpc:\n  extractors:\n    - {method: /a.B/C, kind: kserve, prompt: [1]}\n")
     assert "only apply to kind: fields" in str(info.value)
     assert MethodExtractorConfig(method="/a.B/C", kind="none").kind == "none"
+
+
+def test_the_yaml_kinds_are_the_kinds_table() -> None:
+    assert set(typing.get_args(ExtractorKind)) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_kind_builds_an_extractor_from_config(kind: str) -> None:
+    path = "/acme.v1.Llm/Complete"
+    entry = MethodExtractorConfig(method=path, kind=kind, prompt=(1,) if kind == "fields" else ())  # type: ignore[arg-type]  # kind is one of the Literal's values, read from the table
+    ext = ExtractorRegistry(GrpcOptions(extractors=(entry,))).for_method(path)
+    assert ext.kind == kind and ext.needs_message is (kind != "none")
