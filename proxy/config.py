@@ -42,7 +42,7 @@ from proxy.core.overload import OverloadConfig
 from proxy.core.registry import policy_name_error
 from proxy.core.retry_policy import RetryConfig
 from proxy.core.routing_config import RoutingConfig
-from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec
+from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, duplicate_urls
 from proxy.grpc.grpc_config import GrpcOptions
 
 __all__ = [
@@ -209,15 +209,13 @@ class Config:
         if not self.backends and not self.discovery.enabled:
             yield "backends", "at least one backend is required (unless discovery is enabled)"
         names: dict[str, int] = {}
-        urls: dict[str, int] = {}
         for i, b in enumerate(self.backends):
             if b.name in names:
                 yield f"backends[{i}].name", f"duplicate backend name {b.name!r} (also backends[{names[b.name]}])"
             names.setdefault(b.name, i)
-            url = b.to_spec().url
-            if url in urls:
-                yield f"backends[{i}].url", f"duplicate backend URL {url!r} (also backends[{urls[url]}])"
-            urls.setdefault(url, i)
+        specs = self.backend_specs()
+        for i, j in duplicate_urls(specs):
+            yield f"backends[{i}].url", f"duplicate backend URL {specs[i].url!r} (also backends[{j}])"
         policy = policy_name_error(self.routing.policy)
         if policy is not None:
             yield "routing.policy", policy

@@ -228,7 +228,7 @@ class Resilience:
                 snap = self.membership.set_weight(name, None if value is None else float(value))
             except KeyError:
                 return _error(404, f"no backend named {name!r}", "not_found")
-            except ValueError as exc:
+            except (ValueError, OverflowError) as exc:  # set_weight applies the shared bound (core/bounds.py)
                 return _error(400, str(exc), "invalid_value", "weight")
             b = snap.get(name)
             return web.json_response({"backend": name, "weight": b.effective_weight,  # type: ignore[union-attr]

@@ -50,6 +50,20 @@ class BackendSpec:
         check_config(self)
 
 
+def duplicate_urls(specs: Iterable[BackendSpec]) -> list[tuple[int, int]]:
+    """(index, index of the earlier one) for every backend whose URL an earlier backend already has.
+
+    Two entries for one server would double its share of traffic under two names and split its health
+    and load accounting; the config rejects them, discovery drops them (the one rule, kept here)."""
+    first: dict[str, int] = {}
+    out: list[tuple[int, int]] = []
+    for i, spec in enumerate(specs):
+        j = first.setdefault(spec.url.rstrip("/"), i)
+        if j != i:
+            out.append((i, j))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Signals:
     """Normalised telemetry of one backend at one instant. None means "not reported", never zero.
