@@ -123,5 +123,5 @@ def retryable(cfg: RetryConfig, outcome: Outcome, status: int | None = None) -> 
 
 def backoff_s(cfg: RetryConfig, retry: int, u: float) -> float:
     """Full-jitter exponential backoff before retry number `retry` (1-based); `u` is uniform in [0, 1)."""
-    cap = min(cfg.backoff_max_ms, cfg.backoff_base_ms * (2 ** (retry - 1)))
+    cap = min(cfg.backoff_max_ms, cfg.backoff_base_ms * 2.0 ** (retry - 1))
     return cap * u / 1000.0

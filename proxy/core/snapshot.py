@@ -149,7 +149,7 @@ class Snapshot:
         """The next version with a new backend list."""
         return Snapshot(version=self.version + 1, backends=tuple(backends))
 
-    def replace_backend(self, name: str, **changes: object) -> "Snapshot":
+    def replace_backend(self, name: str, **changes: Any) -> "Snapshot":
         """The next version with one backend's state changed (e.g. health, signals, weight)."""
         if name not in self._by_name:
             raise KeyError(name)

@@ -21,6 +21,7 @@ from proxy.config import (
     parse_config,
     parse_section,
 )
+from proxy.core.registry import POLICIES
 from proxy.core.routing_config import RoutingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,8 +130,7 @@ telemetry: {interval_ms: 200, timeout_ms: 500}
         "telemetry.timeout_ms (line 9): must be shorter than interval_ms (200): a slow scrape would overlap "
         "the next round",
         "backends[1].name (line 5): duplicate backend name 'a' (also backends[0])",
-        "routing.policy (line 7): must be one of affinity, round_robin, weighted_round_robin, least_request, "
-        "random, power_of_two, least_load, not 'afinity' (did you mean 'affinity'?)",
+        f"routing.policy (line 7): must be one of {', '.join(POLICIES)}, not 'afinity' (did you mean 'affinity'?)",
     ]
 
 
