@@ -46,8 +46,6 @@ class Decision:
     backend: str
     reason: Reason
     policy: str
-    # Other backends in the order this policy would try them, for retries on another backend.
-    alternates: tuple[str, ...] = ()
     prefix_blocks_matched: int = 0
 
 

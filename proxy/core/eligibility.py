@@ -6,8 +6,6 @@ caller (a retry excludes the backends it already tried), and serving the request
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from proxy.core.decision import Inflight, NoBackendAvailable
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
@@ -42,8 +40,3 @@ def stream_seed(seed: int, instance: int) -> int:
     the same (seed, instance) stays reproducible. No randomness is involved in the affinity mapping.
     """
     return seed * 1_000_003 + instance
-
-
-def rotated(names: Sequence[str], start: int, limit: int) -> tuple[str, ...]:
-    n = len(names)
-    return tuple(names[(start + i) % n] for i in range(1, min(n, limit + 1)))

@@ -3,21 +3,19 @@
 Every policy implements the `Policy` protocol of proxy/core/decision.py. Each is a small state machine
 (a rotation position, smooth-WRR current weights, a seeded RNG) that one data-plane event loop drives;
 none reads a clock or draws unseeded randomness, so a sequence of picks is reproducible in tests and in
-the offline replay. Eligibility is the same for all (proxy/core/eligibility.py).
-
-Alternates (for retries) are the other eligible backends in the order the policy itself would try them,
-capped at `RoutingConfig.max_alternates` so a 256-backend fleet does not pay for a full sort per request.
+the offline replay. Eligibility is the same for all (proxy/core/eligibility.py). A retry asks the policy
+again with the backends already tried excluded (proxy/dataplane/retry.py), so its choice is made on the
+load of that moment, not on a list of alternates drawn up before the first attempt.
 """
 
 from __future__ import annotations
 
 import abc
-import heapq
 import random
 from typing import Mapping
 
 from proxy.core.decision import Decision, Inflight, Reason
-from proxy.core.eligibility import NO_INFLIGHT, eligible, rotated, stream_seed
+from proxy.core.eligibility import NO_INFLIGHT, eligible, stream_seed
 from proxy.core.load import assumed_score, effective_load
 from proxy.core.request import RequestSummary
 from proxy.core.routing_config import RoutingConfig
@@ -29,7 +27,6 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._max_alt = cfg.max_alternates
         self._pos = 0
 
     def pick(
@@ -42,7 +39,7 @@ class RoundRobin:
         names = [b.name for b in eligible(req, snapshot, exclude)]
         i = self._pos % len(names)
         self._pos = (self._pos + 1) % (1 << 62)
-        return Decision(names[i], Reason.BALANCED, self.name, rotated(names, i, self._max_alt))
+        return Decision(names[i], Reason.BALANCED, self.name)
 
 
 class WeightedRoundRobin:
@@ -56,7 +53,6 @@ class WeightedRoundRobin:
     name = "weighted_round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._max_alt = cfg.max_alternates
         self._current: dict[str, float] = {}
         self._version = -1
 
@@ -85,10 +81,7 @@ class WeightedRoundRobin:
                 best, best_w = b.name, cw
         assert best is not None
         current[best] = best_w - total
-        alts = heapq.nlargest(
-            self._max_alt, (b.name for b in states if b.name != best), key=lambda n: current[n]
-        )
-        return Decision(best, Reason.BALANCED, self.name, tuple(alts))
+        return Decision(best, Reason.BALANCED, self.name)
 
 
 class _LeastLoaded(abc.ABC):
@@ -119,9 +112,8 @@ class _LeastLoaded(abc.ABC):
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
         loads = self._loads(states, snapshot, inflight)
-        keyed = [(load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads))]
-        ranked = heapq.nsmallest(1 + self._cfg.max_alternates, keyed)
-        return Decision(ranked[0][2], Reason.BALANCED, self.name, tuple(k[2] for k in ranked[1:]))
+        best = min((load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads)))
+        return Decision(best[2], Reason.BALANCED, self.name)
 
 
 class LeastRequest(_LeastLoaded):
@@ -140,7 +132,6 @@ class RandomPolicy:
     name = "random"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
-        self._max_alt = cfg.max_alternates
         self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
@@ -151,19 +142,14 @@ class RandomPolicy:
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
-        order: list[str] = []
-        pool = list(states)
-        for _ in range(min(len(pool), 1 + self._max_alt)):
-            total = sum(b.effective_weight for b in pool)
-            x = self._rng.random() * total
-            k = len(pool) - 1
-            for j, b in enumerate(pool):
-                x -= b.effective_weight
-                if x < 0:
-                    k = j
-                    break
-            order.append(pool.pop(k).name)
-        return Decision(order[0], Reason.BALANCED, self.name, tuple(order[1:]))
+        x = self._rng.random() * sum(b.effective_weight for b in states)
+        chosen = states[-1]
+        for b in states:
+            x -= b.effective_weight
+            if x < 0:
+                chosen = b
+                break
+        return Decision(chosen.name, Reason.BALANCED, self.name)
 
 
 class PowerOfTwo:
@@ -195,10 +181,7 @@ class PowerOfTwo:
         assumed = assumed_score(snapshot.backends, self._cfg.load)
         la = effective_load(a, inflight.get(a.name), self._cfg.load, assumed=assumed) / a.effective_weight
         lb = effective_load(b, inflight.get(b.name), self._cfg.load, assumed=assumed) / b.effective_weight
-        win, lose = (a, b) if la <= lb else (b, a)
-        rest = [s.name for s in states if s is not win and s is not lose]
-        alts = ((lose.name,) + tuple(rest))[: self._cfg.max_alternates]
-        return Decision(win.name, Reason.BALANCED, self.name, alts)
+        return Decision((a if la <= lb else b).name, Reason.BALANCED, self.name)
 
 
 class LeastLoad(_LeastLoaded):

@@ -127,8 +127,6 @@ class RoutingConfig:
     # Seed of the policies that draw random numbers (random, power_of_two). Every worker and replica uses
     # the same seed; nothing in routing is salted per process.
     seed: int = 0
-    # Alternates carried by each Decision for retries on another backend.
-    max_alternates: int = field(default=3, metadata={"ge": 0})
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 

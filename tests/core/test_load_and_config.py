@@ -70,7 +70,6 @@ def test_defaults_and_plain_types_for_the_config_parser():
     "build, field",
     [
         (lambda: build_policy(RoutingConfig(policy="fastest")), "policy"),
-        (lambda: RoutingConfig(max_alternates=-1), "max_alternates"),
         (lambda: RoutingConfig(session_header=" "), "session_header"),
         (lambda: AffinityConfig(epsilon=0), "epsilon"),
         (lambda: AffinityConfig(block_bytes=8), "block_bytes"),
