@@ -12,7 +12,7 @@ next call, on every connection.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -61,7 +61,7 @@ class AdminService(ProxyAdminBase):
         self._inflight = inflight
         self._token = token
 
-    def _authorize(self, stream: Stream) -> None:  # type: ignore[type-arg]
+    def _authorize(self, stream: Stream[Any, Any]) -> None:
         if self._token is None:
             return
         given = stream.metadata.get("authorization") if stream.metadata is not None else None
@@ -126,8 +126,8 @@ class LocalServices:
             admin_service = AdminService(store, inflight, admin_token)
             services.append(admin_service)
             checks[admin_service] = [self.status]
-        services.append(Health(checks))  # type: ignore[arg-type]
-        self._server = Server(services)  # type: ignore[arg-type]
+        services.append(Health(checks))  # type: ignore[arg-type]  # grpclib types the keys as its own service base, not object
+        self._server = Server(services)  # type: ignore[arg-type]  # grpclib wants IServable; ours are its generated bases
         self.port = 0
         self._update(store.current)
         store.subscribe(self._update)

@@ -48,7 +48,7 @@ def store_for(servers: list[FakeMetrics]) -> SnapshotStore:
 
 
 async def started(store: SnapshotStore, cfg: TelemetryConfig | None = None, **kw: object) -> Poller:
-    poller = Poller(store, cfg or TelemetryConfig(), **kw)  # type: ignore[arg-type]
+    poller = Poller(store, cfg or TelemetryConfig(), **kw)  # type: ignore[arg-type]  # keyword options of several types
     await poller.open()  # no loop: the tests drive rounds with poll_once
     return poller
 
@@ -307,7 +307,7 @@ async def test_an_unreadable_page_fails_only_its_backend(servers: list[FakeMetri
             raise ValueError("unreadable")
         return plain(text)
 
-    poller._extractor = type("E", (), {"read": staticmethod(read)})()  # type: ignore[assignment]
+    poller._extractor = type("E", (), {"read": staticmethod(read)})()  # type: ignore[assignment]  # a stand-in reader
     try:
         snap = await poller.poll_once()
     finally:

@@ -39,7 +39,7 @@ def fresh(snap: Snapshot, scores: dict[str, float], kv_capacity_tokens: float | 
 
 
 def prompt(text: str, **kw: object) -> RequestSummary:
-    return RequestSummary(prompt=text, **kw)  # type: ignore[arg-type]
+    return RequestSummary(prompt=text, **kw)  # type: ignore[arg-type]  # tests pass fields of several types by name
 
 
 def chat(messages: list[tuple[str, str]], **body: object) -> RequestSummary:

@@ -25,7 +25,7 @@ SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 12  
 
 
 def policy(**affinity: object) -> AffinityPolicy:
-    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]
+    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]  # knobs of several types by name
 
 
 def mapping(pol: AffinityPolicy, snap: Snapshot, prompts: list[str]) -> dict[str, str]:

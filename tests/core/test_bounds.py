@@ -68,7 +68,8 @@ def test_backends_and_run_time_weights_share_the_bound() -> None:
     snap = Snapshot.initial([BackendSpec("a", "http://a")])
     with pytest.raises(ValueError, match="weight"):
         snap.replace_backend("a", weight=1e308 * 10)
-    assert snap.replace_backend("a", weight=0.0).get("a").effective_weight == 0.0  # type: ignore[union-attr]
+    zero = snap.replace_backend("a", weight=0.0).get("a")
+    assert zero is not None and zero.effective_weight == 0.0
     with pytest.raises(ValueError, match="max_inflight"):
         BackendSpec("a", "http://a", max_inflight=0)
 

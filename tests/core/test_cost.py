@@ -16,7 +16,7 @@ DOC = "".join(f"section {i} of the long shared document. " for i in range(2000))
 
 
 def policy(**affinity: object) -> AffinityPolicy:
-    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]
+    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]  # knobs of several types by name
 
 
 def test_ledger_sums_the_newest_live_entries():

@@ -63,7 +63,7 @@ def test_defaults_and_plain_types_for_the_config_parser():
             value = getattr(section, f.name)
             assert dataclasses.is_dataclass(value) or isinstance(value, allowed), f.name
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.policy = "random"  # type: ignore[misc]
+        cfg.policy = "random"  # type: ignore[misc]  # the point: a frozen section refuses assignment
 
 
 @pytest.mark.parametrize(

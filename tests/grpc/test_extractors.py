@@ -138,7 +138,7 @@ def test_malformed_message_routes_without_prompt() -> None:
 def test_gzip_first_message_is_decompressed_for_routing_only() -> None:
     payload = gen.GenerateRequest(prompt="zipped prompt", max_tokens=3).SerializeToString()
     frame = framed(gzip.compress(payload), compressed=True)
-    compressed, body = wire.first_message(frame)  # type: ignore[misc]
+    compressed, body = wire.first_message(frame)  # type: ignore[misc]  # first_message returns an optional pair; this frame is whole
     assert compressed
     plain = wire.decompress(body, "gzip", 1 << 20)
     assert plain is not None and parse_generate(plain).prompt == "zipped prompt"

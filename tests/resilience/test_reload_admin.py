@@ -289,7 +289,7 @@ async def test_http_admin_weight_refuses_what_routing_cannot_use(fakes, raw: byt
                               headers={"content-type": "application/json"}) as r:
                 body = await r.json()
             assert r.status == 400 and body["error"]["param"] == "weight", body
-            assert proxy.store.current.get("b1").effective_weight == 1.0  # type: ignore[union-attr]
+            assert proxy.store.current.backends[1].effective_weight == 1.0
             for _ in range(4):
                 async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
                     assert r.status == 200
@@ -326,7 +326,7 @@ async def test_grpc_admin_set_weight_uses_the_same_bound(weight: float) -> None:
     with pytest.raises(GRPCError) as info:
         await admin.SetWeight(_Stream(admin_pb2.SetWeightRequest(name="a", weight=weight)))  # type: ignore[arg-type]  # a stand-in stream
     assert info.value.status.name == "INVALID_ARGUMENT" and "weight: must be" in (info.value.message or "")
-    assert store.current.get("a").effective_weight == 1.0  # type: ignore[union-attr]
+    assert store.current.backends[0].effective_weight == 1.0
     stream = _Stream(admin_pb2.SetWeightRequest(name="a", weight=2.5))
     await admin.SetWeight(stream)  # type: ignore[arg-type]  # a stand-in stream
-    assert store.current.get("a").effective_weight == 2.5  # type: ignore[union-attr]
+    assert store.current.backends[0].effective_weight == 2.5
