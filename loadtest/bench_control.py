@@ -29,7 +29,7 @@ from typing import Any
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from proxy.control.adapters import Extractor
+from proxy.control.adapters import MetricsReader
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -99,14 +99,14 @@ async def _measure(ports: list[int], seconds: float, interval_ms: int, full_pars
     if full_parse:
         from prometheus_client.parser import text_string_to_metric_families
 
-        plain = Extractor.read
+        plain = MetricsReader.read
 
-        def read(self: Extractor, text: str) -> Any:
+        def read(self: MetricsReader, text: str) -> Any:
             for _ in text_string_to_metric_families(text):
                 pass
             return plain(self, text)
 
-        poller._extractor = type("FullParse", (Extractor,), {"read": read})(  # type: ignore[assignment]
+        poller._extractor = type("FullParse", (MetricsReader,), {"read": read})(  # type: ignore[assignment]
             engine=cfg.engine, metric_map=())
     await poller.start()
     try:

@@ -42,7 +42,7 @@ from loadtest.workloads import CHAT, Workload, build_body
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
-from proxy.core.policies import build_policy
+from proxy.core.registry import build_policy
 from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig

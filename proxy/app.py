@@ -41,7 +41,7 @@ from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
-from proxy.core.policies import build_policy
+from proxy.core.registry import build_policy
 from proxy.core.snapshot import Snapshot
 from proxy.dataplane.router import Router
 from proxy.grpc.listener import GrpcListener

@@ -7,8 +7,14 @@ type to `Config`. Supported field types: str, int, float, bool, enums (by value)
 
 Constraints live next to the field, in its metadata, so the error can point at the offending line:
 ``field(default=0.25, metadata={"ge": 0})`` (keys: ge, gt, le, lt, min_len, doc). Cross-field rules go in a
-``validate(self) -> Iterable[tuple[str, str]]`` method on the dataclass, yielding (field name or "",
-message); they run after the section parsed cleanly and are reported at that field's line.
+``validate(self) -> Iterable[tuple[str, str]]`` method on the dataclass, yielding (field name, a dotted
+path below it such as ``routing.policy`` or ``backends[2].url``, or "", and a message); they are reported
+at that field's line. Both are checked by the one bounds checker, proxy/core/bounds.py: every section calls
+`check_config(self)` in its ``__post_init__``, so a config built in code meets the same rules, and this
+parser calls the same functions field by field to name the YAML line. Numbers must be finite everywhere.
+
+A configuration with no backend is invalid unless discovery is on, and so is an empty file: a file caught
+half-written by a reload must never empty the fleet (proxy/control/reload.py keeps the old one).
 
 Every problem in a file is collected and reported together (`ConfigError.errors`), because fixing a config
 one error per run is miserable.
@@ -30,9 +36,13 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy.control.telemetry_config import TelemetryConfig
-from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
+from proxy.core.bounds import ConfigValueError, above, check_config, config_errors, value_errors
+from proxy.core.health import HealthCheckConfig, OutlierConfig
+from proxy.core.overload import OverloadConfig
+from proxy.core.registry import policy_name_error
+from proxy.core.retry_policy import RetryConfig
 from proxy.core.routing_config import RoutingConfig
-from proxy.core.snapshot import BackendSpec
+from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, duplicate_urls
 from proxy.grpc.grpc_config import GrpcOptions
 
 __all__ = [
@@ -40,6 +50,7 @@ __all__ = [
     "BackendConfig",
     "Config",
     "ConfigError",
+    "DiscoveryConfig",
     "LimitsConfig",
     "ListenConfig",
     "TimeoutsConfig",
@@ -68,6 +79,9 @@ class ListenConfig:
     host: str = "127.0.0.1"
     port: int = field(default=8080, metadata={"ge": 0, "le": 65535})
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
 
 @dataclass(frozen=True)
 class AdminConfig:
@@ -77,6 +91,9 @@ class AdminConfig:
     # secret need not live in the file.
     token: str | None = None
     token_env: str | None = None
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def resolved_token(self) -> str | None:
         if self.token is not None:
@@ -90,11 +107,14 @@ class AdminConfig:
 class BackendConfig:
     name: str = field(metadata={"min_len": 1})
     url: str = field(metadata={"min_len": 1})
-    weight: float = field(default=1.0, metadata={"ge": 0})
+    weight: float = field(default=1.0, metadata=WEIGHT_BOUNDS)  # the same bound as the admin API's
     grpc: str | None = None  # host:port of the backend's gRPC server
     metrics_url: str | None = None
     models: tuple[str, ...] = ()
     max_inflight: int | None = field(default=None, metadata={"ge": 1})
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if not self.url.startswith("http://"):
@@ -122,12 +142,18 @@ class LimitsConfig:
     max_header_bytes: int = field(default=16384, metadata={"ge": 256})
     max_inflight_total: int | None = field(default=None, metadata={"ge": 1})
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
 
 @dataclass(frozen=True)
 class TimeoutsConfig:
     connect_s: float = field(default=5.0, metadata={"gt": 0})
     request_s: float = field(default=600.0, metadata={"gt": 0})  # whole upstream exchange, streams included
     drain_s: float = field(default=30.0, metadata={"ge": 0})  # graceful-shutdown deadline
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,21 @@ class UpstreamConfig:
     # (uvicorn, behind vLLM/SGLang, closes after 5 s): reusing a connection the server is closing fails a
     # POST with ServerDisconnectedError. Hence 4 s by default.
     keepalive_s: float = field(default=4.0, metadata={"gt": 0})
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """YAML `discovery`: backends whose URL host is a DNS name are re-resolved (Kubernetes headless Service)."""
+
+    enabled: bool = False
+    interval_ms: int = above(5000, 0)
+    timeout_ms: int = above(2000, 0)
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
 
 @dataclass(frozen=True)
@@ -161,15 +202,46 @@ class Config:
     discovery: DiscoveryConfig = DiscoveryConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
     def validate(self) -> Iterable[tuple[str, str]]:
-        seen: set[str] = set()
-        for b in self.backends:
-            if b.name in seen:
-                yield "backends", f"duplicate backend name {b.name!r}"
-            seen.add(b.name)
+        if not self.backends and not self.discovery.enabled:
+            yield "backends", "at least one backend is required (unless discovery is enabled)"
+        names: dict[str, int] = {}
+        for i, b in enumerate(self.backends):
+            if b.name in names:
+                yield f"backends[{i}].name", f"duplicate backend name {b.name!r} (also backends[{names[b.name]}])"
+            names.setdefault(b.name, i)
+        specs = self.backend_specs()
+        for i, j in duplicate_urls(specs):
+            yield f"backends[{i}].url", f"duplicate backend URL {specs[i].url!r} (also backends[{j}])"
+        policy = policy_name_error(self.routing.policy)
+        if policy is not None:
+            yield "routing.policy", policy
+        yield from self._port_clashes()
+
+    def _port_clashes(self) -> Iterable[tuple[str, str]]:
+        """Two listeners on one port: the second bind would fail at start (or, with SO_REUSEPORT, the two
+        would share connections). A port of 0 picks a free one and never clashes."""
+        listeners = [("listen", self.listen), ("admin", self.admin)]
+        if self.grpc_listen is not None:
+            listeners.append(("grpc_listen", self.grpc_listen))
+        for i, (name, cfg) in enumerate(listeners):
+            for other_name, other in listeners[:i]:
+                if cfg.port != 0 and cfg.port == other.port and _hosts_overlap(cfg.host, other.host):
+                    yield f"{name}.port", f"port {cfg.port} is already used by {other_name}.port"
+                    break
 
     def backend_specs(self) -> tuple[BackendSpec, ...]:
         return tuple(b.to_spec() for b in self.backends)
+
+
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})
+
+
+def _hosts_overlap(a: str, b: str) -> bool:
+    return a == b or a in _WILDCARD_HOSTS or b in _WILDCARD_HOSTS
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -316,9 +388,14 @@ class _Parser:
         # themselves are dropped, since they would describe the stand-in default, not what was written.
         try:
             obj = cls(**kwargs)
+        except ConfigValueError as exc:
+            # The section's own check (proxy/core/bounds.py, run by __post_init__): every error it found,
+            # each at its field's line.
+            self.report(exc.errors, failed, nodes, node, path)
+            return _MISSING
         except (TypeError, ValueError) as exc:
-            # A __post_init__ check that names its field first ("epsilon must be > 0") is reported at that
-            # field's line, the same as a metadata bound.
+            # A hand-written __post_init__ check that names its field first ("epsilon must be > 0") is
+            # reported at that field's line, the same as a metadata bound.
             message = str(exc)
             name = message.split(" ", 1)[0].rstrip(":")
             if name in failed:
@@ -328,36 +405,48 @@ class _Parser:
             else:
                 self.error(path, node, message)
             return _MISSING
-        validate = getattr(obj, "validate", None)
-        if callable(validate):
-            for name, message in validate() or ():
-                if name in failed:
-                    continue
-                sub = f"{path}.{name}" if name and path else (name or path)
-                self.error(sub, nodes.get(name, node), message)
+        # Sections that do not check themselves in __post_init__ get the same checks here (for those that
+        # do, this finds nothing: they would not have been built).
+        self.report(config_errors(obj), failed, nodes, node, path)
         # Every error is already recorded and parse_section refuses the whole file when there is one, so
         # handing a partly-defaulted object upward can only surface more errors, never accept a bad file.
         return obj
 
+    def report(self, errors: Iterable[tuple[str, str]], failed: set[str], nodes: dict[str, Node], node: Node,
+               path: str) -> None:
+        """Record (field or dotted path below it, message) pairs at the line of what they name; an error
+        about a field whose own value was already rejected is left out (it describes the stand-in)."""
+        for name, message in errors:
+            head = name.split(".", 1)[0].split("[", 1)[0]
+            if head in failed:
+                continue
+            sub = f"{path}.{name}" if name and path else (name or path)
+            self.error(sub, _node_at(nodes, name) or node, message)
+
     def check_bounds(self, f: dataclasses.Field[Any], value: Any, node: Node, path: str) -> bool:
-        meta = f.metadata
-        if not meta or value is None:
-            return True
-        checks = (
-            ("ge", lambda v, b: v >= b, ">="),
-            ("gt", lambda v, b: v > b, ">"),
-            ("le", lambda v, b: v <= b, "<="),
-            ("lt", lambda v, b: v < b, "<"),
-        )
-        for key, ok, sign in checks:
-            if key in meta and isinstance(value, (int, float)) and not ok(value, meta[key]):
-                self.error(path, node, f"must be {sign} {meta[key]}, got {value}")
-                return False
-        if "min_len" in meta and hasattr(value, "__len__") and len(value) < meta["min_len"]:
-            self.error(path, node, "must not be empty" if meta["min_len"] == 1 else
-                       f"must have at least {meta['min_len']} items")
-            return False
-        return True
+        errors = value_errors(value, f.metadata)
+        for message in errors:
+            self.error(path, node, message)
+        return not errors
+
+
+def _node_at(nodes: dict[str, Node], name: str) -> Node | None:
+    """The YAML node a (possibly dotted, indexed) field path names, e.g. ``backends[2].url``, or None."""
+    if not name:
+        return None
+    parts = name.replace("[", ".[").split(".")
+    found: Node | None = nodes.get(parts[0])
+    for part in parts[1:]:
+        if found is None:
+            return None
+        if part.startswith("["):
+            index = int(part[1:-1])
+            found = found.value[index] if isinstance(found, SequenceNode) and index < len(found.value) else None
+        elif isinstance(found, MappingNode):
+            found = next((v for k, v in found.value if isinstance(k, ScalarNode) and k.value == part), None)
+        else:
+            return None
+    return found
 
 
 def _is_null(node: Node) -> bool:
@@ -385,6 +474,10 @@ def parse_section(cls: type, text: str, source: str = "<config>") -> Any:
         mark = getattr(exc, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError([f"<yaml>{line}: {getattr(exc, 'problem', None) or exc}"], source) from None
+    if node is None and cls is Config:
+        # An empty file (or one of only comments) is not "all defaults": it is what a reload reads from a
+        # file caught between truncate and rewrite, and serving it would empty the fleet.
+        raise ConfigError(["<top>: the file is empty (a configuration needs at least `backends`)"], source)
     if node is None:
         node = MappingNode("tag:yaml.org,2002:map", [], yaml.Mark(source, 0, 0, 0, None, None), None)
     parser = _Parser()
@@ -404,7 +497,7 @@ def load_config(path: str) -> Config:
             text = fh.read()
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], path) from None
-    return parse_section(Config, text, path)
+    return parse_config(text, path)
 
 
 def _plain(value: Any) -> Any:

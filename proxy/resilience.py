@@ -28,7 +28,7 @@ from proxy.control.discovery import Discovery, split_services
 from proxy.control.membership import Membership, close_idle_connections
 from proxy.control.reload import Reloader
 from proxy.control.resilience_metrics import ResilienceMetrics
-from proxy.core.health import PanicView
+from proxy.core.overload import PanicView
 from proxy.core.snapshot import BackendSpec
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.retry import RetryController
@@ -169,7 +169,7 @@ class Resilience:
         router.overload = new.overload
         router.panic = PanicView(new.overload.panic_threshold_percent, self.monitor.fleet.joining)
         if new.routing != old.routing:
-            from proxy.core.policies import build_policy
+            from proxy.core.registry import build_policy
 
             router.policy = self.proxy.policy = build_policy(new.routing)
             log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
@@ -228,7 +228,7 @@ class Resilience:
                 snap = self.membership.set_weight(name, None if value is None else float(value))
             except KeyError:
                 return _error(404, f"no backend named {name!r}", "not_found")
-            except ValueError as exc:
+            except (ValueError, OverflowError) as exc:  # set_weight applies the shared bound (core/bounds.py)
                 return _error(400, str(exc), "invalid_value", "weight")
             b = snap.get(name)
             return web.json_response({"backend": name, "weight": b.effective_weight,  # type: ignore[union-attr]

@@ -11,7 +11,18 @@ from typing import Any, Literal
 
 import pytest
 
-from proxy.config import Config, ConfigError, dump_config, load_config, parse_config, parse_section
+from proxy.config import (
+    AdminConfig,
+    BackendConfig,
+    Config,
+    ConfigError,
+    dump_config,
+    load_config,
+    parse_config,
+    parse_section,
+)
+from proxy.core.registry import POLICIES
+from proxy.core.routing_config import RoutingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,9 +111,9 @@ routing:
 
 
 def test_one_pass_reports_errors_of_every_layer() -> None:
-    # A wrong field must not hide its section's own checks (the policy name, checked in RoutingConfig's
-    # __post_init__ after its nested affinity section parsed), nor the fleet-wide ones (duplicate names,
-    # checked on the whole backend list although one entry has a typo). The user fixes all in one go.
+    # A wrong field must not hide its section's own checks (the nested affinity section's bounds), nor the
+    # whole config's (duplicate names, checked on the whole backend list although one entry has a typo; the
+    # policy name, checked against the table of policies). The user fixes all in one go.
     errs = errors_of(Config, """backends:
   - name: a
     url: http://127.0.0.1:1
@@ -116,24 +127,23 @@ telemetry: {interval_ms: 200, timeout_ms: 500}
     assert errs == [
         "backends[0].weigth (line 4): unknown key (did you mean 'weight'?)",
         "routing.affinity.epsilon (line 8): must be > 0.0, got -1.0",
-        "routing.policy (line 7): must be one of affinity, round_robin, weighted_round_robin, least_request, "
-        "random, power_of_two, least_load, not 'afinity' (did you mean 'affinity'?)",
         "telemetry.timeout_ms (line 9): must be shorter than interval_ms (200): a slow scrape would overlap "
         "the next round",
-        "backends (line 2): duplicate backend name 'a'",
+        "backends[1].name (line 5): duplicate backend name 'a' (also backends[0])",
+        f"routing.policy (line 7): must be one of {', '.join(POLICIES)}, not 'afinity' (did you mean 'affinity'?)",
     ]
 
 
 def test_a_check_about_a_wrong_field_is_not_reported_twice() -> None:
     # interval_ms is wrong, so the default stands in while the section's checks run: the cross-field check
     # must not then blame timeout_ms against a default the user never wrote.
-    errs = errors_of(Config, "telemetry: {interval_ms: -5, timeout_ms: 150}\n")
+    errs = errors_of(Config, "telemetry: {interval_ms: -5, timeout_ms: 150}\nbackends: [{name: a, url: 'http://h:1'}]\n")
     assert len(errs) == 1 and errs[0].startswith("telemetry.interval_ms (line 1): must be")
 
 
 def test_duplicate_backend_names_rejected() -> None:
     errs = errors_of(Config, 'backends:\n  - {name: a, url: "http://h:1"}\n  - {name: a, url: "http://h:2"}\n')
-    assert errs == ["backends (line 2): duplicate backend name 'a'"]
+    assert errs == ["backends[1].name (line 3): duplicate backend name 'a' (also backends[0])"]
 
 
 def test_yaml_syntax_error_has_line() -> None:
@@ -141,8 +151,10 @@ def test_yaml_syntax_error_has_line() -> None:
     assert len(errs) == 1 and errs[0].startswith("<yaml> (line")
 
 
-def test_empty_file_is_all_defaults_and_dump_round_trips() -> None:
-    assert parse_config("") == Config()
+def test_empty_file_is_invalid_and_dump_round_trips() -> None:
+    # A file caught between truncate and rewrite must not pass for "all defaults, no backends".
+    for empty in ("", "\n  \n", "# only a comment\n"):
+        assert errors_of(Config, empty) and "empty" in errors_of(Config, empty)[0]
     cfg = parse_config('debug_headers: true\nbackends: [{name: g, url: "http://h:1", models: [m]}]\n')
     assert parse_config(dump_config(cfg)) == cfg
 
@@ -168,3 +180,67 @@ def test_check_config_cli(tmp_path: Path) -> None:
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert parse_config(run.stdout) == load_config(str(good))
+
+
+# ------------------------------------------------------------------ every door's validator (issue 18)
+
+ONE_BACKEND = "backends: [{name: a, url: 'http://h:1'}]\n"
+
+
+@pytest.mark.parametrize("number", [".inf", "-.inf", ".nan", ".NaN", "1.0e+309"])
+def test_non_finite_numbers_are_rejected_everywhere(number: str) -> None:
+    # weight has a lower bound that inf passes; memory_weight had only a hand-written `< 0` check that NaN
+    # passes; connect_s is a plain `> 0` bound. All three must refuse a number the routing cannot use.
+    errs = errors_of(Config, f"""backends: [{{name: a, url: 'http://h:1', weight: {number}}}]
+telemetry: {{score: {{memory_weight: {number}}}}}
+timeouts: {{connect_s: {number}}}
+""")
+    assert any(e.startswith("backends[0].weight (line 1): must be a finite number") for e in errs), errs
+    assert any(e.startswith("telemetry.score.memory_weight (line 2): must be a finite number") for e in errs), errs
+    assert any(e.startswith("timeouts.connect_s (line 3): must be a finite number") for e in errs), errs
+
+
+def test_no_backend_is_invalid_unless_discovery_is_on() -> None:
+    assert errors_of(Config, "backends: []\n") == [
+        "backends (line 1): at least one backend is required (unless discovery is enabled)"]
+    assert errors_of(Config, "listen: {port: 8080}\n") == [
+        "backends (line 1): at least one backend is required (unless discovery is enabled)"]
+    assert parse_config("backends: []\ndiscovery: {enabled: true}\n").backends == ()
+
+
+def test_listener_port_clashes_are_rejected() -> None:
+    errs = errors_of(Config, ONE_BACKEND + "listen: {port: 8080}\nadmin: {port: 8080}\n")
+    assert errs == ["admin.port (line 3): port 8080 is already used by listen.port"]
+    errs = errors_of(Config, ONE_BACKEND + "listen: {host: 0.0.0.0, port: 8080}\ngrpc_listen: {port: 8080}\n")
+    assert errs == ["grpc_listen.port (line 3): port 8080 is already used by listen.port"]
+    # Port 0 picks a free port each time, and two distinct addresses may share a port number.
+    parse_config(ONE_BACKEND + "listen: {port: 0}\nadmin: {port: 0}\ngrpc_listen: {port: 0}\n")
+    parse_config(ONE_BACKEND + "listen: {host: 10.0.0.1, port: 80}\nadmin: {host: 127.0.0.1, port: 80}\n")
+
+
+def test_duplicate_backend_urls_are_rejected() -> None:
+    errs = errors_of(Config, "backends:\n  - {name: a, url: 'http://h:1'}\n  - {name: b, url: 'http://h:1/'}\n")
+    assert errs == ["backends[1].url (line 3): duplicate backend URL 'http://h:1' (also backends[0])"]
+
+
+def test_configs_built_in_code_meet_the_same_rules() -> None:
+    from proxy.core.bounds import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match="weight: must be a finite number"):
+        BackendConfig(name="a", url="http://h:1", weight=float("inf"))
+    with pytest.raises(ConfigValueError, match="at least one backend"):
+        Config()
+    with pytest.raises(ConfigValueError, match="routing.policy: must be one of"):
+        Config(backends=(BackendConfig(name="a", url="http://h:1"),), routing=RoutingConfig(policy="fastest"))
+    with pytest.raises(ConfigValueError, match="admin.port"):
+        Config(backends=(BackendConfig(name="a", url="http://h:1"),), admin=AdminConfig(port=8080))
+
+
+def test_check_config_cli_refuses_an_empty_file_and_an_infinite_weight(tmp_path: Path) -> None:
+    for name, text in (("empty.yaml", ""), ("inf.yaml", "backends:\n  - {name: a, url: 'http://h:1', weight: .inf}\n")):
+        f = tmp_path / name
+        f.write_text(text)
+        run = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(f)], capture_output=True, text=True,
+                             cwd=ROOT)
+        assert run.returncode == 2, (name, run.stdout)
+        assert ("empty" if name == "empty.yaml" else "must be a finite number") in run.stderr

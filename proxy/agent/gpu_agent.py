@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.control.adapters import Extractor
+from proxy.control.adapters import MetricsReader
 
 log = logging.getLogger("affinity_proxy.gpu_agent")
 
@@ -152,7 +152,7 @@ class EngineProbe:
     def __init__(self, url: str, interval_s: float = 0.2) -> None:
         self.url = url.rstrip("/") + "/metrics" if not url.rstrip("/").endswith("/metrics") else url
         self.interval_s = interval_s
-        self.extractor = Extractor()
+        self.extractor = MetricsReader()
         self.queue: float | None = None
         self.kv_tokens_per_s: float | None = None
         self.up = False

@@ -32,8 +32,6 @@ from typing import Callable, Mapping
 
 from proxy.control.scrape import Samples, parse_labels, parse_selector, scan, select
 
-ENGINES: tuple[str, ...] = ("vllm", "sglang", "tgi", "triton", "agent")
-
 # Signals a metric_map entry may target; aliases are the names the docs and the YAML use.
 SIGNAL_NAMES: dict[str, str] = {
     "mem_used_bytes": "mem_used_bytes",
@@ -116,9 +114,13 @@ def _first(*values: float | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Adapter:
+    """One engine: the sample names it reads, how they fill a Reading, and how to recognise its page."""
+
     engine: str
     names: frozenset[str]
     extract: Callable[[Samples, Reading], None]
+    # Line-start prefixes only this engine's pages carry; `detect_engine` tries the adapters in table order.
+    markers: tuple[str, ...] = ()
 
 
 def _vllm(s: Samples, r: Reading) -> None:
@@ -211,40 +213,41 @@ def _design(s: Samples, r: Reading) -> None:
         r.gpu_utilization = util
 
 
-ADAPTERS: dict[str, Adapter] = {
-    "vllm": Adapter("vllm", frozenset({
+# The one table of engine adapters (name -> adapter): adding an engine is its function above plus one
+# entry here; the YAML `telemetry.engine` choices, detection and the tests all read this table.
+_ADAPTER_LIST = (
+    Adapter("vllm", frozenset({
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc", "vllm:cache_config_info", "vllm:lora_requests_info",
         "vllm:request_success_total", "vllm:e2e_request_latency_seconds_count",
-        "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"}), _vllm),
-    "sglang": Adapter("sglang", frozenset({
+        "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"}), _vllm,
+        ("vllm:",)),
+    Adapter("sglang", frozenset({
         "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:max_total_num_tokens",
         "sglang:num_used_tokens", "sglang:e2e_request_latency_seconds_count",
-        "sglang:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_count"}), _sglang),
-    "tgi": Adapter("tgi", frozenset({
-        "tgi_batch_current_size", "tgi_queue_size", "tgi_batch_current_max_tokens", "tgi_request_success"}), _tgi),
-    "triton": Adapter("triton", frozenset({
+        "sglang:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_count"}), _sglang,
+        ("sglang:",)),
+    Adapter("triton", frozenset({
         "nv_trt_llm_request_metrics", "nv_inference_pending_request_count", "nv_trt_llm_kv_cache_block_metrics",
         "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes", "nv_gpu_utilization",
         "nv_inference_request_success", "nv_inference_first_response_histogram_ms_sum",
-        "nv_inference_first_response_histogram_ms_count"}), _triton),
-    "agent": Adapter("agent", frozenset(), _agent_only),
-}
+        "nv_inference_first_response_histogram_ms_count"}), _triton,
+        ("nv_trt_llm_", "nv_inference_")),
+    Adapter("tgi", frozenset({
+        "tgi_batch_current_size", "tgi_queue_size", "tgi_batch_current_max_tokens", "tgi_request_success"}), _tgi,
+        ("tgi_",)),
+    # Last: an engine's page may carry the agent's names too (the simulator exports both).
+    Adapter("agent", frozenset(), _agent_only, ("gpu_memory_used_bytes", "cuda_kernel_queue_length")),
+)
+ADAPTERS: Mapping[str, Adapter] = {a.engine: a for a in _ADAPTER_LIST}
 
 
 def detect_engine(text: str) -> str | None:
     """The engine behind an exposition, from the prefixes only it uses (checked at line starts)."""
     head = text if text.startswith("\n") else "\n" + text
-    if "\nvllm:" in head:
-        return "vllm"
-    if "\nsglang:" in head:
-        return "sglang"
-    if "\nnv_trt_llm_" in head or "\nnv_inference_" in head:
-        return "triton"
-    if "\ntgi_" in head:
-        return "tgi"
-    if "\ngpu_memory_used_bytes" in head or "\ncuda_kernel_queue_length" in head:
-        return "agent"
+    for adapter in ADAPTERS.values():
+        if any("\n" + marker in head for marker in adapter.markers):
+            return adapter.engine
     return None
 
 
@@ -270,8 +273,10 @@ def compile_metric_map(metric_map: Mapping[str, str]) -> tuple[MapEntry, ...]:
 
 
 @dataclass(slots=True)
-class Extractor:
-    """Reads one page: detects (or is told) the engine, scans only the needed names, fills a Reading."""
+class MetricsReader:
+    """Reads one metrics page: detects (or is told) the engine, scans only the needed names, fills a Reading.
+
+    (Not to be confused with proxy/grpc/extractors.py's `Extractor`, which reads a gRPC request message.)"""
 
     engine: str = "auto"
     metric_map: tuple[MapEntry, ...] = ()

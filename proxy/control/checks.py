@@ -26,14 +26,8 @@ import aiohttp
 
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
-from proxy.core.health import (
-    CheckResult,
-    FleetHealth,
-    HealthChange,
-    HealthCheckConfig,
-    Outcome,
-    OutlierConfig,
-)
+from proxy.core.decision import Outcome
+from proxy.core.health import CheckResult, FleetHealth, HealthChange, HealthCheckConfig, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
 if TYPE_CHECKING:  # grpclib is imported only when a gRPC check runs

@@ -21,8 +21,8 @@ from typing import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.control.membership import Membership
-from proxy.core.health import DiscoveryConfig
-from proxy.core.snapshot import BackendSpec
+from proxy.config import DiscoveryConfig
+from proxy.core.snapshot import BackendSpec, duplicate_urls
 
 log = logging.getLogger("affinity_proxy.discovery")
 
@@ -89,6 +89,17 @@ def expand(service: BackendSpec, addresses: Sequence[str]) -> list[BackendSpec]:
     return out
 
 
+def unique_urls(specs: Sequence[BackendSpec]) -> list[BackendSpec]:
+    """`specs` without the ones whose URL an earlier one has (two services resolving to one pod): the same
+    rule as the config's (proxy/core/snapshot.duplicate_urls), applied by dropping, since a DNS answer cannot
+    be refused. Each address was already checked as a BackendSpec (weight, limits) when it was built."""
+    dropped = {i for i, _ in duplicate_urls(specs)}
+    for i, j in sorted(duplicate_urls(specs)):
+        log.warning("discovery: %s has the same URL as %s (%s); ignoring it", specs[i].name, specs[j].name,
+                    specs[i].url)
+    return [s for i, s in enumerate(specs) if i not in dropped]
+
+
 class Discovery:
     def __init__(
         self,
@@ -148,7 +159,7 @@ class Discovery:
         specs: list[BackendSpec] = []
         for service in self.services:
             specs.extend(expand(service, self.addresses.get(service.name, ())))
-        self.membership.set_source(SOURCE, specs, joining=not self._first)
+        self.membership.set_source(SOURCE, unique_urls(specs), joining=not self._first)
         self._first = False
 
     async def run(self) -> None:
@@ -161,4 +172,4 @@ class Discovery:
                 pass
 
 
-__all__ = ["Discovery", "expand", "is_dns_name", "split_services", "system_resolver"]
+__all__ = ["Discovery", "expand", "is_dns_name", "split_services", "system_resolver", "unique_urls"]

@@ -28,8 +28,9 @@ from typing import Awaitable, Callable, Mapping, Sequence
 from proxy.control.checks import HealthMonitor
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
+from proxy.core.bounds import check_value
 from proxy.core.decision import Inflight
-from proxy.core.snapshot import BackendSpec, BackendState, Health, Snapshot
+from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, BackendState, Health, Snapshot
 
 log = logging.getLogger("affinity_proxy.membership")
 
@@ -152,8 +153,8 @@ class Membership:
         cur = self.store.current
         if name not in cur:
             raise KeyError(name)
-        if weight is not None and weight < 0:
-            raise ValueError("weight must be >= 0")
+        if weight is not None:
+            check_value("weight", weight, WEIGHT_BOUNDS)  # the YAML weight's bound: finite, >= 0
         return self.store.publish(cur.replace_backend(name, weight=weight))
 
     # ------------------------------------------------------------------------------------------ drains

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import aiohttp
 
-from proxy.control.adapters import Extractor, Reading, compile_metric_map
+from proxy.control.adapters import MetricsReader, Reading, compile_metric_map
 from proxy.control.httpget import HttpStatusError, MetricsHttpClient, ProtocolError
 from proxy.control.orca import parse_orca
 from proxy.control.store import SnapshotStore
@@ -151,7 +151,7 @@ class Poller:
         self.metrics = metrics
         self.clock = clock
         self.orca_flush_s = orca_flush_s
-        self._extractor = Extractor(engine=config.engine, metric_map=compile_metric_map(config.metric_map))
+        self._extractor = MetricsReader(engine=config.engine, metric_map=compile_metric_map(config.metric_map))
         self._session = session
         self._own_session = session is None
         self._derivers: dict[str, Deriver] = {}

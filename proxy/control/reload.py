@@ -1,7 +1,8 @@
 """Hot reload: SIGHUP or a change of the config file -> validate -> swap in, or keep serving the old one.
 
 Validation is the full config parser (proxy/config.py), so a reload accepts exactly what `check-config`
-accepts. An invalid file changes nothing: the error is logged with every path and line, counted
+accepts: in particular an empty file, or one with no backend (unless discovery is on), is invalid, so a
+file caught between truncate and rewrite never empties the fleet. An invalid file changes nothing: the error is logged with every path and line, counted
 (`affinity_proxy_config_reloads{result="invalid"}`), flagged (`affinity_proxy_config_last_reload_ok` 0,
 alertable while the file on disk stays broken) and kept as `last_error` for the admin API. A valid file is
 handed to `apply`, which swaps snapshots and settings in place: listeners stay bound, connections stay
@@ -82,6 +83,10 @@ class Reloader:
                 self.metrics.reloads.labels("invalid").inc()
                 log.error("config reload (%s) rejected, the previous configuration keeps serving:\n%s",
                           reason, "\n".join(f"  {e}" for e in exc.errors))
+            except Exception as exc:  # noqa: BLE001 - whatever a file does to the loader, the old config serves on
+                result = ReloadResult(False, self.current_version(), reason, (f"cannot load: {exc!r}",))
+                self.metrics.reloads.labels("invalid").inc()
+                log.exception("config reload (%s) failed to load, the previous configuration keeps serving", reason)
             else:
                 try:
                     version = self.apply(config)

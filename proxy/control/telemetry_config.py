@@ -6,12 +6,11 @@ Kept apart from the poller so that loading a configuration does not import aioht
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import Iterable
 
-from proxy.control.adapters import compile_metric_map
+from proxy.control.adapters import ADAPTERS, compile_metric_map
+from proxy.core.bounds import check_config
 from proxy.core.score import ScoreConfig
-
-EngineName = Literal["auto", "vllm", "sglang", "tgi", "triton", "agent"]
 
 
 @dataclass(frozen=True)
@@ -38,19 +37,19 @@ class TelemetryConfig:
     interval_ms: int = field(default=200, metadata={"ge": 10})
     timeout_ms: int = field(default=150, metadata={"ge": 1})
     stale_after_intervals: float = field(default=3.0, metadata={"gt": 1.0})
-    engine: EngineName = "auto"
+    engine: str = "auto"  # "auto" or a name in proxy/control/adapters.py's ADAPTERS
     metric_map: dict[str, str] = field(default_factory=dict)
     orca: bool = True
     score: ScoreConfig = ScoreConfig()
 
     def __post_init__(self) -> None:
-        # Also enforced for configs built in code, not only from YAML.
-        if self.stale_after_intervals <= 1.0:
-            raise ValueError("stale_after_intervals must be > 1: a backend would go stale between two rounds")
-        if self.interval_ms <= 0:
-            raise ValueError("interval_ms must be > 0")
+        # Also enforced for configs built in code, not only from YAML (proxy/core/bounds.py).
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
+        engines = ("auto", *ADAPTERS)
+        if self.engine not in engines:
+            yield "engine", f"must be one of {', '.join(map(repr, engines))}, got {self.engine!r}"
         if self.timeout_ms >= self.interval_ms:
             yield "timeout_ms", (f"must be shorter than interval_ms ({self.interval_ms}): a slow scrape would "
                                  "overlap the next round")

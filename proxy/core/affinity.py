@@ -63,9 +63,9 @@ from typing import Callable, Mapping
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
+from proxy.core.eligibility import eligible
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.load import effective_load, assumed_score, telemetry_score
-from proxy.core.policies import eligible
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
@@ -207,8 +207,8 @@ class AffinityPolicy:
         return self._indexes.get(backend)
 
     def _top(self, scores: list[float]) -> list[int]:
-        """Indexes of the best-ranked backends: enough for the primary, a fallback and the alternates."""
-        k = self._cfg.max_alternates + 2
+        """Indexes of the best-ranked backends, best first (the hash home is the first)."""
+        k = 2
         if len(scores) <= k:
             return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
         return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)
@@ -298,13 +298,7 @@ class AffinityPolicy:
             idx = self._indexes.get(chosen)
             if idx is not None and chain:
                 idx.add(chain)
-        return Decision(
-            chosen,
-            reason,
-            self.name,
-            self._alternates(chosen, ring, scores, top, exclude),
-            max(matched, 0),
-        )
+        return Decision(chosen, reason, self.name, max(matched, 0))
 
     # ------------------------------------------------------------------------------------ bounded load
 
@@ -449,27 +443,3 @@ class AffinityPolicy:
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
         return best.name, fallback, 0
-
-    def _alternates(
-        self, chosen: str, ring: _Ring, scores: list[float], top: list[int], exclude: frozenset[str]
-    ) -> tuple[str, ...]:
-        """Other eligible backends in the prompt's rendezvous order: where a retry keeps most affinity."""
-        limit = self._cfg.max_alternates
-        if limit == 0:
-            return ()
-        names, info = ring.names, ring.info
-        out: list[str] = []
-        for i in top:
-            name = names[i]
-            if name != chosen and info[name][0] and name not in exclude:
-                out.append(name)
-                if len(out) == limit:
-                    return tuple(out)
-        if len(top) < len(names):
-            for i in sorted(range(len(names)), key=scores.__getitem__, reverse=True)[len(top) :]:
-                name = names[i]
-                if name != chosen and info[name][0] and name not in exclude:
-                    out.append(name)
-                    if len(out) == limit:
-                        break
-        return tuple(out)

@@ -1,7 +1,8 @@
 """The one interface between the data planes and every routing policy.
 
 A policy is a small deterministic state machine (round-robin position, affinity index): it is fed a
-request summary, the current snapshot and the data plane's in-flight counts, and answers a `Decision`.
+request summary, the current snapshot and the data plane's in-flight counts, and answers a `Decision`;
+the data plane reports back what became of each attempt as an `Outcome`.
 It does no I/O and reads no clock, so every policy can be tested by feeding it plain values, and the
 offline replay can run the very same objects in virtual time.
 """
@@ -45,9 +46,17 @@ class Decision:
     backend: str
     reason: Reason
     policy: str
-    # Other backends in the order this policy would try them, for retries on another backend.
-    alternates: tuple[str, ...] = ()
     prefix_blocks_matched: int = 0
+
+
+class Outcome(str, enum.Enum):
+    """What the data plane saw of one attempt on a backend (fed to outlier detection and retries)."""
+
+    SUCCESS = "success"  # a complete answer with a non-5xx status
+    STATUS_5XX = "5xx"
+    CONNECT_FAILURE = "connect_failure"  # refused, unreachable or timed out while connecting
+    RESET = "reset"  # the connection was lost before a response status arrived
+    STREAM_FAILURE = "stream_failure"  # the response started, then the backend broke off
 
 
 class NoBackendAvailable(Exception):

@@ -1,4 +1,4 @@
-"""Health, outlier ejection, retry budget, overload and panic: pure state machines (events in, state out).
+"""Health checks and outlier ejection: pure state machines (events in, state out), and their configs.
 
 Everything here is driven by plain values: a check result with its latency, a request outcome, and the
 time `now` (seconds, any monotonic origin) passed in by the caller. Nothing reads a clock or draws a
@@ -18,36 +18,25 @@ Why the pieces look the way they do:
   Ejections grow with repeats and are capped to a share of the fleet, so a fleet-wide problem (a bad
   deploy, an overloaded cluster) never ejects everyone. An ejection ends with a passing health check once
   its time is up, not blindly, so a backend that still fails is not handed traffic again on a timer.
-- The retry budget bounds retries to a share of requests, so retries cannot turn an overload into a
-  retry storm.
-- Panic: when too few backends are routable, the health signal itself is probably wrong (or all are
-  degraded); routing to all of them serves more than routing to the few survivors.
+
+Retries and their budget live in proxy/core/retry_policy.py, overload and panic in proxy/core/overload.py.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import operator
 from collections import deque
-import dataclasses
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Collection, Iterable, Literal, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
 
-from proxy.core.decision import Inflight
-from proxy.core.snapshot import BackendState, Health, Snapshot
+from proxy.core.bounds import above, at_least, check_config
+from proxy.core.decision import Outcome
+from proxy.core.snapshot import Health
 
 # --------------------------------------------------------------------------------------------- config
-# Frozen dataclasses with defaults, parsed from YAML by proxy/config.py: simple bounds live in the field
-# metadata (reported at the offending line), cross-field rules in `validate()`.
-
-
-def _ge(default: Any, bound: float) -> Any:
-    return field(default=default, metadata={"ge": bound})
-
-
-def _gt(default: Any, bound: float) -> Any:
-    return field(default=default, metadata={"gt": bound})
+# Frozen dataclasses with defaults, parsed from YAML by proxy/config.py and checked by proxy/core/bounds.py
+# (simple bounds in the field metadata, cross-field rules in `validate()`), whether parsed or built in code.
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +47,19 @@ class HealthCheckConfig:
     protocol: Literal["http", "grpc"] = "http"  # grpc: grpc.health.v1 Check on the backend's gRPC address
     path: str = "/health"  # http: GET this path, 2xx is healthy
     grpc_service: str = ""  # grpc.health.v1 service name; "" asks about the whole server
-    interval_ms: int = _gt(2000, 0)
+    interval_ms: int = above(2000, 0)
     jitter: float = field(default=0.1, metadata={"ge": 0, "lt": 1})  # interval * [1 - jitter, 1 + jitter]
-    timeout_ms: int = _gt(1000, 0)  # floor of the timeout; the adaptive timeout only ever raises it
-    healthy_threshold: int = _ge(2, 1)
-    unhealthy_threshold: int = _ge(3, 1)
+    timeout_ms: int = above(1000, 0)  # floor of the timeout; the adaptive timeout only ever raises it
+    healthy_threshold: int = at_least(2, 1)
+    unhealthy_threshold: int = at_least(3, 1)
     adaptive_timeout: bool = True
-    adaptive_k: float = _ge(4.0, 1)  # timeout >= k x p99 of this backend's recent check latencies
-    adaptive_max_timeout_ms: int = _gt(10000, 0)
-    latency_window: int = _ge(64, 1)  # recent check latencies kept per backend for the p99
+    adaptive_k: float = at_least(4.0, 1)  # timeout >= k x p99 of this backend's recent check latencies
+    adaptive_max_timeout_ms: int = above(10000, 0)
+    latency_window: int = at_least(64, 1)  # recent check latencies kept per backend for the p99
     fail_fast_on_refused: bool = True  # a refused/reset connection marks the backend unhealthy at once
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if not self.path.startswith("/"):
@@ -81,96 +73,22 @@ class OutlierConfig:
     """YAML `outlier_detection`: passive ejection from what the data plane sees."""
 
     enabled: bool = True
-    consecutive_5xx: int = _ge(5, 1)
-    consecutive_connect_failures: int = _ge(3, 1)
-    consecutive_stream_failures: int = _ge(3, 1)  # streams that broke after the response started
-    base_ejection_ms: int = _gt(5000, 0)  # first ejection; the n-th lasts n x base (capped)
-    max_ejection_ms: int = _gt(300000, 0)
+    consecutive_5xx: int = at_least(5, 1)
+    consecutive_connect_failures: int = at_least(3, 1)
+    consecutive_stream_failures: int = at_least(3, 1)  # streams that broke after the response started
+    base_ejection_ms: int = above(5000, 0)  # first ejection; the n-th lasts n x base (capped)
+    max_ejection_ms: int = above(300000, 0)
     # Never more than this share of the fleet ejected at once (one backend always may be).
     max_ejection_percent: float = field(default=50.0, metadata={"ge": 0, "le": 100})
-    decay_ms: int = _gt(30000, 0)  # the repeat multiplier drops by one per decay_ms without a new ejection
+    decay_ms: int = above(30000, 0)  # the repeat multiplier drops by one per decay_ms without a new ejection
     return_on_check: bool = True  # an expired ejection ends at the next passing active check (if checks run)
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if self.max_ejection_ms < self.base_ejection_ms:
             yield "max_ejection_ms", f"must be >= base_ejection_ms ({self.base_ejection_ms})"
-
-
-RETRY_CONDITIONS = ("connect-failure", "reset")
-
-
-@dataclass(frozen=True, slots=True)
-class RetryConfig:
-    """YAML `retries`. Retries happen only before any byte reached the client, and on another backend."""
-
-    enabled: bool = True
-    max_attempts: int = _ge(3, 1)  # including the first
-    # connect-failure: the backend could not be reached; reset: connection lost before a response status;
-    # a number: that upstream status (its body is discarded, never forwarded, when a retry happens).
-    retry_on: tuple[str, ...] = ("connect-failure", "reset", "429", "503")
-    backoff_base_ms: int = _ge(20, 0)
-    backoff_max_ms: int = _ge(200, 0)
-    budget_percent: float = _ge(20.0, 0)  # retries <= this share of requests over the window ...
-    min_retries_per_s: float = _ge(5.0, 0)  # ... plus this floor, so a quiet proxy can still retry
-    budget_window_ms: int = _gt(10000, 0)
-
-    def validate(self) -> Iterable[tuple[str, str]]:
-        for i, cond in enumerate(self.retry_on):
-            if not (cond in RETRY_CONDITIONS or (cond.isdigit() and 400 <= int(cond) <= 599)):
-                yield "retry_on", (f"item {i} ({cond!r}) must be one of {', '.join(RETRY_CONDITIONS)} "
-                                   "or a 4xx/5xx status")
-        if self.backoff_max_ms < self.backoff_base_ms:
-            yield "backoff_max_ms", f"must be >= backoff_base_ms ({self.backoff_base_ms})"
-
-    @property
-    def retry_statuses(self) -> frozenset[int]:
-        return frozenset(int(c) for c in self.retry_on if c.isdigit())
-
-
-@dataclass(frozen=True, slots=True)
-class OverloadConfig:
-    """YAML `overload`: when every routable backend is saturated, answer early or queue briefly."""
-
-    max_inflight_per_backend: int | None = _ge(None, 1)  # default for backends without their own max_inflight
-    max_waiting: float | None = _ge(None, 0)  # engine queue (waiting requests) above this = saturated
-    max_kv_usage: float | None = field(default=None, metadata={"gt": 0, "le": 1})  # KV usage above = saturated
-    action: Literal["reject", "queue"] = "reject"  # reject at once | wait for capacity up to queue_timeout_ms
-    reject_status: int = 503  # 503 (server saturated) or 429 (client should slow down); both carry Retry-After
-    retry_after_s: int = _ge(1, 0)
-    queue_size: int = _ge(256, 1)
-    queue_timeout_ms: int = _gt(2000, 0)
-    # Below this share of routable backends (not draining) the health signal is distrusted: route to all.
-    panic_threshold_percent: float = field(default=50.0, metadata={"ge": 0, "le": 100})
-
-    def validate(self) -> Iterable[tuple[str, str]]:
-        if self.reject_status not in (429, 503):
-            yield "reject_status", f"must be 429 or 503, got {self.reject_status}"
-
-
-@dataclass(frozen=True, slots=True)
-class DiscoveryConfig:
-    """YAML `discovery`: backends whose URL host is a DNS name are re-resolved (Kubernetes headless Service)."""
-
-    enabled: bool = False
-    interval_ms: int = _gt(5000, 0)
-    timeout_ms: int = _gt(2000, 0)
-
-
-def config_errors(cfg: Any) -> list[str]:
-    """Check a config built in code (not parsed from YAML) against the same bounds and rules."""
-    errors: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value, meta = getattr(cfg, f.name), f.metadata
-        if value is None or not meta:
-            continue
-        for key, ok, sign in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"), ("le", operator.le, "<="),
-                              ("lt", operator.lt, "<")):
-            if key in meta and not ok(value, meta[key]):
-                errors.append(f"{f.name}: must be {sign} {meta[key]}, got {value}")
-    validate = getattr(cfg, "validate", None)
-    if callable(validate):
-        errors.extend(f"{name}: {message}" for name, message in validate())
-    return errors
 
 
 # ------------------------------------------------------------------------------------- active checks
@@ -183,7 +101,7 @@ class CheckResult(str, enum.Enum):
     REFUSED = "refused"  # connection refused or reset: certainly not serving
 
 
-def percentile(values: Iterable[float], q: float) -> float:
+def nearest_rank_percentile(values: Iterable[float], q: float) -> float:
     """Nearest-rank percentile; small windows (tens of values) make sorting the cheapest correct way."""
     ordered = sorted(values)
     if not ordered:
@@ -221,7 +139,7 @@ class ActiveHealth:
             return float(cfg.timeout_ms)
         base = float(cfg.timeout_ms)
         if self.latencies_ms:
-            base = max(base, cfg.adaptive_k * percentile(self.latencies_ms, 99))
+            base = max(base, cfg.adaptive_k * nearest_rank_percentile(self.latencies_ms, 99))
         return float(min(cfg.adaptive_max_timeout_ms, base * (2 ** min(self.timeouts, 30))))
 
     def observe(self, result: CheckResult, latency_ms: float | None = None) -> Health:
@@ -251,16 +169,6 @@ class ActiveHealth:
 
 
 # ------------------------------------------------------------------------------------ passive outliers
-
-
-class Outcome(str, enum.Enum):
-    """What the data plane saw of one attempt on a backend."""
-
-    SUCCESS = "success"  # a complete answer with a non-5xx status
-    STATUS_5XX = "5xx"
-    CONNECT_FAILURE = "connect_failure"  # refused, unreachable or timed out while connecting
-    RESET = "reset"  # the connection was lost before a response status arrived
-    STREAM_FAILURE = "stream_failure"  # the response started, then the backend broke off
 
 
 class OutlierState:
@@ -397,7 +305,7 @@ class FleetHealth:
                 "consecutive_failures": act.failures,
                 "consecutive_timeouts": act.timeouts,
                 "next_timeout_ms": round(act.timeout_ms(), 1),
-                "check_p99_ms": round(percentile(act.latencies_ms, 99), 2) if act.latencies_ms else None,
+                "check_p99_ms": round(nearest_rank_percentile(act.latencies_ms, 99), 2) if act.latencies_ms else None,
                 "ejected": o.ejected,
                 "ejected_for_s": None if o.ejected_until is None else round(max(0.0, o.ejected_until - now), 3),
                 "ejections": o.ejections,
@@ -471,189 +379,13 @@ class FleetHealth:
         return None if after is before else HealthChange(name, after, cause)
 
 
-# ---------------------------------------------------------------------------------------- retries
-
-
-class RetryBudget:
-    """Retries allowed over a sliding window: budget_percent of requests plus a per-second floor.
-
-    Bucketed (10 buckets per window) so memory is constant whatever the request rate.
-    """
-
-    BUCKETS = 10
-
-    def __init__(self, cfg: RetryConfig) -> None:
-        self.cfg = cfg
-        self._width = cfg.budget_window_ms / 1000.0 / self.BUCKETS
-        self._buckets: deque[list[float]] = deque()  # [bucket index, requests, retries]
-        self._requests = 0
-        self._retries = 0
-
-    def _advance(self, now: float) -> list[float]:
-        idx = math.floor(now / self._width)
-        while self._buckets and self._buckets[0][0] <= idx - self.BUCKETS:
-            _, req, ret = self._buckets.popleft()
-            self._requests -= int(req)
-            self._retries -= int(ret)
-        if not self._buckets or self._buckets[-1][0] != idx:
-            self._buckets.append([idx, 0, 0])
-        return self._buckets[-1]
-
-    def on_request(self, now: float) -> None:
-        bucket = self._advance(now)
-        bucket[1] += 1
-        self._requests += 1
-
-    def allowed(self, now: float) -> int:
-        self._advance(now)
-        window_s = self.cfg.budget_window_ms / 1000.0
-        return math.floor(self._requests * self.cfg.budget_percent / 100.0 + self.cfg.min_retries_per_s * window_s)
-
-    def try_acquire(self, now: float) -> bool:
-        """Take one retry from the budget if there is room."""
-        if self._retries >= self.allowed(now):
-            return False
-        bucket = self._advance(now)
-        bucket[2] += 1
-        self._retries += 1
-        return True
-
-    @property
-    def requests(self) -> int:
-        return self._requests
-
-    @property
-    def retries(self) -> int:
-        return self._retries
-
-
-def retryable(cfg: RetryConfig, outcome: Outcome, status: int | None = None) -> bool:
-    """May this failed attempt be retried? Only failures where nothing can have reached the client.
-
-    A STREAM_FAILURE is never retryable: part of the answer is already with the client, and a second
-    answer spliced after it would duplicate or corrupt it.
-    """
-    if not cfg.enabled:
-        return False
-    if outcome is Outcome.CONNECT_FAILURE:
-        return "connect-failure" in cfg.retry_on
-    if outcome is Outcome.RESET:
-        return "reset" in cfg.retry_on
-    if status is not None and outcome in (Outcome.STATUS_5XX, Outcome.SUCCESS):
-        return status in cfg.retry_statuses
-    return False
-
-
-def backoff_s(cfg: RetryConfig, retry: int, u: float) -> float:
-    """Full-jitter exponential backoff before retry number `retry` (1-based); `u` is uniform in [0, 1)."""
-    cap = min(cfg.backoff_max_ms, cfg.backoff_base_ms * (2 ** (retry - 1)))
-    return cap * u / 1000.0
-
-
-# --------------------------------------------------------------------------------------- overload
-
-
-def backend_limit(state: BackendState, cfg: OverloadConfig) -> int | None:
-    return state.spec.max_inflight if state.spec.max_inflight is not None else cfg.max_inflight_per_backend
-
-
-def saturated(state: BackendState, inflight: Inflight | None, cfg: OverloadConfig) -> bool:
-    """A backend that should get no new request now: at its in-flight limit, or (fresh) telemetry says
-    its engine queue or KV cache is past the configured threshold. Stale signals are ignored: a backend
-    whose metrics broke is judged by the proxy's own in-flight count only.
-    """
-    limit = backend_limit(state, cfg)
-    if limit is not None and inflight is not None and inflight.requests >= limit:
-        return True
-    sig = state.signals
-    if sig is None or state.stale:
-        return False
-    if cfg.max_waiting is not None and sig.waiting is not None and sig.waiting > cfg.max_waiting:
-        return True
-    if cfg.max_kv_usage is not None and sig.kv_usage is not None and sig.kv_usage > cfg.max_kv_usage:
-        return True
-    return False
-
-
-def saturated_names(snapshot: Snapshot, inflight: Mapping[str, Inflight], cfg: OverloadConfig) -> frozenset[str]:
-    return frozenset(b.name for b in snapshot.backends if b.routable and saturated(b, inflight.get(b.name), cfg))
-
-
-# ------------------------------------------------------------------------------------------ panic
-
-
-def in_panic(snapshot: Snapshot, threshold_percent: float, joining: Collection[str] = ()) -> bool:
-    """Too few routable backends among those serving (not draining, weight > 0, not still joining)?
-
-    Backends still waiting for their first passing check (`joining`) are not part of the serving fleet
-    yet: adding several at once must neither trigger panic nor be routed to by it.
-    """
-    candidates = [b for b in snapshot.backends
-                  if b.health is not Health.DRAINING and b.effective_weight > 0 and b.name not in joining]
-    if not candidates or threshold_percent <= 0:
-        return False
-    routable = sum(1 for b in candidates if b.health.routable)
-    return routable * 100.0 < threshold_percent * len(candidates)
-
-
-class PanicView:
-    """Swaps in a view where UNHEALTHY backends count as UNKNOWN while the fleet is in panic.
-
-    The view is computed once per published snapshot (one-entry cache on the snapshot object), so the
-    data plane pays a pointer comparison per request, not a scan of the fleet. `joining` names the backends
-    still waiting for their first passing check; they stay unroutable even in panic. It is asked when a
-    new snapshot arrives, which is also when that set changes (a joiner's first pass publishes one).
-    """
-
-    __slots__ = ("threshold_percent", "joining", "_source", "_view", "panicking")
-
-    def __init__(self, threshold_percent: float, joining: Callable[[], Collection[str]] | None = None) -> None:
-        self.threshold_percent = threshold_percent
-        self.joining = joining
-        self._source: Snapshot | None = None
-        self._view: Snapshot | None = None
-        self.panicking = False
-
-    def __call__(self, snapshot: Snapshot) -> Snapshot:
-        if snapshot is self._source and self._view is not None:
-            return self._view
-        joining = self.joining() if self.joining is not None else ()
-        self.panicking = in_panic(snapshot, self.threshold_percent, joining)
-        if self.panicking:
-            view = Snapshot(
-                version=snapshot.version,
-                backends=tuple(
-                    replace(b, health=Health.UNKNOWN) if b.health is Health.UNHEALTHY and b.name not in joining else b
-                    for b in snapshot.backends
-                ),
-                created_at=snapshot.created_at,
-            )
-        else:
-            view = snapshot
-        self._source, self._view = snapshot, view
-        return view
-
-
 __all__ = [
     "ActiveHealth",
     "CheckResult",
-    "DiscoveryConfig",
     "FleetHealth",
     "HealthChange",
     "HealthCheckConfig",
-    "Outcome",
     "OutlierConfig",
     "OutlierState",
-    "OverloadConfig",
-    "PanicView",
-    "RetryBudget",
-    "RetryConfig",
-    "backend_limit",
-    "backoff_s",
-    "config_errors",
-    "in_panic",
-    "percentile",
-    "retryable",
-    "saturated",
-    "saturated_names",
+    "nearest_rank_percentile",
 ]

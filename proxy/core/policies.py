@@ -1,64 +1,25 @@
-"""The load-balancing policies without prompt affinity, and `build_policy`, the one factory for all.
+"""The load-balancing policies without prompt affinity (proxy/core/registry.py names and builds them all).
 
 Every policy implements the `Policy` protocol of proxy/core/decision.py. Each is a small state machine
 (a rotation position, smooth-WRR current weights, a seeded RNG) that one data-plane event loop drives;
 none reads a clock or draws unseeded randomness, so a sequence of picks is reproducible in tests and in
-the offline replay. Eligibility is the same for all: routable (healthy/unknown, weight > 0), not excluded
-by the caller (a retry excludes the backends it already tried), and serving the requested model.
-
-Alternates (for retries) are the other eligible backends in the order the policy itself would try them,
-capped at `RoutingConfig.max_alternates` so a 256-backend fleet does not pay for a full sort per request.
+the offline replay. Eligibility is the same for all (proxy/core/eligibility.py). A retry asks the policy
+again with the backends already tried excluded (proxy/dataplane/retry.py), so its choice is made on the
+load of that moment, not on a list of alternates drawn up before the first attempt.
 """
 
 from __future__ import annotations
 
 import abc
-import heapq
 import random
-from typing import Mapping, Sequence
+from typing import Mapping
 
-from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Policy, Reason
+from proxy.core.decision import Decision, Inflight, Reason
+from proxy.core.eligibility import NO_INFLIGHT, eligible, stream_seed
 from proxy.core.load import assumed_score, effective_load
 from proxy.core.request import RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendState, Snapshot
-
-_NO_INFLIGHT = Inflight()
-
-
-def eligible(req: RequestSummary, snapshot: Snapshot, exclude: frozenset[str]) -> list[BackendState]:
-    """The backends a request may go to, in configuration order; raises NoBackendAvailable if none."""
-    model = req.model
-    out = [
-        b
-        for b in snapshot.backends
-        if b.routable
-        and b.name not in exclude
-        and (model is None or not b.spec.models or model in b.spec.models)
-    ]
-    if not out:
-        if model is not None and not any(
-            not b.spec.models or model in b.spec.models for b in snapshot.backends
-        ):
-            raise NoBackendAvailable(f"no backend serves model {model!r}")
-        raise NoBackendAvailable("no routable backend" + (f" outside {sorted(exclude)}" if exclude else ""))
-    return out
-
-
-def _stream_seed(seed: int, instance: int) -> int:
-    """One reproducible random stream per policy instance.
-
-    Worker processes that drew from the same stream would make the same "random" choices in lockstep and
-    herd onto the same backends; an instance number (the worker index) separates them while every run of
-    the same (seed, instance) stays reproducible. No randomness is involved in the affinity mapping.
-    """
-    return seed * 1_000_003 + instance
-
-
-def _rotated(names: Sequence[str], start: int, limit: int) -> tuple[str, ...]:
-    n = len(names)
-    return tuple(names[(start + i) % n] for i in range(1, min(n, limit + 1)))
-
 
 class RoundRobin:
     """Each eligible backend in turn, in configuration order."""
@@ -66,7 +27,6 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._max_alt = cfg.max_alternates
         self._pos = 0
 
     def pick(
@@ -79,7 +39,7 @@ class RoundRobin:
         names = [b.name for b in eligible(req, snapshot, exclude)]
         i = self._pos % len(names)
         self._pos = (self._pos + 1) % (1 << 62)
-        return Decision(names[i], Reason.BALANCED, self.name, _rotated(names, i, self._max_alt))
+        return Decision(names[i], Reason.BALANCED, self.name)
 
 
 class WeightedRoundRobin:
@@ -93,7 +53,6 @@ class WeightedRoundRobin:
     name = "weighted_round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._max_alt = cfg.max_alternates
         self._current: dict[str, float] = {}
         self._version = -1
 
@@ -122,10 +81,7 @@ class WeightedRoundRobin:
                 best, best_w = b.name, cw
         assert best is not None
         current[best] = best_w - total
-        alts = heapq.nlargest(
-            self._max_alt, (b.name for b in states if b.name != best), key=lambda n: current[n]
-        )
-        return Decision(best, Reason.BALANCED, self.name, tuple(alts))
+        return Decision(best, Reason.BALANCED, self.name)
 
 
 class _LeastLoaded(abc.ABC):
@@ -156,9 +112,8 @@ class _LeastLoaded(abc.ABC):
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
         loads = self._loads(states, snapshot, inflight)
-        keyed = [(load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads))]
-        ranked = heapq.nsmallest(1 + self._cfg.max_alternates, keyed)
-        return Decision(ranked[0][2], Reason.BALANCED, self.name, tuple(k[2] for k in ranked[1:]))
+        best = min((load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads)))
+        return Decision(best[2], Reason.BALANCED, self.name)
 
 
 class LeastRequest(_LeastLoaded):
@@ -168,7 +123,7 @@ class LeastRequest(_LeastLoaded):
 
     def _loads(self, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> list[float]:
-        return [inflight.get(b.name, _NO_INFLIGHT).requests / b.effective_weight for b in states]
+        return [inflight.get(b.name, NO_INFLIGHT).requests / b.effective_weight for b in states]
 
 
 class RandomPolicy:
@@ -177,8 +132,7 @@ class RandomPolicy:
     name = "random"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
-        self._max_alt = cfg.max_alternates
-        self._rng = random.Random(_stream_seed(cfg.seed, instance))
+        self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -188,19 +142,14 @@ class RandomPolicy:
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
-        order: list[str] = []
-        pool = list(states)
-        for _ in range(min(len(pool), 1 + self._max_alt)):
-            total = sum(b.effective_weight for b in pool)
-            x = self._rng.random() * total
-            k = len(pool) - 1
-            for j, b in enumerate(pool):
-                x -= b.effective_weight
-                if x < 0:
-                    k = j
-                    break
-            order.append(pool.pop(k).name)
-        return Decision(order[0], Reason.BALANCED, self.name, tuple(order[1:]))
+        x = self._rng.random() * sum(b.effective_weight for b in states)
+        chosen = states[-1]
+        for b in states:
+            x -= b.effective_weight
+            if x < 0:
+                chosen = b
+                break
+        return Decision(chosen.name, Reason.BALANCED, self.name)
 
 
 class PowerOfTwo:
@@ -214,7 +163,7 @@ class PowerOfTwo:
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         self._cfg = cfg
-        self._rng = random.Random(_stream_seed(cfg.seed, instance))
+        self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
         self,
@@ -232,10 +181,7 @@ class PowerOfTwo:
         assumed = assumed_score(snapshot.backends, self._cfg.load)
         la = effective_load(a, inflight.get(a.name), self._cfg.load, assumed=assumed) / a.effective_weight
         lb = effective_load(b, inflight.get(b.name), self._cfg.load, assumed=assumed) / b.effective_weight
-        win, lose = (a, b) if la <= lb else (b, a)
-        rest = [s.name for s in states if s is not win and s is not lose]
-        alts = ((lose.name,) + tuple(rest))[: self._cfg.max_alternates]
-        return Decision(win.name, Reason.BALANCED, self.name, alts)
+        return Decision((a if la <= lb else b).name, Reason.BALANCED, self.name)
 
 
 class LeastLoad(_LeastLoaded):
@@ -255,30 +201,3 @@ class LeastLoad(_LeastLoaded):
             effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight
             for b in states
         ]
-
-
-def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
-    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
-
-    `instance` (e.g. the worker process index) gives `random` and `power_of_two` their own seeded
-    stream per worker; it has no effect on the other policies, and none on the affinity mapping, which
-    is the same in every worker and replica by design.
-    """
-    if cfg.policy == "affinity":
-        from proxy.core.affinity import AffinityPolicy
-
-        return AffinityPolicy(cfg)
-    if cfg.policy == RandomPolicy.name:
-        return RandomPolicy(cfg, instance)
-    if cfg.policy == PowerOfTwo.name:
-        return PowerOfTwo(cfg, instance)
-    factories = {
-        RoundRobin.name: RoundRobin,
-        WeightedRoundRobin.name: WeightedRoundRobin,
-        LeastRequest.name: LeastRequest,
-        LeastLoad.name: LeastLoad,
-    }
-    factory = factories.get(cfg.policy)
-    if factory is None:
-        raise ValueError(f"policy: unknown policy {cfg.policy!r}")
-    return factory(cfg)

@@ -2,8 +2,10 @@
 
 Plain frozen dataclasses with defaults, so that proxy/config.py can parse YAML into them by field names
 and types alone, and so that tests and the offline replay can build a policy without any YAML. Bounds sit
-in field metadata (the config parser reports them at the offending YAML line) and are checked again in
-`__post_init__`, because a policy built directly in code must be just as impossible to misconfigure.
+in field metadata and cross-field rules in `validate()`, both checked by proxy/core/bounds.py in
+`__post_init__` (a policy built directly in code must be just as impossible to misconfigure) and reported
+by the config parser at the offending YAML line. The policy name is checked against the table of
+policies, proxy/core/registry.py (which imports the policies, which import this module).
 
 Everything that shapes the deterministic part of a routing decision (block size, fingerprint fields, the
 distinguishing-prefix cap, the seed) lives here: two proxy replicas with the same `RoutingConfig` and the
@@ -12,40 +14,14 @@ same backend set hash every prompt to the same backend.
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Iterable
 
-POLICY_NAMES: tuple[str, ...] = (
-    "affinity",
-    "round_robin",
-    "weighted_round_robin",
-    "least_request",
-    "random",
-    "power_of_two",
-    "least_load",
-)
+from proxy.core.bounds import check_config
 
 # Request fields that can take part in the exact fingerprint. "prompt" is the prompt bytes; the others are
 # the RequestSummary attributes of the same name.
 FINGERPRINT_FIELDS: tuple[str, ...] = ("prompt", "model", "adapter", "max_tokens", "temperature")
-
-
-def _check_bounds(obj: Any) -> None:
-    """Enforce the ge/gt/le/lt metadata of every field; the message names the field (ValueError)."""
-    for f in fields(obj):
-        meta = f.metadata
-        value = getattr(obj, f.name)
-        if not meta or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        for key, ok, sign in (
-            ("ge", lambda v, b: v >= b, ">="),
-            ("gt", lambda v, b: v > b, ">"),
-            ("le", lambda v, b: v <= b, "<="),
-            ("lt", lambda v, b: v < b, "<"),
-        ):
-            if key in meta and not ok(value, meta[key]):
-                raise ValueError(f"{f.name} must be {sign} {meta[key]}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -67,7 +43,7 @@ class LoadConfig:
     stale_score: float = field(default=0.5, metadata={"ge": 0.0, "le": 1.0})
 
     def __post_init__(self) -> None:
-        _check_bounds(self)
+        check_config(self)
 
 
 @dataclass(frozen=True)
@@ -127,42 +103,36 @@ class AffinityConfig:
     session_affinity: bool = True
 
     def __post_init__(self) -> None:
-        _check_bounds(self)
+        check_config(self)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
         if not self.fingerprint_fields:
-            raise ValueError("fingerprint_fields must not be empty")
+            yield "fingerprint_fields", "must not be empty"
         for name in self.fingerprint_fields:
             if name not in FINGERPRINT_FIELDS:
-                raise ValueError(
-                    f"fingerprint_fields: unknown field {name!r} (known: {', '.join(FINGERPRINT_FIELDS)})"
-                )
+                yield "fingerprint_fields", f"unknown field {name!r} (known: {', '.join(FINGERPRINT_FIELDS)})"
         if len(set(self.fingerprint_fields)) != len(self.fingerprint_fields):
-            raise ValueError("fingerprint_fields must not repeat a field")
+            yield "fingerprint_fields", "must not repeat a field"
         if self.index_max_blocks < self.index_blocks:
-            raise ValueError(
-                f"index_max_blocks ({self.index_max_blocks}) must be >= index_blocks ({self.index_blocks})"
-            )
+            yield "index_max_blocks", f"must be >= index_blocks ({self.index_blocks}), got {self.index_max_blocks}"
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     """The `routing:` section."""
 
-    policy: str = "affinity"
+    policy: str = "affinity"  # a name in proxy/core/registry.py's POLICIES (checked there and by the parser)
     # Request header whose value keeps a session on one backend; null disables session stickiness.
     session_header: str | None = "x-session-id"
     # Seed of the policies that draw random numbers (random, power_of_two). Every worker and replica uses
     # the same seed; nothing in routing is salted per process.
     seed: int = 0
-    # Alternates carried by each Decision for retries on another backend.
-    max_alternates: int = field(default=3, metadata={"ge": 0})
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 
     def __post_init__(self) -> None:
-        _check_bounds(self)
-        if self.policy not in POLICY_NAMES:
-            close = difflib.get_close_matches(self.policy, POLICY_NAMES, n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"policy must be one of {', '.join(POLICY_NAMES)}, not {self.policy!r}{hint}")
+        check_config(self)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
         if self.session_header is not None and not self.session_header.strip():
-            raise ValueError("session_header must be a header name or null")
+            yield "session_header", "must be a header name or null"

@@ -1,8 +1,7 @@
 """Turning one backend's telemetry into a load score (0 = idle, 1 = full), and a request's cost.
 
 Pure functions of plain values: no clock, no I/O. The poller calls `load_score` once per backend per
-round and stores the result in the snapshot; routing policies read it from there, and call
-`request_cost_s` per candidate when the `request_cost` kind is configured.
+round and stores the result in the snapshot; routing policies read it from there.
 
 Three kinds, chosen in YAML (`telemetry.score.kind`):
 
@@ -15,8 +14,8 @@ Three kinds, chosen in YAML (`telemetry.score.kind`):
   ``α = clamp(1 − latency_ms/2000, 0.3, 0.7)`` and ``β = 1 − α``: while latency is low the request rate
   is the better predictor of the next second's load; once latency climbs, memory pressure (what makes
   requests queue and get preempted) dominates.
-- ``request_cost``: the estimated seconds a reference request would take on the backend, divided by
-  `cost_full_s`; policies that know the actual request call `request_cost_s` instead.
+- ``request_cost``: the estimated seconds (`request_cost_s`) a reference request would take on the
+  backend, divided by `cost_full_s`.
 
 Missing inputs are never read as zero: a term whose input was not reported is left out and the remaining
 weights are renormalised; with no usable term at all the score is None (unknown), and routing falls back
@@ -26,8 +25,9 @@ to the proxy's own in-flight accounting, exactly as for a stale backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterable, Literal
 
+from proxy.core.bounds import above, at_least, check_config
 from proxy.core.snapshot import Signals
 
 ScoreKind = Literal["design", "qps_memory", "request_cost"]
@@ -40,42 +40,35 @@ class ScoreConfig:
 
     kind: ScoreKind = "design"
     # design
-    memory_weight: float = 0.4
-    queue_weight: float = 0.35
-    kv_rate_weight: float = 0.25
-    queue_full: float = 100.0  # kernel queue length that counts as saturated
-    kv_tokens_per_s_full: float = 512.0  # KV growth rate that counts as saturated
+    memory_weight: float = at_least(0.4, 0)
+    queue_weight: float = at_least(0.35, 0)
+    kv_rate_weight: float = at_least(0.25, 0)
+    queue_full: float = above(100.0, 0)  # kernel queue length that counts as saturated
+    kv_tokens_per_s_full: float = above(512.0, 0)  # KV growth rate that counts as saturated
     # qps_memory
-    qps_full: float = 50.0  # requests/s that count as saturated
-    latency_pivot_ms: float = 2000.0  # α = clamp(1 - latency_ms / latency_pivot_ms, alpha_min, alpha_max)
+    qps_full: float = above(50.0, 0)  # requests/s that count as saturated
+    latency_pivot_ms: float = above(2000.0, 0)  # α = clamp(1 - latency_ms / latency_pivot_ms, alpha_min, alpha_max)
     alpha_min: float = 0.3
     alpha_max: float = 0.7
     # request_cost (see request_cost_s); defaults are Llama-3-8B on one H100 class GPU under vLLM
-    prefill_tokens_per_s: float = 10000.0  # uncached prompt tokens prefilled per second
-    decode_s_per_token: float = 0.012  # inter-token latency of one sequence at batch 1
-    batch_slowdown_per_seq: float = 0.01  # relative ITL growth per running sequence (bandwidth sharing)
-    queue_s_per_waiting: float = 0.2  # delay each request already waiting adds before this one starts
-    reference_prompt_tokens: int = 512  # the request `load_score` prices for the request_cost kind
-    reference_max_tokens: int = 128
-    cost_full_s: float = 30.0  # cost that counts as a full backend (score 1)
+    prefill_tokens_per_s: float = above(10000.0, 0)  # uncached prompt tokens prefilled per second
+    decode_s_per_token: float = at_least(0.012, 0)  # inter-token latency of one sequence at batch 1
+    batch_slowdown_per_seq: float = at_least(0.01, 0)  # relative ITL growth per running sequence (bandwidth sharing)
+    queue_s_per_waiting: float = at_least(0.2, 0)  # delay each request already waiting adds before this one starts
+    reference_prompt_tokens: int = at_least(512, 0)  # the request `load_score` prices for the request_cost kind
+    reference_max_tokens: int = at_least(128, 0)
+    cost_full_s: float = above(30.0, 0)  # cost that counts as a full backend (score 1)
 
     def __post_init__(self) -> None:
+        check_config(self)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
         if self.kind not in SCORE_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(SCORE_KINDS)}, not {self.kind!r}")
-        for name in ("memory_weight", "queue_weight", "kv_rate_weight", "batch_slowdown_per_seq",
-                     "queue_s_per_waiting", "decode_s_per_token"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("queue_full", "kv_tokens_per_s_full", "qps_full", "latency_pivot_ms",
-                     "prefill_tokens_per_s", "cost_full_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+            yield "kind", f"must be one of {', '.join(SCORE_KINDS)}, not {self.kind!r}"
         if self.memory_weight + self.queue_weight + self.kv_rate_weight <= 0:
-            raise ValueError("memory_weight + queue_weight + kv_rate_weight must be > 0")
+            yield "memory_weight", "memory_weight + queue_weight + kv_rate_weight must be > 0"
         if not 0 <= self.alpha_min <= self.alpha_max <= 1:
-            raise ValueError("alpha_min and alpha_max must satisfy 0 <= alpha_min <= alpha_max <= 1")
-        if self.reference_prompt_tokens < 0 or self.reference_max_tokens < 0:
-            raise ValueError("reference_prompt_tokens and reference_max_tokens must be >= 0")
+            yield "alpha_min", "alpha_min and alpha_max must satisfy 0 <= alpha_min <= alpha_max <= 1"
 
 
 def _clamp01(x: float) -> float:

@@ -10,9 +10,14 @@ of pickers that cache per connection).
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
+
+from proxy.core.bounds import check_config, check_value
+
+# The bound of a backend's weight, configured (BackendSpec, YAML) or set at run time (BackendState, admin
+# API): finite and >= 0; 0 takes the backend out of rotation without draining it.
+WEIGHT_BOUNDS: Mapping[str, Any] = {"ge": 0}
 
 
 class Health(str, enum.Enum):
@@ -34,11 +39,29 @@ class BackendSpec:
 
     name: str
     url: str  # base URL of the OpenAI-compatible HTTP server, e.g. http://10.0.0.5:8000
-    weight: float = 1.0
+    weight: float = field(default=1.0, metadata=WEIGHT_BOUNDS)
     grpc_address: str | None = None  # host:port of its gRPC server, if any
     metrics_url: str | None = None  # defaults to url + /metrics
     models: tuple[str, ...] = ()  # models it serves; empty = any
-    max_inflight: int | None = None  # per-backend in-flight limit enforced by the data plane
+    max_inflight: int | None = field(default=None, metadata={"ge": 1})  # in-flight limit enforced by the data plane
+
+    def __post_init__(self) -> None:
+        # Every door that makes a backend (YAML, reload, discovery, code) goes through here.
+        check_config(self)
+
+
+def duplicate_urls(specs: Iterable[BackendSpec]) -> list[tuple[int, int]]:
+    """(index, index of the earlier one) for every backend whose URL an earlier backend already has.
+
+    Two entries for one server would double its share of traffic under two names and split its health
+    and load accounting; the config rejects them, discovery drops them (the one rule, kept here)."""
+    first: dict[str, int] = {}
+    out: list[tuple[int, int]] = []
+    for i, spec in enumerate(specs):
+        j = first.setdefault(spec.url.rstrip("/"), i)
+        if j != i:
+            out.append((i, j))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +98,13 @@ class BackendState:
     stale: bool = True  # metrics older than the staleness limit (or never scraped)
     weight: float | None = None  # run-time override of spec.weight (admin API)
 
+    def __post_init__(self) -> None:
+        # The admin doors (HTTP and gRPC) set the run-time weight: the same bound as the configured one, so
+        # no snapshot can ever carry a weight the routing arithmetic cannot use. One float check per
+        # backend state built (a poll round builds one per backend), not per request.
+        if self.weight is not None:
+            check_value("weight", self.weight, WEIGHT_BOUNDS)
+
     @property
     def name(self) -> str:
         return self.spec.name
@@ -94,8 +124,7 @@ class Snapshot:
 
     version: int
     backends: tuple[BackendState, ...]
-    created_at: float = field(default_factory=time.monotonic)
-    _by_name: Mapping[str, BackendState] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    _by_name: Mapping[str, BackendState] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
@@ -120,7 +149,7 @@ class Snapshot:
         """The next version with a new backend list."""
         return Snapshot(version=self.version + 1, backends=tuple(backends))
 
-    def replace_backend(self, name: str, **changes: object) -> "Snapshot":
+    def replace_backend(self, name: str, **changes: Any) -> "Snapshot":
         """The next version with one backend's state changed (e.g. health, signals, weight)."""
         if name not in self._by_name:
             raise KeyError(name)

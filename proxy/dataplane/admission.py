@@ -17,7 +17,7 @@ from collections import deque
 from typing import Callable, TypeVar
 
 from proxy.control.resilience_metrics import ResilienceMetrics
-from proxy.core.health import OverloadConfig
+from proxy.core.overload import OverloadConfig
 
 T = TypeVar("T")
 

@@ -21,8 +21,8 @@ import time
 from typing import Awaitable, Callable, Generic, TypeVar
 
 from proxy.control.resilience_metrics import ResilienceMetrics
-from proxy.core.decision import NoBackendAvailable
-from proxy.core.health import Outcome, RetryBudget, RetryConfig, backoff_s, retryable
+from proxy.core.decision import NoBackendAvailable, Outcome
+from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
 from proxy.core.request import RequestSummary
 
 T = TypeVar("T")

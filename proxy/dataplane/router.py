@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Callable
 
 from proxy.control.store import SnapshotStore
-from proxy.core.decision import Decision, NoBackendAvailable, Policy
-from proxy.core.health import Outcome, OverloadConfig, PanicView, saturated
+from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy
+from proxy.core.overload import OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
 from proxy.core.inflight import InflightTable

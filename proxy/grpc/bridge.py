@@ -25,8 +25,7 @@ from multidict import CIMultiDict
 
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.control.orca import HEADER as ORCA_HEADER
-from proxy.core.decision import NoBackendAvailable
-from proxy.core.health import Outcome
+from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.router import Lease, Overloaded, UnknownModel
 from proxy.http.errors import error_body, sse_error_event

@@ -33,8 +33,7 @@ import h2.events
 import h2.exceptions
 import hyperframe.frame
 
-from proxy.core.decision import NoBackendAvailable
-from proxy.core.health import Outcome
+from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.request import RequestSummary
 from proxy.dataplane.router import Overloaded
 from proxy.dataplane.retry import RetryableFailure

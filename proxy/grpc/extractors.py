@@ -323,6 +323,16 @@ def fields_parser(cfg: MethodExtractorConfig) -> Parser:
 
 # ------------------------------------------------------------------------------------------ registry
 
+# The one table of extractor kinds (YAML `grpc.extractors[].kind` -> the parser it builds for a method;
+# None: route on metadata alone, without waiting for the message). Adding a kind is its parser plus one
+# entry here and its name in grpc_config.ExtractorKind (the YAML choices; a test keeps the two equal).
+KINDS: Mapping[str, Callable[[MethodExtractorConfig], Parser | None]] = {
+    "generate": lambda cfg: parse_generate,
+    "kserve": lambda cfg: parse_kserve,
+    "fields": fields_parser,
+    "none": lambda cfg: None,
+}
+
 _NO_MESSAGE = Extractor(kind="none", parse=None)
 
 
@@ -346,15 +356,8 @@ class ExtractorRegistry:
         for entry in options.extractors:
             old = table.get(entry.method)
             stream = old.stream if old is not None else False
-            if entry.kind == "generate":
-                ext = Extractor("generate", parse_generate, stream, entry.route_key_metadata)
-            elif entry.kind == "kserve":
-                ext = Extractor("kserve", parse_kserve, stream, entry.route_key_metadata)
-            elif entry.kind == "fields":
-                ext = Extractor("fields", fields_parser(entry), stream, entry.route_key_metadata)
-            else:
-                ext = Extractor("none", None, stream, entry.route_key_metadata)
-            table[entry.method] = ext
+            table[entry.method] = Extractor(entry.kind, KINDS[entry.kind](entry), stream,
+                                            entry.route_key_metadata)
         self._table = table
 
     def for_method(self, method: str) -> Extractor:

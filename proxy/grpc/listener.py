@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from proxy.config import Config
-from proxy.core.health import Outcome
+from proxy.core.decision import Outcome
 from proxy.core.request import RequestSummary
 from proxy.dataplane.router import Router
 from proxy.grpc.bridge import HttpBridgeCall

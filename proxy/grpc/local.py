@@ -12,7 +12,7 @@ next call, on every connection.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -22,7 +22,8 @@ from grpclib.server import Server, Stream
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Inflight
-from proxy.core.snapshot import BackendState, Snapshot
+from proxy.core.bounds import check_value
+from proxy.core.snapshot import WEIGHT_BOUNDS, BackendState, Snapshot
 from proxy.core.snapshot import Health as BackendHealth
 from proxy.protos import admin_pb2 as pb
 from proxy.protos.admin_grpc import ProxyAdminBase
@@ -60,7 +61,7 @@ class AdminService(ProxyAdminBase):
         self._inflight = inflight
         self._token = token
 
-    def _authorize(self, stream: Stream) -> None:  # type: ignore[type-arg]
+    def _authorize(self, stream: Stream[Any, Any]) -> None:
         if self._token is None:
             return
         given = stream.metadata.get("authorization") if stream.metadata is not None else None
@@ -88,8 +89,10 @@ class AdminService(ProxyAdminBase):
         self._authorize(stream)
         req = await stream.recv_message()
         assert req is not None
-        if not req.weight >= 0 or req.weight == float("inf"):
-            raise GRPCError(Status.INVALID_ARGUMENT, "weight must be a finite number >= 0")
+        try:
+            check_value("weight", req.weight, WEIGHT_BOUNDS)  # the bound of YAML's and the HTTP admin's weight
+        except ValueError as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, str(exc)) from None
         self._get(self._store.current, req.name)
         snap = self._store.update(lambda s: s.replace_backend(req.name, weight=req.weight))
         await stream.send_message(backend_status(self._get(snap, req.name), self._inflight))
@@ -123,8 +126,8 @@ class LocalServices:
             admin_service = AdminService(store, inflight, admin_token)
             services.append(admin_service)
             checks[admin_service] = [self.status]
-        services.append(Health(checks))  # type: ignore[arg-type]
-        self._server = Server(services)  # type: ignore[arg-type]
+        services.append(Health(checks))  # type: ignore[arg-type]  # grpclib types the keys as its own service base, not object
+        self._server = Server(services)  # type: ignore[arg-type]  # grpclib wants IServable; ours are its generated bases
         self.port = 0
         self._update(store.current)
         store.subscribe(self._update)

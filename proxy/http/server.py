@@ -29,8 +29,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy.config import Config
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.control.orca import HEADER as ORCA_HEADER
-from proxy.core.decision import NoBackendAvailable
-from proxy.core.health import Outcome
+from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.request import RequestError, RequestSummary, summary_from_openai
 from proxy.core.snapshot import BackendState
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel

@@ -180,7 +180,7 @@ class ApplyConfig:
 
 @dataclass(frozen=True)
 class Outcomes:
-    """Passive outcome reports (backend name, proxy.core.health.Outcome) from a worker's requests, for the
+    """Passive outcome reports (backend name, proxy.core.decision.Outcome) from a worker's requests, for the
     supervisor's outlier detection: one monitor sees the whole proxy's traffic, so a backend failing on
     every worker is ejected as fast as in a single process, and ejection is one fleet-wide decision."""
 

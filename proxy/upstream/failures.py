@@ -11,7 +11,7 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from proxy.core.health import Outcome
+from proxy.core.decision import Outcome
 from proxy.upstream.http1 import UpstreamConnectError
 
 

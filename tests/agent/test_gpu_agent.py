@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.control.adapters import Extractor
+from proxy.control.adapters import MetricsReader
 from proxy.agent.gpu_agent import EngineProbe, GpuAgent, cmd_gpu_agent
 from tests.support import FakeMetrics, until
 
@@ -107,7 +107,7 @@ async def test_agent_exports_nvml_and_engine_series(engine: FakeMetrics) -> None
     assert families["cuda_kernel_queue_length"].samples[0].value == 5.0  # engine running + waiting
     assert families["gpu_agent_engine_up"].samples[0].value == 1.0
     # what the proxy's poller reads from it: the GPU gauges and, passed through, the engine's own series
-    r = Extractor().read(text)
+    r = MetricsReader().read(text)
     assert r.engine == "vllm"
     assert (r.mem_used_bytes, r.mem_total_bytes, r.kernel_queue) == (80e9, 160e9, 5.0)
     assert (r.running, r.waiting, r.kv_usage, r.kv_capacity_tokens) == (3.0, 2.0, 0.25, 16000.0)

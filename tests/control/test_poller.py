@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from proxy.control.adapters import Reading
+from proxy.control.adapters import ADAPTERS, Reading
 from proxy.control.poller import Deriver, Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -48,13 +48,13 @@ def store_for(servers: list[FakeMetrics]) -> SnapshotStore:
 
 
 async def started(store: SnapshotStore, cfg: TelemetryConfig | None = None, **kw: object) -> Poller:
-    poller = Poller(store, cfg or TelemetryConfig(), **kw)  # type: ignore[arg-type]
+    poller = Poller(store, cfg or TelemetryConfig(), **kw)  # type: ignore[arg-type]  # keyword options of several types
     await poller.open()  # no loop: the tests drive rounds with poll_once
     return poller
 
 
 async def test_one_round_reads_every_engine(servers: list[FakeMetrics]) -> None:
-    names = ["vllm", "sglang", "tgi", "triton", "agent"]
+    names = list(ADAPTERS)
     await make_servers(servers, [(FIXTURES / f"{n}.txt").read_text() for n in names])
     store = store_for(servers)
     poller = await started(store)
@@ -68,7 +68,7 @@ async def test_one_round_reads_every_engine(servers: list[FakeMetrics]) -> None:
         assert b.signals is not None and b.signals.engine == engine
         assert not b.stale
         assert b.load_score is not None and 0 < b.load_score <= 1
-    vllm = snap.backends[0].signals
+    vllm = snap.backends[names.index("vllm")].signals
     assert vllm is not None and vllm.kernel_queue == 15.0 and vllm.kv_capacity_tokens == 16 * 27910
 
 
@@ -253,7 +253,8 @@ def test_config_errors_name_their_yaml_line() -> None:
     text = str(err.value)
     assert "telemetry.timeout_ms (line 3): must be shorter than interval_ms" in text
     assert "telemetry.metric_map (line 4)" in text and "unknown signal 'bar'" in text
-    cfg = parse_config("telemetry:\n  score: {kind: qps_memory, qps_full: 20}\n  metric_map: {q: waiting}\n")
+    cfg = parse_config("backends: [{name: a, url: 'http://127.0.0.1:1'}]\n"
+                       "telemetry:\n  score: {kind: qps_memory, qps_full: 20}\n  metric_map: {q: waiting}\n")
     assert cfg.telemetry.score == ScoreConfig(kind="qps_memory", qps_full=20.0)
 
 
@@ -306,7 +307,7 @@ async def test_an_unreadable_page_fails_only_its_backend(servers: list[FakeMetri
             raise ValueError("unreadable")
         return plain(text)
 
-    poller._extractor = type("E", (), {"read": staticmethod(read)})()  # type: ignore[assignment]
+    poller._extractor = type("E", (), {"read": staticmethod(read)})()  # type: ignore[assignment]  # a stand-in reader
     try:
         snap = await poller.poll_once()
     finally:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Iterable
 
+from proxy.core.affinity import rendezvous_order
 from proxy.core.decision import Decision, Inflight
+from proxy.core.fingerprint import Fingerprinter
 from proxy.core.request import RequestSummary, summary_from_openai
+from proxy.core.routing_config import AffinityConfig
 from proxy.core.snapshot import BackendSpec, Health, Signals, Snapshot
 
 
@@ -36,7 +39,7 @@ def fresh(snap: Snapshot, scores: dict[str, float], kv_capacity_tokens: float | 
 
 
 def prompt(text: str, **kw: object) -> RequestSummary:
-    return RequestSummary(prompt=text, **kw)  # type: ignore[arg-type]
+    return RequestSummary(prompt=text, **kw)  # type: ignore[arg-type]  # tests pass fields of several types by name
 
 
 def chat(messages: list[tuple[str, str]], **body: object) -> RequestSummary:
@@ -68,3 +71,10 @@ class Ledger:
 
 
 __all__ = ["Health", "Ledger", "chat", "fleet", "fresh", "prompt", "with_state"]
+
+
+def home_order(req: RequestSummary, snap: Snapshot, cfg: AffinityConfig = AffinityConfig()) -> list[str]:
+    """Every backend of `snap` in the prompt's rendezvous order: its hash home first, then where the
+    affinity policy falls back when the ones before are unavailable."""
+    key = Fingerprinter(cfg).keys(req).hash_key
+    return rendezvous_order(list(snap.names), [b.effective_weight for b in snap.backends], key)

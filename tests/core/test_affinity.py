@@ -19,13 +19,13 @@ from proxy.core.decision import Inflight, NoBackendAvailable, Reason
 from proxy.core.routing_config import AffinityConfig, RoutingConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
-from .helpers import Ledger, chat, fleet, fresh, prompt, with_state
+from .helpers import Ledger, chat, fleet, fresh, home_order, prompt, with_state
 
 SYSTEM = "You are a meticulous assistant who answers in full sentences. " * 12  # ~750 bytes
 
 
 def policy(**affinity: object) -> AffinityPolicy:
-    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]
+    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]  # knobs of several types by name
 
 
 def mapping(pol: AffinityPolicy, snap: Snapshot, prompts: list[str]) -> dict[str, str]:
@@ -133,8 +133,8 @@ def test_unhealthy_draining_or_excluded_home_falls_back_to_next_in_order(make_si
     sick, exclude = make_sick(snap, d0.backend)
     d = policy().pick(prompt("where do I go?"), sick, {}, exclude)
     assert d.reason is Reason.UNHEALTHY_FALLBACK
-    assert d.backend == d0.alternates[0]  # the next backend in the prompt's rendezvous order
-    assert d0.backend not in d.alternates
+    order = home_order(prompt("where do I go?"), snap)
+    assert order[0] == d0.backend and d.backend == order[1]  # the next backend in the prompt's rendezvous order
 
 
 def test_health_flap_moves_only_that_backends_keys_and_they_come_back():
@@ -149,9 +149,11 @@ def test_health_flap_moves_only_that_backends_keys_and_they_come_back():
 def test_overload_by_inflight_sheds_to_next_in_order():
     pol, snap = policy(), fleet(4)
     d0 = pol.pick(prompt("hot prompt"), snap, {})
-    busy = {d0.backend: Inflight(requests=10), d0.alternates[0]: Inflight(requests=1)}
+    home, second = home_order(prompt("hot prompt"), snap)[:2]
+    assert d0.backend == home
+    busy = {home: Inflight(requests=10), second: Inflight(requests=1)}
     d = pol.pick(prompt("hot prompt"), snap, busy)
-    assert d.reason is Reason.OVERLOAD_FALLBACK and d.backend == d0.alternates[0]
+    assert d.reason is Reason.OVERLOAD_FALLBACK and d.backend == second
 
 
 def test_overload_fallback_prefers_a_backend_holding_the_prefix():
@@ -164,7 +166,7 @@ def test_overload_fallback_prefers_a_backend_holding_the_prefix():
     for j in range(200):
         p = prompt(doc[:2600] + f"variant {j} " * 300)  # 10 shared blocks of ~22: below min_prefix_ratio
         d0 = policy().pick(p, snap, {})
-        if d0.backend != holder and d0.alternates[0] != holder:
+        if d0.backend != holder and home_order(p, snap)[1] != holder:
             break
     else:
         pytest.fail("no prompt with a suitable hash order")
@@ -216,11 +218,14 @@ def test_slow_backend_sheds_its_keys_and_takes_them_back():
     assert mapping(pol, recovered, prompts) == before
 
 
-def test_alternates_are_eligible_in_rendezvous_order():
+def test_retries_follow_the_rendezvous_order_past_unhealthy_and_tried_backends():
     snap = with_state(fleet(6), "gpu-3", health=Health.UNHEALTHY)
-    d = policy().pick(prompt("alt"), snap, {}, frozenset({"gpu-5"}))
-    assert d.backend not in d.alternates and len(d.alternates) == 3
-    assert not {"gpu-3", "gpu-5"} & set(d.alternates)
+    order = [n for n in home_order(prompt("alt"), snap) if n != "gpu-3"]
+    pol, tried = policy(), frozenset[str]()
+    for expected in order:
+        d = pol.pick(prompt("alt"), snap, {}, tried)
+        assert d.backend == expected
+        tried |= {d.backend}
 
 
 def test_no_backend_available():

@@ -10,13 +10,13 @@ from proxy.core.routing_config import AffinityConfig, RoutingConfig
 from proxy.core.snapshot import Health, Signals, Snapshot
 from proxy.core.work_ledger import WorkLedger
 
-from .helpers import fleet, prompt, with_state
+from .helpers import fleet, home_order, prompt, with_state
 
 DOC = "".join(f"section {i} of the long shared document. " for i in range(2000))  # ~80 KiB, ~20k tokens
 
 
 def policy(**affinity: object) -> AffinityPolicy:
-    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]
+    return AffinityPolicy(RoutingConfig(affinity=AffinityConfig(**affinity)))  # type: ignore[arg-type]  # knobs of several types by name
 
 
 def test_ledger_sums_the_newest_live_entries():
@@ -103,7 +103,8 @@ def _with_adapters(snap: Snapshot, loaded: dict[str, frozenset[str]]) -> Snapsho
 def test_fallback_prefers_a_backend_with_the_adapter_loaded():
     base = fleet(4)
     req = prompt("a LoRA request " * 50, adapter="sql-lora", model="m")
-    order = [policy().pick(req, base, {}).backend] + list(policy().pick(req, base, {}).alternates)
+    order = home_order(req, base)
+    assert policy().pick(req, base, {}).backend == order[0]
     home, last = order[0], order[-1]
     snap = with_state(_with_adapters(base, {last: frozenset({"sql-lora"})}), home, health=Health.UNHEALTHY)
     d = policy().pick(req, snap, {})

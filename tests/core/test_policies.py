@@ -16,9 +16,9 @@ from proxy.core.policies import (
     RandomPolicy,
     RoundRobin,
     WeightedRoundRobin,
-    build_policy,
 )
-from proxy.core.routing_config import POLICY_NAMES, RoutingConfig
+from proxy.core.registry import POLICIES, build_policy
+from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
 from .helpers import Ledger, fleet, fresh, prompt, with_state
@@ -31,7 +31,8 @@ def picks(policy, snap, n, inflight=None, exclude=frozenset()):
 
 
 def test_build_policy_covers_every_name():
-    for name in POLICY_NAMES:
+    assert "affinity" in POLICIES and "round_robin" in POLICIES
+    for name in POLICIES:
         policy = build_policy(RoutingConfig(policy=name))
         assert policy.name == name
         d = policy.pick(REQ, fleet(3), {})
@@ -47,10 +48,9 @@ def test_round_robin_cycles_in_config_order_and_skips_ineligible():
     assert set(picks(RoundRobin(), snap, 6, exclude=frozenset({"gpu-0"}))) == {"gpu-1", "gpu-2"}
 
 
-def test_round_robin_alternates_continue_the_rotation():
+def test_round_robin_decides_balanced():
     d = RoundRobin().pick(REQ, fleet(4), {})
-    assert d.backend == "gpu-0" and d.alternates == ("gpu-1", "gpu-2", "gpu-3")
-    assert d.reason is Reason.BALANCED
+    assert d.backend == "gpu-0" and d.reason is Reason.BALANCED and d.policy == "round_robin"
 
 
 def test_smooth_wrr_matches_nginx_sequence():
@@ -76,8 +76,10 @@ def test_smooth_wrr_uses_runtime_weight_override():
 def test_least_request_follows_inflight_and_spreads_ties():
     snap = fleet(3)
     inflight = {"gpu-0": Inflight(requests=5), "gpu-1": Inflight(requests=1), "gpu-2": Inflight(requests=2)}
-    d = LeastRequest().pick(REQ, snap, inflight)
-    assert d.backend == "gpu-1" and d.alternates == ("gpu-2", "gpu-0")
+    policy = LeastRequest()
+    assert policy.pick(REQ, snap, inflight).backend == "gpu-1"
+    # A retry excludes what it tried and gets the least loaded of the rest.
+    assert policy.pick(REQ, snap, inflight, frozenset({"gpu-1"})).backend == "gpu-2"
     # An idle fleet: ties rotate instead of piling on the first backend.
     assert set(picks(LeastRequest(), snap, 3)) == {"gpu-0", "gpu-1", "gpu-2"}
 
@@ -106,8 +108,6 @@ def test_random_is_seeded_reproducible_and_weighted():
     assert a == b and a != c
     counts = collections.Counter(picks(RandomPolicy(), snap, 4000))
     assert 1800 < counts["gpu-0"] < 2200
-    d = RandomPolicy().pick(REQ, snap, {})
-    assert len(set((d.backend,) + d.alternates)) == 3
 
 
 def test_seeded_streams_differ_per_instance_and_repeat_per_seed():
@@ -133,15 +133,16 @@ def test_power_of_two_keeps_the_worst_backend_out_of_a_balanced_fleet():
     got = picks(PowerOfTwo(RoutingConfig(seed=3)), snap, 400, inflight)
     assert "gpu-3" not in got
     d = PowerOfTwo().pick(REQ, fleet(1), {})
-    assert d.backend == "gpu-0" and d.alternates == ()
+    assert d.backend == "gpu-0"
 
 
 def test_least_load_uses_fresh_scores_plus_inflight():
     snap = fresh(fleet(3), {"gpu-0": 0.6, "gpu-1": 0.2, "gpu-2": 0.3})
     assert LeastLoad().pick(REQ, snap, {}).backend == "gpu-1"
     # 32 in-flight requests add 0.5 (of 64 = full): gpu-1 is now the most loaded.
-    d = LeastLoad().pick(REQ, snap, {"gpu-1": Inflight(requests=32)})
-    assert d.backend == "gpu-2" and d.alternates == ("gpu-0", "gpu-1")
+    busy = {"gpu-1": Inflight(requests=32)}
+    assert LeastLoad().pick(REQ, snap, busy).backend == "gpu-2"
+    assert LeastLoad().pick(REQ, snap, busy, frozenset({"gpu-2"})).backend == "gpu-0"  # 0.6 < 0.2 + 0.5
 
 
 def test_least_load_never_reads_stale_telemetry_as_idle():
@@ -163,7 +164,7 @@ def test_least_load_balances_a_stale_fleet_by_inflight():
     assert {ledger.requests(n) for n in snap.names} == {5}
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
+@pytest.mark.parametrize("name", POLICIES)
 def test_no_backend_available(name):
     policy = build_policy(RoutingConfig(policy=name))
     snap = fleet(2)
@@ -174,8 +175,8 @@ def test_no_backend_available(name):
         policy.pick(REQ, drained, {})
 
 
-@pytest.mark.parametrize("name", POLICY_NAMES)
-def test_model_filter_and_alternates_exclude_chosen(name):
+@pytest.mark.parametrize("name", POLICIES)
+def test_model_filter_holds_for_first_choice_and_retry(name):
     snap = Snapshot.initial(
         [
             BackendSpec("a", "http://a", models=("llama",)),
@@ -188,17 +189,21 @@ def test_model_filter_and_alternates_exclude_chosen(name):
     for _ in range(12):
         d = policy.pick(prompt("x" * 600, model="qwen"), snap, {})
         assert d.backend in {"b", "c", "d"}
-        assert d.backend not in d.alternates
-        assert set(d.alternates) <= {"b", "c", "d"}
+        retry = policy.pick(prompt("x" * 600, model="qwen"), snap, {}, frozenset({d.backend}))
+        assert retry.backend in {"b", "c", "d"} - {d.backend}
     only_llama = Snapshot.initial([BackendSpec("a", "http://a", models=("llama",))])
     with pytest.raises(NoBackendAvailable, match="model"):
         policy.pick(prompt("x", model="qwen"), only_llama, {})
 
 
-def test_max_alternates_caps_every_policy():
-    snap = fleet(10)
-    for name in POLICY_NAMES:
-        d = build_policy(RoutingConfig(policy=name, max_alternates=2)).pick(REQ, snap, {})
-        assert len(d.alternates) == 2, name
-        d = build_policy(RoutingConfig(policy=name, max_alternates=0)).pick(REQ, snap, {})
-        assert d.alternates == (), name
+def test_every_policy_retries_elsewhere_until_the_fleet_is_exhausted():
+    # What a retry does (proxy/dataplane/retry.py): ask again, excluding every backend already tried.
+    snap = fleet(4)
+    for name in POLICIES:
+        policy, tried = build_policy(RoutingConfig(policy=name)), frozenset[str]()
+        for _ in range(4):
+            d = policy.pick(REQ, snap, {}, tried)
+            assert d.backend not in tried, name
+            tried |= {d.backend}
+        with pytest.raises(NoBackendAvailable):
+            policy.pick(REQ, snap, {}, tried)

@@ -76,8 +76,9 @@ def fleet_entries(fleet: Fleet) -> list[tuple[str, str, str | None]]:
 
 
 def echo_entries(echoes: Sequence[EchoBackend]) -> list[tuple[str, str, str | None]]:
-    # The HTTP url is never used by gRPC calls; it only has to be a valid URL.
-    return [(e.name, "http://127.0.0.1:9", e.address) for e in echoes]
+    # The HTTP url is never used by gRPC calls; it only has to be a valid URL, one per backend (the config
+    # refuses two backends with one URL).
+    return [(e.name, f"http://127.0.0.1:{9 + i}", e.address) for i, e in enumerate(echoes)]
 
 
 def proxy_address(proxy: AffinityProxy) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import typing
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +13,8 @@ from hypothesis import strategies as st
 from proxy.config import ConfigError, parse_config
 from proxy.core.request import summary_from_openai
 from proxy.wire import grpc as wire
-from proxy.grpc.extractors import ExtractorRegistry, parse_generate, parse_kserve
-from proxy.grpc.grpc_config import GrpcOptions, MethodExtractorConfig
+from proxy.grpc.extractors import KINDS, ExtractorRegistry, parse_generate, parse_kserve
+from proxy.grpc.grpc_config import ExtractorKind, GrpcOptions, MethodExtractorConfig
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 
@@ -99,6 +100,7 @@ def test_kserve_vllm_sampling_parameters_and_request_parameters() -> None:
 
 def test_generic_field_path_extractor_from_yaml() -> None:
     cfg = parse_config(
+        "backends: [{name: a, url: 'http://127.0.0.1:1'}]\n"
         "grpc:\n"
         "  extractors:\n"
         "    - {method: /acme.v1.Llm/Complete, kind: fields, prompt: [8, 2], model: [1], max_tokens: [3],\n"
@@ -136,7 +138,7 @@ def test_malformed_message_routes_without_prompt() -> None:
 def test_gzip_first_message_is_decompressed_for_routing_only() -> None:
     payload = gen.GenerateRequest(prompt="zipped prompt", max_tokens=3).SerializeToString()
     frame = framed(gzip.compress(payload), compressed=True)
-    compressed, body = wire.first_message(frame)  # type: ignore[misc]
+    compressed, body = wire.first_message(frame)  # type: ignore[misc]  # first_message returns an optional pair; this frame is whole
     assert compressed
     plain = wire.decompress(body, "gzip", 1 << 20)
     assert plain is not None and parse_generate(plain).prompt == "zipped prompt"
@@ -172,3 +174,15 @@ def test_extractor_config_errors_name_path_and_line() -> None:
         parse_config("grpc:\n  extractors:\n    - {method: /a.B/C, kind: kserve, prompt: [1]}\n")
     assert "only apply to kind: fields" in str(info.value)
     assert MethodExtractorConfig(method="/a.B/C", kind="none").kind == "none"
+
+
+def test_the_yaml_kinds_are_the_kinds_table() -> None:
+    assert set(typing.get_args(ExtractorKind)) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_kind_builds_an_extractor_from_config(kind: str) -> None:
+    path = "/acme.v1.Llm/Complete"
+    entry = MethodExtractorConfig(method=path, kind=kind, prompt=(1,) if kind == "fields" else ())  # type: ignore[arg-type]  # kind is one of the Literal's values, read from the table
+    ext = ExtractorRegistry(GrpcOptions(extractors=(entry,))).for_method(path)
+    assert ext.kind == kind and ext.needs_message is (kind != "none")

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from sim.fleet import Fleet
-from proxy.core.health import Outcome
+from proxy.core.decision import Outcome
 from proxy.protos import generate_pb2 as gen
 from proxy.protos import kserve_v2_pb2 as kv2
 from tests.grpc import stubs

@@ -160,8 +160,14 @@ async def test_model_routes_only_to_backends_serving_it(backends: list[FakeBacke
 
 
 async def test_no_backend_is_503_with_retry_after(make_proxy: ProxyFactory) -> None:
-    proxy = await make_proxy([])
-    status, headers, err = await _post(proxy.http_url + "/v1/chat/completions", json.dumps(CHAT).encode())
+    # A config without backends is refused; a fleet with none routable (weight 0) is the same case at run time.
+    idle = FakeBackend("idle")
+    await idle.start()
+    try:
+        proxy = await make_proxy([idle], backend_extra=", weight: 0")
+        status, headers, err = await _post(proxy.http_url + "/v1/chat/completions", json.dumps(CHAT).encode())
+    finally:
+        await idle.stop()
     assert status == 503 and headers["Retry-After"] == "1"
     assert err["error"]["code"] == "no_backend"
 

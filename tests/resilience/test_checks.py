@@ -10,7 +10,8 @@ from grpclib.server import Server
 
 from proxy.control.checks import HealthChecker, HealthMonitor
 from proxy.control.store import SnapshotStore
-from proxy.core.health import CheckResult, HealthCheckConfig, Outcome, OutlierConfig
+from proxy.core.decision import Outcome
+from proxy.core.health import CheckResult, HealthCheckConfig, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
 from tests.support import FakeBackend, free_port, until

@@ -11,8 +11,8 @@ import pytest
 
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
-from proxy.core.decision import NoBackendAvailable
-from proxy.core.health import Outcome, RetryConfig
+from proxy.core.decision import NoBackendAvailable, Outcome
+from proxy.core.retry_policy import RetryConfig
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Health
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries

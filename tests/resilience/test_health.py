@@ -6,27 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.decision import Inflight
-from proxy.core.health import (
-    ActiveHealth,
-    CheckResult,
-    DiscoveryConfig,
-    FleetHealth,
-    HealthCheckConfig,
-    Outcome,
-    OutlierConfig,
-    OverloadConfig,
-    PanicView,
-    RetryBudget,
-    RetryConfig,
-    backoff_s,
-    config_errors,
-    in_panic,
-    percentile,
-    retryable,
-    saturated,
-    saturated_names,
-)
+from proxy.config import DiscoveryConfig
+from proxy.core.bounds import ConfigValueError, config_errors
+from proxy.core.decision import Inflight, Outcome
+from proxy.core.health import ActiveHealth, CheckResult, FleetHealth, HealthCheckConfig, OutlierConfig
+from proxy.core.health import nearest_rank_percentile
+from proxy.core.overload import OverloadConfig, PanicView, in_panic, saturated, saturated_names
+from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
 from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
 
 P, F, T, R = CheckResult.PASS, CheckResult.FAIL, CheckResult.TIMEOUT, CheckResult.REFUSED
@@ -82,12 +68,14 @@ def test_yaml_sections_parse_with_defaults() -> None:
     assert (oc.action, oc.reject_status, oc.max_kv_usage) == ("queue", 503, 0.9)
 
 
-def test_config_errors_checks_code_built_configs() -> None:
+def test_code_built_configs_check_themselves() -> None:
     assert config_errors(HealthCheckConfig()) == []
-    assert config_errors(HealthCheckConfig(interval_ms=0, path="x")) == [
-        "interval_ms: must be > 0, got 0", "path: must start with '/', got 'x'"]
-    assert config_errors(OutlierConfig(max_ejection_ms=1, base_ejection_ms=2)) == [
-        "max_ejection_ms: must be >= base_ejection_ms (2)"]
+    with pytest.raises(ConfigValueError) as info:
+        HealthCheckConfig(interval_ms=0, path="x")
+    assert info.value.errors == [("interval_ms", "must be > 0, got 0"), ("path", "must start with '/', got 'x'")]
+    with pytest.raises(ConfigValueError) as info:
+        OutlierConfig(max_ejection_ms=1, base_ejection_ms=2)
+    assert info.value.errors == [("max_ejection_ms", "must be >= base_ejection_ms (2)")]
     assert config_errors(OverloadConfig(max_kv_usage=0.5)) == []
 
 
@@ -180,9 +168,9 @@ def test_failed_checks_do_not_pollute_latency_window() -> None:
 
 @given(st.lists(st.floats(min_value=0, max_value=1e6, allow_nan=False), min_size=1, max_size=200), st.floats(0.1, 100))
 def test_percentile_is_an_element_and_monotone(values: list[float], q: float) -> None:
-    p = percentile(values, q)
+    p = nearest_rank_percentile(values, q)
     assert p in values
-    assert percentile(values, 100) == max(values)
+    assert nearest_rank_percentile(values, 100) == max(values)
     assert sum(1 for v in values if v <= p) * 100 >= q * len(values) - 1e-6
 
 

@@ -11,7 +11,8 @@ from proxy.control.checks import HealthMonitor
 from proxy.control.discovery import Discovery, expand, is_dns_name, split_services
 from proxy.control.membership import Membership, close_idle_connections
 from proxy.control.store import SnapshotStore
-from proxy.core.health import CheckResult, DiscoveryConfig, HealthCheckConfig, OutlierConfig
+from proxy.config import DiscoveryConfig
+from proxy.core.health import CheckResult, HealthCheckConfig, OutlierConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 from proxy.core.inflight import InflightTable
 
@@ -116,6 +117,10 @@ async def test_admin_drain_restore_and_weight() -> None:
         m.drain("nope")
     with pytest.raises(ValueError):
         m.set_weight("b", -1)
+    for bad in (float("inf"), float("nan")):  # the YAML weight's bound, at the admin door too
+        with pytest.raises(ValueError, match="weight: must be a finite number"):
+            m.set_weight("b", bad)
+    assert store.current.get("b").effective_weight == 1.0
 
 
 async def test_restore_refuses_a_backend_removed_by_config() -> None:
@@ -209,6 +214,19 @@ async def test_discovery_joins_and_drains_addresses_and_survives_dns_failure() -
     dns.answers["vllm.svc"] = []
     await d.refresh()
     assert store.current.version == v and d.failures == 2  # DNS trouble keeps the last good addresses
+
+
+async def test_discovery_drops_a_second_service_resolving_to_the_same_address() -> None:
+    # Two names for one pod (e.g. two Services selecting it) must not become two backends for one server:
+    # the config's duplicate-URL rule, applied to what DNS answers.
+    store, _, _, _, m, _ = setup([spec("static")])
+    dns = FakeDNS()
+    dns.answers["a.svc"] = ["10.0.0.1", "10.0.0.2"]
+    dns.answers["b.svc"] = ["10.0.0.2"]
+    d = Discovery(m, DiscoveryConfig(enabled=True), [BackendSpec("a", "http://a.svc:8000"),
+                                                    BackendSpec("b", "http://b.svc:8000")], resolver=dns)
+    await d.refresh()
+    assert store.current.names == ("static", "a@10.0.0.1:8000", "a@10.0.0.2:8000")
 
 
 async def test_discovery_run_loop_re_resolves_periodically() -> None:

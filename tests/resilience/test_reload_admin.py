@@ -233,3 +233,98 @@ async def test_removed_backend_leaves_no_ghost_connections(tmp_path: Path, fakes
         await until(lambda: established_to(port) == 0, timeout=2)
     finally:
         await proxy.stop()
+
+
+# ----------------------------------------------------- one validator at every door (issue 18)
+
+
+async def test_admin_reload_of_an_empty_file_keeps_the_fleet(running, fakes) -> None:
+    proxy, path = running
+    before = proxy.store.current.names
+    async with aiohttp.ClientSession() as s:
+        for text in ("", "# nothing but a comment\n", "backends: []\n", "listen: {port: 0"):
+            path.write_text(text)
+            async with s.post(proxy.admin_url + "/admin/reload") as r:
+                body = await r.json()
+            assert r.status == 422 and body["ok"] is False and body["errors"], text
+            assert proxy.store.current.names == before
+            async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 200
+
+
+async def test_a_file_truncated_then_rewritten_2s_later_never_empties_the_fleet(running, fakes) -> None:
+    proxy, path = running
+    reloader = proxy.resilience.reloader
+    assert reloader is not None
+    reloader.poll_s = 0.05  # the watch notices the truncated file within the gap
+    good = path.read_text()
+    statuses: list[int] = []
+    async with aiohttp.ClientSession() as s:
+        path.write_text("")  # what an editor's save or a config-map update does first
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 2.0
+        while loop.time() < end:
+            assert len(proxy.store.current.routable()) == 2
+            async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
+                statuses.append(r.status)
+            await asyncio.sleep(0.05)
+        assert reloader.last_result is not None and not reloader.last_result.ok
+        assert "empty" in reloader.last_error[0]
+        path.write_text(good.replace("b1", "b2").replace(fakes[1].url, fakes[2].url))
+        await until(lambda: reloader.last_result is not None and reloader.last_result.ok)
+    assert statuses and set(statuses) == {200}
+    assert "b2" in proxy.store.current
+
+
+@pytest.mark.parametrize("raw", [b'{"weight": 1e309}', b'{"weight": -1e309}', b'{"weight": NaN}',
+                                 b'{"weight": Infinity}', b'{"weight": 1' + b"0" * 400 + b"}"])
+async def test_http_admin_weight_refuses_what_routing_cannot_use(fakes, raw: bytes) -> None:
+    proxy = AffinityProxy(parse_config(config_text(fakes[:2])))
+    await proxy.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(proxy.admin_url + "/admin/backends/b1/weight", data=raw,
+                              headers={"content-type": "application/json"}) as r:
+                body = await r.json()
+            assert r.status == 400 and body["error"]["param"] == "weight", body
+            assert proxy.store.current.backends[1].effective_weight == 1.0
+            for _ in range(4):
+                async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as r:
+                    assert r.status == 200
+    finally:
+        await proxy.stop()
+
+
+class _Stream:
+    """Just enough of a grpclib server stream for one unary admin call."""
+
+    def __init__(self, request: object) -> None:
+        self.request = request
+        self.metadata: dict[str, str] = {}
+        self.sent: list[object] = []
+
+    async def recv_message(self) -> object:
+        return self.request
+
+    async def send_message(self, message: object) -> None:
+        self.sent.append(message)
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("-inf"), float("nan"), -1.0])
+async def test_grpc_admin_set_weight_uses_the_same_bound(weight: float) -> None:
+    from grpclib.exceptions import GRPCError
+
+    from proxy.control.store import SnapshotStore
+    from proxy.core.snapshot import BackendSpec, Snapshot
+    from proxy.grpc.local import AdminService
+    from proxy.protos import admin_pb2
+
+    store = SnapshotStore(Snapshot.initial([BackendSpec("a", "http://127.0.0.1:1")]))
+    admin = AdminService(store, {})
+    with pytest.raises(GRPCError) as info:
+        await admin.SetWeight(_Stream(admin_pb2.SetWeightRequest(name="a", weight=weight)))  # type: ignore[arg-type]  # a stand-in stream
+    assert info.value.status.name == "INVALID_ARGUMENT" and "weight: must be" in (info.value.message or "")
+    assert store.current.backends[0].effective_weight == 1.0
+    stream = _Stream(admin_pb2.SetWeightRequest(name="a", weight=2.5))
+    await admin.SetWeight(stream)  # type: ignore[arg-type]  # a stand-in stream
+    assert store.current.backends[0].effective_weight == 2.5

@@ -1,0 +1,49 @@
+"""The one table of routing policies: name -> factory. Adding a policy is its module plus one entry here.
+
+The YAML `routing.policy` is checked against this table (proxy/config.py), `build_policy` builds from it,
+and the tests take their list of policies from it, so no second list of names exists to forget.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Mapping
+
+from proxy.core.affinity import AffinityPolicy
+from proxy.core.decision import Policy
+from proxy.core.policies import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin, WeightedRoundRobin
+from proxy.core.routing_config import RoutingConfig
+
+__all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
+
+# (routing config, instance) -> a fresh policy with its own state. `instance` (e.g. the worker process
+# index) gives the policies that draw random numbers their own seeded stream per worker; the others
+# ignore it, and so does the affinity mapping, which is the same in every worker and replica by design.
+PolicyFactory = Callable[[RoutingConfig, int], Policy]
+
+POLICIES: Mapping[str, PolicyFactory] = {
+    AffinityPolicy.name: lambda cfg, instance: AffinityPolicy(cfg),
+    RoundRobin.name: lambda cfg, instance: RoundRobin(cfg),
+    WeightedRoundRobin.name: lambda cfg, instance: WeightedRoundRobin(cfg),
+    LeastRequest.name: lambda cfg, instance: LeastRequest(cfg),
+    RandomPolicy.name: RandomPolicy,
+    PowerOfTwo.name: PowerOfTwo,
+    LeastLoad.name: lambda cfg, instance: LeastLoad(cfg),
+}
+
+
+def policy_name_error(name: str) -> str | None:
+    """Why `name` is not a policy (with a did-you-mean), or None when it is one."""
+    if name in POLICIES:
+        return None
+    close = difflib.get_close_matches(name, list(POLICIES), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"must be one of {', '.join(POLICIES)}, not {name!r}{hint}"
+
+
+def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
+    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state)."""
+    factory = POLICIES.get(cfg.policy)
+    if factory is None:
+        raise ValueError(f"policy: {policy_name_error(cfg.policy)}")
+    return factory(cfg, instance)

@@ -1,0 +1,127 @@
+"""Retries: which failed attempts may be retried, the retry budget and the backoff (pure, no clock).
+
+Retries happen only before any byte reached the client, and on another backend (proxy/dataplane/retry.py
+drives them). The budget bounds retries to a share of requests, so retries cannot turn an overload into a
+retry storm. Time (`now`, seconds, any monotonic origin) and randomness (`u`) are passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from proxy.core.bounds import above, at_least, check_config
+from proxy.core.decision import Outcome
+
+__all__ = ["RETRY_CONDITIONS", "RetryBudget", "RetryConfig", "backoff_s", "retryable"]
+
+RETRY_CONDITIONS = ("connect-failure", "reset")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """YAML `retries`. Retries happen only before any byte reached the client, and on another backend."""
+
+    enabled: bool = True
+    max_attempts: int = at_least(3, 1)  # including the first
+    # connect-failure: the backend could not be reached; reset: connection lost before a response status;
+    # a number: that upstream status (its body is discarded, never forwarded, when a retry happens).
+    retry_on: tuple[str, ...] = ("connect-failure", "reset", "429", "503")
+    backoff_base_ms: int = at_least(20, 0)
+    backoff_max_ms: int = at_least(200, 0)
+    budget_percent: float = at_least(20.0, 0)  # retries <= this share of requests over the window ...
+    min_retries_per_s: float = at_least(5.0, 0)  # ... plus this floor, so a quiet proxy can still retry
+    budget_window_ms: int = above(10000, 0)
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
+        for i, cond in enumerate(self.retry_on):
+            if not (cond in RETRY_CONDITIONS or (cond.isdigit() and 400 <= int(cond) <= 599)):
+                yield "retry_on", (f"item {i} ({cond!r}) must be one of {', '.join(RETRY_CONDITIONS)} "
+                                   "or a 4xx/5xx status")
+        if self.backoff_max_ms < self.backoff_base_ms:
+            yield "backoff_max_ms", f"must be >= backoff_base_ms ({self.backoff_base_ms})"
+
+    @property
+    def retry_statuses(self) -> frozenset[int]:
+        return frozenset(int(c) for c in self.retry_on if c.isdigit())
+
+
+class RetryBudget:
+    """Retries allowed over a sliding window: budget_percent of requests plus a per-second floor.
+
+    Bucketed (10 buckets per window) so memory is constant whatever the request rate.
+    """
+
+    BUCKETS = 10
+
+    def __init__(self, cfg: RetryConfig) -> None:
+        self.cfg = cfg
+        self._width = cfg.budget_window_ms / 1000.0 / self.BUCKETS
+        self._buckets: deque[list[int]] = deque()  # [bucket index, requests, retries]
+        self._requests = 0
+        self._retries = 0
+
+    def _advance(self, now: float) -> list[int]:
+        idx = math.floor(now / self._width)
+        while self._buckets and self._buckets[0][0] <= idx - self.BUCKETS:
+            _, req, ret = self._buckets.popleft()
+            self._requests -= req
+            self._retries -= ret
+        if not self._buckets or self._buckets[-1][0] != idx:
+            self._buckets.append([idx, 0, 0])
+        return self._buckets[-1]
+
+    def on_request(self, now: float) -> None:
+        bucket = self._advance(now)
+        bucket[1] += 1
+        self._requests += 1
+
+    def allowed(self, now: float) -> int:
+        self._advance(now)
+        window_s = self.cfg.budget_window_ms / 1000.0
+        return math.floor(self._requests * self.cfg.budget_percent / 100.0 + self.cfg.min_retries_per_s * window_s)
+
+    def try_acquire(self, now: float) -> bool:
+        """Take one retry from the budget if there is room."""
+        if self._retries >= self.allowed(now):
+            return False
+        bucket = self._advance(now)
+        bucket[2] += 1
+        self._retries += 1
+        return True
+
+    @property
+    def requests(self) -> int:
+        return self._requests
+
+    @property
+    def retries(self) -> int:
+        return self._retries
+
+
+def retryable(cfg: RetryConfig, outcome: Outcome, status: int | None = None) -> bool:
+    """May this failed attempt be retried? Only failures where nothing can have reached the client.
+
+    A STREAM_FAILURE is never retryable: part of the answer is already with the client, and a second
+    answer spliced after it would duplicate or corrupt it.
+    """
+    if not cfg.enabled:
+        return False
+    if outcome is Outcome.CONNECT_FAILURE:
+        return "connect-failure" in cfg.retry_on
+    if outcome is Outcome.RESET:
+        return "reset" in cfg.retry_on
+    if status is not None and outcome in (Outcome.STATUS_5XX, Outcome.SUCCESS):
+        return status in cfg.retry_statuses
+    return False
+
+
+def backoff_s(cfg: RetryConfig, retry: int, u: float) -> float:
+    """Full-jitter exponential backoff before retry number `retry` (1-based); `u` is uniform in [0, 1)."""
+    cap = min(cfg.backoff_max_ms, cfg.backoff_base_ms * 2.0 ** (retry - 1))
+    return cap * u / 1000.0
