@@ -344,7 +344,7 @@ async def _fanout(backend_counts: list[int], rounds: int = 2000) -> None:
     """What publishing one snapshot costs per worker: pickle, socketpair, unpickle (the supervisor's
     channel code), for fleets of several sizes with every telemetry field filled."""
     from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
-    from proxy.multiproc.serve import PublishSnapshot, encode_message, read_message
+    from proxy.multiproc.channel import PublishSnapshot, encode_message, read_message
 
     print("| backends | snapshot bytes | pickle once (us) | send + unpickle, per worker (us) | at 5 Hz: "
           "supervisor + each worker (% of a core) |")

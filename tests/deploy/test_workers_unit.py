@@ -11,19 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.core.snapshot import BackendSpec, Snapshot
-from proxy.multiproc.serve import (
-    FamilyData,
-    PublishSnapshot,
-    _cgroup_cpu_quota,
-    default_worker_count,
-    families_of,
-    merge_families,
-    read_message,
-    render,
-    reserve_port,
-    retire,
-    write_message,
-)
+from proxy.multiproc.channel import PublishSnapshot, read_message, write_message
+from proxy.multiproc.cpus import _cgroup_cpu_quota, default_worker_count
+from proxy.multiproc.metrics_merge import FamilyData, families_of, merge_families, render, retire
+from proxy.multiproc.serve import reserve_port
 
 
 def _process_registry(requests: int, inflight: int, version: int, routable: float) -> CollectorRegistry:
@@ -169,7 +160,7 @@ async def test_channel_round_trips_a_snapshot() -> None:
 
 async def test_readiness_holds_while_any_worker_serves() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.multiproc.serve import Supervisor
+    from proxy.multiproc.supervisor import Supervisor
 
     store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
@@ -183,7 +174,7 @@ async def test_readiness_holds_while_any_worker_serves() -> None:
 
 def test_supervisor_sums_worker_inflight_reports_and_forgets_dead_workers() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.multiproc.serve import Supervisor
+    from proxy.multiproc.supervisor import Supervisor
 
     store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)

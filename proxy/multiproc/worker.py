@@ -1,0 +1,183 @@
+"""One data-plane worker process: `python -m proxy.multiproc.worker --channel-fd FD --index I`, started by
+the supervisor (proxy/multiproc/supervisor.py), never by users. It serves the shared listeners with
+SO_REUSEPORT, routes on the snapshots the supervisor publishes and reports back up the channel."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Callable, Sequence
+
+from proxy.control.store import SnapshotStore
+from proxy.core.snapshot import Snapshot
+from proxy.multiproc.channel import (
+    INFLIGHT_REPORT_S,
+    ApplyConfig,
+    BackendChanges,
+    CollectMetrics,
+    InflightReport,
+    MetricsReply,
+    Outcomes,
+    PublishSnapshot,
+    WorkerInit,
+    WorkerReady,
+    read_message,
+    write_message,
+)
+from proxy.multiproc.metrics_merge import families_of
+
+log = logging.getLogger("affinity_proxy.workers")
+
+
+class WorkerStore(SnapshotStore):
+    """A worker's store: the supervisor's snapshots come in through `publish`; a data-plane `update` (the
+    gRPC admin service setting a weight or draining a backend) applies locally at once, so the caller sees
+    its effect, and is forwarded to the supervisor, whose next snapshot carries it to every worker. Without
+    the forward, such a write would hold in one worker only until the supervisor's next snapshot."""
+
+    def __init__(self, initial: Snapshot, forward: Callable[[dict[str, dict[str, Any]]], None]) -> None:
+        super().__init__(initial)
+        self._forward = forward
+
+    def update(self, change: Callable[[Snapshot], Snapshot]) -> Snapshot:
+        current = self.current
+        proposed = change(current)
+        changes: dict[str, dict[str, Any]] = {}
+        for b in proposed.backends:
+            old = current.get(b.name)
+            if old is None or old == b:
+                continue
+            changes[b.name] = {
+                f.name: getattr(b, f.name) for f in dataclasses.fields(b) if getattr(b, f.name) != getattr(old, f.name)
+            }
+        if set(proposed.names) != set(current.names):
+            log.warning("a worker cannot add or remove backends; only the supervisor's membership does")
+        if changes:
+            self._forward(changes)
+        return self.publish(proposed)
+
+
+def _apply(store: SnapshotStore, snapshot: Snapshot) -> None:
+    """Publish the supervisor's snapshot in this worker.
+
+    Versions come from the supervisor and only grow, so the usual case is a plain publish. Equal versions
+    are the same snapshot (the initial one, or a resend after a restart). A lower version can only follow a
+    local publish in this worker; the supervisor's view wins, re-versioned above the local one so the store
+    keeps its "versions only increase" rule.
+    """
+    current = store.current
+    if snapshot.version > current.version:
+        store.publish(snapshot)
+    elif snapshot.version < current.version:
+        store.publish(Snapshot(version=current.version + 1, backends=snapshot.backends))
+
+
+def _with_ports(config: Any, listeners: dict[str, tuple[str, int]]) -> Any:
+    """The worker's config with the ports the supervisor resolved (port 0 becomes the same real port)."""
+    changes: dict[str, Any] = {}
+    if "http" in listeners:
+        changes["listen"] = dataclasses.replace(config.listen, port=listeners["http"][1])
+    if "grpc" in listeners and config.grpc_listen is not None:
+        changes["grpc_listen"] = dataclasses.replace(config.grpc_listen, port=listeners["grpc"][1])
+    return dataclasses.replace(config, **changes)
+
+
+async def _worker(channel_fd: int) -> int:
+    from proxy.app import AffinityProxy
+
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=channel_fd))
+    init = await read_message(reader)
+    if not isinstance(init, WorkerInit):
+        raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
+    store = WorkerStore(init.snapshot, lambda changes: write_message(writer, BackendChanges(changes)))
+    proxy = AffinityProxy(_with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store)
+    pending: list[tuple[str, Any]] = []
+    loop = asyncio.get_running_loop()
+
+    def flush() -> None:
+        write_message(writer, Outcomes(pending[:]))
+        pending.clear()
+
+    def report(name: str, outcome: Any) -> None:
+        # One message per event-loop turn, however many requests finished in it.
+        if not pending:
+            loop.call_soon(flush)
+        pending.append((name, outcome))
+
+    proxy.router.on_outcome = report
+
+    async def report_inflight() -> None:
+        sent: dict[str, tuple[int, int]] = {}
+        while True:
+            counts = {name: (e.requests, e.tokens) for name, e in proxy.inflight.items() if e.requests or e.tokens}
+            if counts != sent:
+                write_message(writer, InflightReport(counts))
+                sent = counts
+            await asyncio.sleep(INFLIGHT_REPORT_S)
+
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def channel() -> None:
+        try:
+            while True:
+                message = await read_message(reader)
+                if isinstance(message, PublishSnapshot):
+                    _apply(proxy.store, message.snapshot)
+                elif isinstance(message, ApplyConfig):
+                    proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
+                elif isinstance(message, CollectMetrics):
+                    write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            # The supervisor is gone: nobody will restart us or feed us snapshots. Drain and leave rather
+            # than serve on a frozen view of the fleet.
+            log.error("worker %d lost its supervisor: draining", init.index)
+            stop.set()
+
+    await proxy.start()
+    reading = asyncio.create_task(channel(), name="worker-channel")
+    write_message(writer, WorkerReady(init.index, os.getpid()))
+    await writer.drain()
+    reporting = asyncio.create_task(report_inflight(), name="worker-inflight")
+    await stop.wait()
+    await proxy.stop()
+    reporting.cancel()
+    reading.cancel()
+    writer.close()
+    return 0
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m proxy.multiproc.worker --channel-fd FD --index I`: what the supervisor starts, never users."""
+    parser = argparse.ArgumentParser(prog="python -m proxy.multiproc.worker")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the supervisor turns it into an orderly SIGTERM
+    # of every worker, so the workers themselves ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGHUP means "reload" to the supervisor, which forwards the result; a hang-up of the whole process
+    # group must not kill the workers (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s",
+    )
+    import uvloop
+
+    return uvloop.run(_worker(args.channel_fd))
+
+
+if __name__ == "__main__":
+    # Run the imported module's copy, not this __main__ one, so that there is one module state in the
+    # process (the channel's message classes live in proxy.multiproc.channel either way).
+    from proxy.multiproc.worker import worker_main as _worker_main
+
+    sys.exit(_worker_main())
