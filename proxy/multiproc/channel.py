@@ -1,6 +1,7 @@
 """The supervisor <-> worker channel: length-prefixed pickle frames over a private socketpair, and the
 messages that travel on it (down: WorkerInit, PublishSnapshot, ApplyConfig, CollectMetrics; up: WorkerReady,
-Outcomes, BackendChanges, InflightReport, MetricsReply)."""
+Outcomes, BackendChanges, OrcaReports, MetricsReply). In-flight work is not sent: it lives in the shared
+load block (proxy/multiproc/shared_load.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.inflight import SharedLayout
 from proxy.core.snapshot import Snapshot
 from proxy.multiproc.metrics_merge import FamilyData
 
 _FRAME = struct.Struct("!I")
-# How stale the supervisor's view of the workers' in-flight work may be (admin API, drain completion).
-INFLIGHT_REPORT_S = 0.1
 
 
 def encode_message(message: object) -> bytes:
@@ -42,6 +42,8 @@ class WorkerInit:
     config: Any  # proxy.config.Config
     listeners: dict[str, tuple[str, int]]  # listener name -> (host, resolved port)
     snapshot: Snapshot
+    shared: SharedLayout  # of the host-wide load block (its descriptor is passed with --shared-fd)
+    slots: dict[str, int]  # backend name -> slot in the load block
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class WorkerReady:
 @dataclass(frozen=True)
 class PublishSnapshot:
     snapshot: Snapshot
+    # The load block's backend name -> slot map, when it changed since this worker's last one (it only
+    # changes with the backend set, and arrives with the snapshot that changed it).
+    slots: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,12 @@ class BackendChanges:
 
 
 @dataclass(frozen=True)
-class InflightReport:
-    """A worker's in-flight requests and tokens per backend, sent when they changed (at most every
-    INFLIGHT_REPORT_S). The supervisor keeps their sum in its own InflightTable, which the admin API shows
-    and which tells a draining backend's removal when the whole proxy's work on it is done."""
+class OrcaReports:
+    """ORCA load reports (backend name, `endpoint-load-metrics` header) from a worker's responses, batched
+    per event-loop turn, for the supervisor's telemetry poller: it folds them into the signals of the one
+    snapshot every worker routes on (`Poller.observe_orca`), as a single process does."""
 
-    counts: dict[str, tuple[int, int]]
+    items: list[tuple[str, str]]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import signal
 import socket
 from typing import Any
 
+from proxy.multiproc.shared_load import SharedLoad
 from proxy.multiproc.supervisor import Supervisor
 
 log = logging.getLogger("affinity_proxy.workers")
@@ -89,8 +90,16 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
     from proxy.admin import READY_CHECKS
     from proxy.app import AffinityProxy
 
-    proxy = AffinityProxy(config, role="control", config_path=config_path)
+    load = SharedLoad.create(workers)
+    proxy = AffinityProxy(config, role="control", config_path=config_path, inflight=load.table(None))
     monitor = proxy.resilience.monitor
+    telemetry = proxy.telemetry
+    orca = telemetry.observe_orca if telemetry is not None and config.telemetry.orca else None
+
+    def orca_reports(items: list[tuple[str, str]]) -> None:
+        assert orca is not None
+        for name, header in items:
+            orca(name, header)
 
     def outcomes(items: list[tuple[str, Any]]) -> None:
         for name, outcome in items:
@@ -99,7 +108,8 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
 
     supervisor = Supervisor(
         config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
-        on_outcomes=outcomes, inflight=proxy.inflight, reserve_port=reserve_port,
+        on_outcomes=outcomes, inflight=proxy.inflight, reserve_port=reserve_port, load=load,
+        on_orca=orca_reports if orca is not None else None,
     )
     proxy.resilience.reload_listeners.append(supervisor.apply_config)
     proxy.metrics.register_collector(supervisor.collect_own)

@@ -17,15 +17,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from proxy.control.store import SnapshotStore
-from proxy.core.decision import Inflight
-from proxy.core.inflight import InflightTable
+from proxy.core.inflight import InflightTable, SharedInflightTable
 from proxy.core.snapshot import Snapshot
 from proxy.multiproc.channel import (
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
-    InflightReport,
     MetricsReply,
+    OrcaReports,
     Outcomes,
     PublishSnapshot,
     WorkerInit,
@@ -35,6 +34,7 @@ from proxy.multiproc.channel import (
     write_message,
 )
 from proxy.multiproc.metrics_merge import FamilyData, SampleKey, families_of, merge_families, render, retire
+from proxy.multiproc.shared_load import SharedLoad, SlotMap
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -48,6 +48,7 @@ class _Worker:
     writer: asyncio.StreamWriter | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     pending: Snapshot | None = None  # newest snapshot not yet written (coalesced)
+    slots_sent: int = -1  # version of the slot map this worker has
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     last_families: list[FamilyData] = field(default_factory=list)
     restarts: int = 0
@@ -80,6 +81,8 @@ class Supervisor:
         on_outcomes: Callable[[list[tuple[str, Any]]], None] | None = None,
         inflight: InflightTable | None = None,
         reserve_port: Callable[[str, int], socket.socket] | None = None,
+        load: SharedLoad | None = None,
+        on_orca: Callable[[list[tuple[str, str]]], None] | None = None,
     ) -> None:
         # `reserve_port(host, port)` binds (never listens) the socket that fixes and holds each shared
         # listener's port; it is passed in so that one module opens every socket. Required when there
@@ -103,12 +106,21 @@ class Supervisor:
         self._replies: dict[tuple[int, int], asyncio.Future[list[FamilyData]]] = {}
         self.retired: dict[str, dict[SampleKey, float]] = {}
         self.on_outcomes = on_outcomes
-        self.inflight = inflight if inflight is not None else InflightTable()
-        self._inflight_reports: dict[int, dict[str, tuple[int, int]]] = {}
+        self.on_orca = on_orca
+        # The host-wide load block: each worker counts its in-flight work into its own row, every worker
+        # routes on the sum, and `inflight` (the admin API, drains, metrics) reads the same sum.
+        self.load = load if load is not None else SharedLoad.create(workers)
+        if self.load.layout.rows != workers:
+            raise ValueError(f"the load block has {self.load.layout.rows} rows for {workers} workers")
+        self.inflight = inflight if inflight is not None else self.load.table(None)
+        self.slot_map = SlotMap(self.load)
+        self.slot_map.follow(store.current.names)
+        self._slots_version = 0
+        self._follow_slots()
         self.restarts_total = 0
         # The newest snapshot's frame, pickled once for all workers (pickling a 256-backend snapshot takes
         # ~1 ms here; per worker it would be N of those every telemetry interval).
-        self._encoded: tuple[Snapshot, bytes] | None = None
+        self._encoded: tuple[Snapshot, bool, bytes] | None = None
         store.subscribe(self._on_snapshot)
 
     # -- lifecycle
@@ -169,24 +181,12 @@ class Supervisor:
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
 
-    def _sum_inflight(self) -> None:
-        totals: dict[str, list[int]] = {}
-        for counts in self._inflight_reports.values():
-            for name, (requests, tokens) in counts.items():
-                acc = totals.setdefault(name, [0, 0])
-                acc[0] += requests
-                acc[1] += tokens
-        table = self.inflight
-        for name in list(table):
-            if name not in totals:
-                entry = table[name]
-                entry.requests = entry.tokens = 0
-        for name, (requests, tokens) in totals.items():
-            entry = table.get(name)
-            if entry is None:
-                entry = table[name] = Inflight()
-            entry.requests, entry.tokens = requests, tokens
-        table.total_requests = sum(r for r, _ in totals.values())
+    def _follow_slots(self) -> None:
+        """The slot map changed (or was just built): the supervisor's own view follows it, and every
+        worker gets it with its next snapshot."""
+        self._slots_version += 1
+        if isinstance(self.inflight, SharedInflightTable):
+            self.inflight.assign(self.slot_map.slots)
 
     def _apply_changes(self, changes: dict[str, dict[str, Any]]) -> None:
         def change(snapshot: Snapshot) -> Snapshot:
@@ -232,8 +232,9 @@ class Supervisor:
         try:
             worker.proc = await asyncio.create_subprocess_exec(
                 self._python, "-m", "proxy.multiproc.worker", "--channel-fd", str(child.fileno()),
-                "--index", str(worker.index), "--log-level", str(logging.getLogger().getEffectiveLevel()),
-                pass_fds=(child.fileno(),),
+                "--shared-fd", str(self.load.fd), "--index", str(worker.index),
+                "--log-level", str(logging.getLogger().getEffectiveLevel()),
+                pass_fds=(child.fileno(), self.load.fd),
             )
         finally:
             child.close()
@@ -241,9 +242,13 @@ class Supervisor:
         worker.ready.clear()
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         worker.writer = writer
+        worker.slots_sent = self._slots_version
         write_message(
             writer,
-            WorkerInit(index=worker.index, config=self.config, listeners=self.listeners, snapshot=self.store.current),
+            WorkerInit(
+                index=worker.index, config=self.config, listeners=self.listeners, snapshot=self.store.current,
+                shared=self.load.layout, slots=dict(self.slot_map.slots),
+            ),
         )
         worker.tasks = [
             asyncio.create_task(self._read_loop(worker, reader), name=f"worker-{worker.index}-read"),
@@ -260,9 +265,9 @@ class Supervisor:
                     worker.ready.set()
                     # Whatever was published while it started up.
                     self._queue(worker, self.store.current)
-                elif isinstance(message, InflightReport):
-                    self._inflight_reports[worker.index] = message.counts
-                    self._sum_inflight()
+                elif isinstance(message, OrcaReports):
+                    if self.on_orca is not None:
+                        self.on_orca(message.items)
                 elif isinstance(message, BackendChanges):
                     self._apply_changes(message.changes)
                 elif isinstance(message, Outcomes):
@@ -282,21 +287,27 @@ class Supervisor:
                 worker.wakeup.clear()
                 snapshot, worker.pending = worker.pending, None
                 if snapshot is not None:
-                    writer.write(self._frame(snapshot))
+                    with_slots = worker.slots_sent != self._slots_version
+                    worker.slots_sent = self._slots_version
+                    writer.write(self._frame(snapshot, with_slots))
                     await writer.drain()
         except ConnectionError:
             return
 
-    def _frame(self, snapshot: Snapshot) -> bytes:
-        if self._encoded is None or self._encoded[0] is not snapshot:
-            self._encoded = (snapshot, encode_message(PublishSnapshot(snapshot)))
-        return self._encoded[1]
+    def _frame(self, snapshot: Snapshot, with_slots: bool) -> bytes:
+        cached = self._encoded
+        if cached is None or cached[0] is not snapshot or cached[1] != with_slots:
+            slots = dict(self.slot_map.slots) if with_slots else None
+            cached = self._encoded = (snapshot, with_slots, encode_message(PublishSnapshot(snapshot, slots)))
+        return cached[2]
 
     def _queue(self, worker: _Worker, snapshot: Snapshot) -> None:
         worker.pending = snapshot
         worker.wakeup.set()
 
     def _on_snapshot(self, snapshot: Snapshot) -> None:
+        if self.slot_map.follow(snapshot.names):
+            self._follow_slots()
         for worker in self._workers:
             if worker.ready.is_set():
                 self._queue(worker, snapshot)
@@ -313,8 +324,7 @@ class Supervisor:
             return
         log.error("worker %d (pid %d) exited with %s: restarting", worker.index, proc.pid, code)
         worker.ready.clear()
-        if self._inflight_reports.pop(worker.index, None) is not None:
-            self._sum_inflight()  # its requests died with it
+        self.load.clear_row(worker.index)  # its requests died with it
         for (index, seq), future in list(self._replies.items()):
             if index == worker.index:  # a scrape waiting on the dead worker need not wait for its timeout
                 del self._replies[(index, seq)]

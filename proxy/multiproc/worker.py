@@ -17,12 +17,11 @@ from typing import Any, Callable, Sequence
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
 from proxy.multiproc.channel import (
-    INFLIGHT_REPORT_S,
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
-    InflightReport,
     MetricsReply,
+    OrcaReports,
     Outcomes,
     PublishSnapshot,
     WorkerInit,
@@ -31,6 +30,7 @@ from proxy.multiproc.channel import (
     write_message,
 )
 from proxy.multiproc.metrics_merge import families_of
+from proxy.multiproc.shared_load import SharedLoad
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -88,7 +88,25 @@ def _with_ports(config: Any, listeners: dict[str, tuple[str, int]]) -> Any:
     return dataclasses.replace(config, **changes)
 
 
-async def _worker(channel_fd: int) -> int:
+class _Batch:
+    """Reports sent up the channel as one message per event-loop turn, however many requests made them."""
+
+    def __init__(self, writer: asyncio.StreamWriter, message: Callable[[list[Any]], object]) -> None:
+        self._writer = writer
+        self._message = message
+        self._items: list[Any] = []
+
+    def add(self, item: Any) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._items.append(item)
+
+    def _flush(self) -> None:
+        items, self._items = self._items, []
+        write_message(self._writer, self._message(items))
+
+
+async def _worker(channel_fd: int, shared_fd: int) -> int:
     from proxy.app import AffinityProxy
 
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=channel_fd))
@@ -96,39 +114,25 @@ async def _worker(channel_fd: int) -> int:
     if not isinstance(init, WorkerInit):
         raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
     store = WorkerStore(init.snapshot, lambda changes: write_message(writer, BackendChanges(changes)))
-    proxy = AffinityProxy(_with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store)
-    pending: list[tuple[str, Any]] = []
-    loop = asyncio.get_running_loop()
-
-    def flush() -> None:
-        write_message(writer, Outcomes(pending[:]))
-        pending.clear()
-
-    def report(name: str, outcome: Any) -> None:
-        # One message per event-loop turn, however many requests finished in it.
-        if not pending:
-            loop.call_soon(flush)
-        pending.append((name, outcome))
-
-    proxy.router.on_outcome = report
-
-    async def report_inflight() -> None:
-        sent: dict[str, tuple[int, int]] = {}
-        while True:
-            counts = {name: (e.requests, e.tokens) for name, e in proxy.inflight.items() if e.requests or e.tokens}
-            if counts != sent:
-                write_message(writer, InflightReport(counts))
-                sent = counts
-            await asyncio.sleep(INFLIGHT_REPORT_S)
+    # This worker's row of the host-wide load block: its policy routes on every worker's in-flight work.
+    inflight = SharedLoad.attach(shared_fd, init.shared).table(init.index)
+    inflight.assign(init.slots)
+    proxy = AffinityProxy(
+        _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight
+    )
+    outcomes = _Batch(writer, Outcomes)
+    proxy.router.on_outcome = lambda name, outcome: outcomes.add((name, outcome))
 
     stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
     async def channel() -> None:
         try:
             while True:
                 message = await read_message(reader)
                 if isinstance(message, PublishSnapshot):
+                    if message.slots is not None:
+                        inflight.assign(message.slots)
                     _apply(proxy.store, message.snapshot)
                 elif isinstance(message, ApplyConfig):
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
@@ -141,22 +145,27 @@ async def _worker(channel_fd: int) -> int:
             stop.set()
 
     await proxy.start()
+    telemetry = init.config.telemetry
+    if telemetry.enabled and telemetry.orca and proxy.http is not None:
+        # The supervisor's poller folds ORCA reports into the snapshot (workers run no poller): the data
+        # plane asks backends for them and this forwards what they send (the HTTP/2 bridge uses the same hook).
+        orca = _Batch(writer, OrcaReports)
+        proxy.http.load_report = lambda name, header: orca.add((name, header))
     reading = asyncio.create_task(channel(), name="worker-channel")
     write_message(writer, WorkerReady(init.index, os.getpid()))
     await writer.drain()
-    reporting = asyncio.create_task(report_inflight(), name="worker-inflight")
     await stop.wait()
     await proxy.stop()
-    reporting.cancel()
     reading.cancel()
     writer.close()
     return 0
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m proxy.multiproc.worker --channel-fd FD --index I`: what the supervisor starts, never users."""
+    """`python -m proxy.multiproc.worker --channel-fd FD --shared-fd FD --index I`: what the supervisor starts, never users."""
     parser = argparse.ArgumentParser(prog="python -m proxy.multiproc.worker")
     parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--shared-fd", type=int, required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
@@ -172,7 +181,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     )
     import uvloop
 
-    return uvloop.run(_worker(args.channel_fd))
+    return uvloop.run(_worker(args.channel_fd, args.shared_fd))
 
 
 if __name__ == "__main__":
