@@ -28,8 +28,13 @@ Why these choices:
   not go backwards (what it counted after its last scrape is lost, as with any crashed exporter).
 - Same prompt, same backend: every worker runs the same deterministic policy on the same snapshot (see
   deploy/README.md for exactly what is and is not shared between workers).
+- One load for the whole host: in-flight requests, tokens and the work ledger's queued prefill live in a
+  shared-memory block (proxy/multiproc/shared_load.py), one row per worker, so every worker's policy routes
+  on all of the proxy's work (least_request, the bounded-load cap, the cost check, max_inflight limits and
+  `limits.max_inflight_total` are proxy-wide, as in one process). A read sums the rows (a few hundred ns).
 - What flows back up the channel keeps the control plane single: passive outcome reports (batched per
-  event-loop turn) feed the supervisor's one outlier monitor; a data-plane `SnapshotStore.update` (the gRPC
+  event-loop turn) feed the supervisor's one outlier monitor; ORCA load reports (batched likewise) feed its
+  telemetry poller, whose snapshots carry them to every worker; a data-plane `SnapshotStore.update` (the gRPC
   admin service) is forwarded as per-backend field changes (`WorkerStore`); and a reload's data-plane half
   (routing policy, retries, overload) goes down to every worker as `ApplyConfig`.
 - A worker whose supervisor disappears (channel EOF) drains and exits rather than serve a frozen fleet.

@@ -198,3 +198,20 @@ def test_two_processes_writing_at_once_leave_exact_sums() -> None:
             if p.stdin is not None:
                 p.stdin.close()
             p.wait(timeout=30)
+
+
+def test_recent_work_estimates_like_the_ledgers_deque() -> None:
+    import random
+    from collections import deque
+
+    from proxy.core.inflight import RecentWork, newest_sum
+
+    rng = random.Random(7)
+    recent, entries = RecentWork(depth=16), deque(maxlen=16)  # type: ignore[var-annotated]
+    for _ in range(200):
+        x = rng.randrange(0, 40_000) / 4  # token estimates are quarter tokens (bytes / 4)
+        recent.append(x)
+        entries.append(x)
+        for live in (0, 1, 5, 16, 17, 40):
+            for tokens in (0, 12_345):
+                assert recent.estimate(live, tokens) == newest_sum(entries, live, tokens)
