@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -63,9 +65,10 @@ async def _connection_to(proxy: ProxyProcess, pid: int) -> tuple[asyncio.StreamR
     raise AssertionError(f"no connection reached worker {pid}")
 
 
-async def _open_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int, prompt: str) -> str:
-    """Start a streaming completion on this connection; the backend that serves it."""
-    body = json.dumps({"model": "fake-model", "prompt": prompt, "max_tokens": 8, "stream": True}).encode()
+async def _open_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int, prompt: str,
+                       stream: bool = True) -> str:
+    """Start a completion on this connection (a stream is left open); the backend that serves it."""
+    body = json.dumps({"model": "fake-model", "prompt": prompt, "max_tokens": 8, "stream": stream}).encode()
     writer.write(
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n".encode() + body
@@ -81,35 +84,80 @@ async def _open_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     return backend
 
 
+def _least_request_config(fakes: list[FakeBackend]) -> str:
+    lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'}}" for f in fakes)
+    return (
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
+        "telemetry: {enabled: false}\nrouting: {policy: least_request}\ntimeouts: {drain_s: 2}\n"
+        f"backends:\n{lines}\n"
+    )
+
+
+async def _admin_inflight(proxy: ProxyProcess) -> dict[str, int]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(proxy.admin + "/admin/backends") as resp:
+            return {b["name"]: b["inflight_requests"] for b in (await resp.json())["backends"]}
+
+
+async def _hold_alternating(proxy: ProxyProcess, n: int, held: list[asyncio.StreamWriter]) -> dict[str, int]:
+    """`n` streams, opened one after another on workers 0, 1, 0, ... and left open; per backend, how many.
+    least_request must keep the backends within one of each other after every stream: each worker counts
+    the other's open streams (on per-worker counts both workers would send their first to the same one)."""
+    workers = proxy.workers()
+    assert len(workers) == 2
+    counts: dict[str, int] = {}
+    for i in range(n):
+        reader, writer = await _connection_to(proxy, workers[i % 2])
+        held.append(writer)
+        backend = await _open_stream(reader, writer, proxy.port, f"prompt {i}")
+        counts[backend] = counts.get(backend, 0) + 1
+        assert max(counts.values()) - min(counts.values()) <= 1, (i, counts)
+    return counts
+
+
 async def test_a_request_held_in_one_worker_counts_in_the_other_workers_routing(
     tmp_path: Path, hanging: list[FakeBackend]
 ) -> None:
-    """least_request with requests alternating between the two workers: each sees the other's open streams,
-    so the two backends stay balanced (on per-worker counts both workers would send their first request to
-    the same backend)."""
-    lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'}}" for f in hanging)
-    proxy = await _start(
-        tmp_path,
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
-        f"telemetry: {{enabled: false}}\nrouting: {{policy: least_request}}\ntimeouts: {{drain_s: 2}}\n"
-        f"backends:\n{lines}\n",
-    )
+    proxy = await _start(tmp_path, _least_request_config(hanging))
     held: list[asyncio.StreamWriter] = []
     try:
-        workers = proxy.workers()
-        assert len(workers) == 2
-        counts = {f.name: 0 for f in hanging}
-        for i in range(6):
-            reader, writer = await _connection_to(proxy, workers[i % 2])
-            held.append(writer)
-            counts[await _open_stream(reader, writer, proxy.port, f"prompt {i}")] += 1
-            assert max(counts.values()) - min(counts.values()) <= 1, (i, counts)
-        assert counts == {"gpu-0": 3, "gpu-1": 3}
+        assert await _hold_alternating(proxy, 6, held) == {"gpu-0": 3, "gpu-1": 3}
         # The supervisor reads the same block: its admin view counts every worker's open streams.
-        async with aiohttp.ClientSession() as session:
-            async with session.get(proxy.admin + "/admin/backends") as resp:
-                view = {b["name"]: b["inflight_requests"] for b in (await resp.json())["backends"]}
-        assert view == {"gpu-0": 3, "gpu-1": 3}
+        assert await _admin_inflight(proxy) == {"gpu-0": 3, "gpu-1": 3}
+    finally:
+        for writer in held:
+            writer.close()
+        assert await proxy.terminate() == 0
+
+
+async def test_a_backend_added_by_reload_is_shared_across_workers(
+    tmp_path: Path, hanging: list[FakeBackend]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(_least_request_config(hanging[:1]))
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    held: list[asyncio.StreamWriter] = []
+    try:
+        cfg.write_text(_least_request_config(hanging))
+        os.kill(proxy.pid, signal.SIGHUP)
+        for _ in range(600):  # a guard against hanging, not a timing assertion
+            if "gpu-1" in await _admin_inflight(proxy):
+                break
+            await asyncio.sleep(0.05)
+        for pid in proxy.workers():  # until each worker has the new snapshot (and its slot map)
+            for i in range(100):
+                reader, writer = await _connection_to(proxy, pid)
+                backend = await _open_stream(reader, writer, proxy.port, f"probe {i}", stream=False)
+                writer.close()
+                if backend == "gpu-1":
+                    break
+            assert backend == "gpu-1"
+        for _ in range(600):  # the probes are done everywhere
+            if await _admin_inflight(proxy) == {"gpu-0": 0, "gpu-1": 0}:
+                break
+            await asyncio.sleep(0.02)
+        assert await _hold_alternating(proxy, 4, held) == {"gpu-0": 2, "gpu-1": 2}
+        assert await _admin_inflight(proxy) == {"gpu-0": 2, "gpu-1": 2}
     finally:
         for writer in held:
             writer.close()
