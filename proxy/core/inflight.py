@@ -126,7 +126,7 @@ class SharedLayout:
         """Bytes the buffer must have."""
         return 8 * (self.int_cells + self.slots * self.rows)
 
-    def views(self, buf: memoryview) -> tuple[memoryview, memoryview]:
+    def views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
         """The int64 and float64 cells of `buf`."""
         if len(buf) < self.size:
             raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
@@ -142,7 +142,7 @@ class SharedInflight(Inflight):
 
     __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "slot")
 
-    def __init__(self, ints: memoryview, floats: memoryview, layout: SharedLayout, slot: int) -> None:
+    def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int) -> None:
         rows = layout.rows
         self._ints = ints
         self._floats = floats
@@ -153,12 +153,12 @@ class SharedInflight(Inflight):
         self._q = slot * rows
         self._qend = self._q + rows
 
-    @property  # type: ignore[override]  # a computed, read-only view of the dataclass field
-    def requests(self) -> int:
+    @property
+    def requests(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
         return sum(self._ints[self._req:self._end])
 
-    @property  # type: ignore[override]  # as above
-    def tokens(self) -> int:
+    @property
+    def tokens(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
         start = self._tok
         return sum(self._ints[start:start + self._end - self._req])
 

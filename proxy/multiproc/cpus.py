@@ -26,8 +26,8 @@ def default_worker_count() -> int:
 def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
     try:
         with open(os.path.join(root, "cpu.max"), encoding="ascii") as fh:
-            limit, period = fh.read().split()[:2]
-        return None if limit == "max" else int(limit) / int(period)
+            limit, per = fh.read().split()[:2]
+        return None if limit == "max" else int(limit) / int(per)
     except (OSError, ValueError):
         pass
     try:

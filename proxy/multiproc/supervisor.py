@@ -140,9 +140,8 @@ class Supervisor:
             await self._spawn(worker)
         all_ready = asyncio.ensure_future(asyncio.gather(*(w.ready.wait() for w in self._workers)))
         try:
-            done, _ = await asyncio.wait(
-                [all_ready, self._start_failure], timeout=ready_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            waited: list[asyncio.Future[Any]] = [all_ready, self._start_failure]
+            done, _ = await asyncio.wait(waited, timeout=ready_timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if self._start_failure in done:
                 self._start_failure.result()
             if all_ready not in done:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import IO, Sequence
 
 import pytest
 
@@ -58,13 +59,13 @@ def test_queued_prefill_is_each_workers_ledger_estimate_summed() -> None:
         table.acquire("a", tokens)
         single.record("a", uncached)
     entry = view["a"]
-    assert entry.queued == 1300.0
+    assert isinstance(entry, SharedInflight) and entry.queued == 1300.0
     # Any worker's policy reads the whole host's queue, as one process's ledger would.
     assert WorkLedger().pending("a", entry) == single.pending("a", Inflight(requests=2, tokens=1600)) == 1300.0
     w0.release("a", 1200)
-    assert view["a"].queued == 300.0
+    assert entry.queued == 300.0
     w1.release("a", 400)
-    assert view["a"].queued == 0.0 and view["b"].queued == 0.0
+    assert entry.queued == 0.0 and WorkLedger().pending("b", view["b"]) == 0.0
 
 
 def _doc(i: int, words: int) -> RequestSummary:
@@ -72,7 +73,7 @@ def _doc(i: int, words: int) -> RequestSummary:
 
 
 def _route(prompts: list[RequestSummary], policies: list[AffinityPolicy],
-           tables: list[InflightTable]) -> list[tuple[str, Reason]]:
+           tables: Sequence[InflightTable]) -> list[tuple[str, Reason]]:
     """Request i goes to worker i % len(policies); requests finish oldest first, two after every fourth."""
     snap = fleet(4)
     live: list[tuple[int, str, int]] = []
@@ -178,7 +179,7 @@ def test_two_processes_writing_at_once_leave_exact_sums() -> None:
     ]
     try:
         deadline = time.monotonic() + 120
-        pending = {p.stdout for p in procs}
+        pending: set[IO[str]] = {p.stdout for p in procs if p.stdout is not None}
         reads = 0
         while pending and time.monotonic() < deadline:
             total = view.total_requests  # read while both write
@@ -186,7 +187,7 @@ def test_two_processes_writing_at_once_leave_exact_sums() -> None:
             reads += 1
             ready, _, _ = select.select(list(pending), [], [], 0)
             for out in ready:
-                assert out is not None and out.readline().strip() == "done"
+                assert out.readline().strip() == "done"
                 pending.discard(out)
         assert not pending and reads > 0
         held = 2 * (rounds // 2 + 1)
