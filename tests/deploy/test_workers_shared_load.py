@@ -164,6 +164,26 @@ async def test_a_backend_added_by_reload_is_shared_across_workers(
         assert await proxy.terminate() == 0
 
 
+async def test_a_killed_workers_requests_leave_the_shared_load(tmp_path: Path, hanging: list[FakeBackend]) -> None:
+    proxy = await _start(tmp_path, _least_request_config(hanging))
+    held: list[asyncio.StreamWriter] = []
+    try:
+        assert await _hold_alternating(proxy, 4, held) == {"gpu-0": 2, "gpu-1": 2}
+        victim, survivor = proxy.workers()
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(600):  # a guard against hanging, not a timing assertion
+            if sum((await _admin_inflight(proxy)).values()) == 2:
+                break
+            await asyncio.sleep(0.02)
+        # The survivor's two streams are still open and counted; the dead worker's row is cleared.
+        assert sum((await _admin_inflight(proxy)).values()) == 2
+        assert survivor in proxy.workers()
+    finally:
+        for writer in held:
+            writer.close()
+        assert await proxy.terminate() == 0
+
+
 async def test_orca_reports_seen_by_workers_reach_the_supervisors_snapshot(tmp_path: Path) -> None:
     fake = _VllmFake("gpu-0")
     fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.num_requests_waiting=77"}
