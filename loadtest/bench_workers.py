@@ -1,6 +1,8 @@
 """Throughput of `affinity-proxy run --workers N` for N = 1 and 2, side by side in one run.
 
     python -m loadtest.bench_workers [--duration 5] [--connections 64] [--rounds 2] [--workers 1,2]
+    python -m loadtest.bench_workers --fanout        # publishing one snapshot to a worker
+    python -m loadtest.bench_workers --shared-load   # reading / updating the host-wide load block
 
 What it measures: non-streaming OpenAI completions (a ~1 KB prompt, parsed and routed by the affinity policy,
 forwarded byte for byte) through the real CLI, closed loop, `--connections` keep-alive connections.
@@ -344,7 +346,7 @@ async def _fanout(backend_counts: list[int], rounds: int = 2000) -> None:
     """What publishing one snapshot costs per worker: pickle, socketpair, unpickle (the supervisor's
     channel code), for fleets of several sizes with every telemetry field filled."""
     from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
-    from proxy.multiproc.serve import PublishSnapshot, encode_message, read_message
+    from proxy.multiproc.channel import PublishSnapshot, encode_message, read_message
 
     print("| backends | snapshot bytes | pickle once (us) | send + unpickle, per worker (us) | at 5 Hz: "
           "supervisor + each worker (% of a core) |")
@@ -380,6 +382,55 @@ async def _fanout(backend_counts: list[int], rounds: int = 2000) -> None:
         other.close()
 
 
+def _shared_load(rows_list: list[int], number: int = 200_000) -> None:
+    """What reading and updating the host-wide load block costs next to the single-process table: the
+    reads a policy makes per candidate backend, an acquire + release pair (the data plane's per request),
+    and a whole affinity pick on 4 backends with the cost check on. Best of 5 timeit repeats."""
+    import timeit
+
+    from proxy.core.affinity import AffinityPolicy
+    from proxy.core.inflight import InflightTable
+    from proxy.core.request import RequestSummary
+    from proxy.core.snapshot import BackendSpec, Snapshot
+    from proxy.core.work_ledger import WorkLedger
+    from proxy.multiproc.shared_load import SharedLoad, SlotMap
+
+    def best(stmt: Callable[[], object], n: int = number) -> float:
+        return min(timeit.repeat(stmt, number=n, repeat=5)) / n * 1e6
+
+    snap = Snapshot.initial([BackendSpec(f"gpu-{i}", f"http://127.0.0.1:{8000 + i}") for i in range(4)])
+    req = RequestSummary(prompt="a prompt of a few hundred words " * 40)
+    tables: list[tuple[str, InflightTable]] = [("one process (InflightTable)", InflightTable())]
+    for rows in rows_list:
+        load = SharedLoad.create(workers=rows, slots=64)
+        slots = SlotMap(load)
+        slots.follow(snap.names)
+        t = load.table(0)
+        t.assign(slots.slots)
+        tables.append((f"shared, {rows} workers", t))
+    print("| table | get(b).requests (us) | .tokens (us) | ledger pending (us) | total_requests (us) "
+          "| acquire + release (us) | affinity pick, 4 backends (us) |")
+    print("|---|---|---|---|---|---|---|")
+    for label, table in tables:
+        for name in snap.names:
+            table.acquire(name, 500)  # something in flight everywhere, as under load
+        ledger = WorkLedger()
+        ledger.record("gpu-1", 300.0, table)
+        entry = table["gpu-1"]
+        policy = AffinityPolicy()
+        get = table.get
+
+        def pick() -> None:
+            d = policy.pick(req, snap, table)
+            table.acquire(d.backend, 500)
+            table.release(d.backend, 500)
+
+        print(f"| {label} | {best(lambda: get('gpu-1').requests):.3f} | {best(lambda: entry.tokens):.3f} "
+              f"| {best(lambda: ledger.pending('gpu-1', entry)):.3f} | {best(lambda: table.total_requests):.3f} "
+              f"| {best(lambda: (table.acquire('gpu-1', 500), table.release('gpu-1', 500))):.3f} "
+              f"| {best(pick, number // 20):.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
@@ -392,8 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="affinity")
     parser.add_argument("--fanout", action="store_true",
                         help="instead: the cost of publishing one snapshot to one worker, for 4/64/256 backends")
+    parser.add_argument("--shared-load", action="store_true",
+                        help="instead: the cost of reading and updating the host-wide load block (timeit)")
     parser.add_argument("--serve-fake", metavar="PORT,...", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.shared_load:
+        _shared_load([2, 4, 16])
+        return 0
     if args.fanout:
         uvloop.run(_fanout([4, 64, 256]))
         return 0

@@ -74,7 +74,7 @@ class _Task:
 class AffinityProxy:
     def __init__(
         self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all",
-        config_path: str | None = None, store: SnapshotStore | None = None,
+        config_path: str | None = None, store: SnapshotStore | None = None, inflight: InflightTable | None = None,
     ) -> None:
         self.config = config
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/multiproc/serve.py)
@@ -86,7 +86,8 @@ class AffinityProxy:
         # A worker process passes its own store (proxy/multiproc/serve.py) so that data-plane writes reach the supervisor.
         self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
         self.policy = policy if policy is not None else build_policy(config.routing)
-        self.inflight = InflightTable()
+        # A worker of --workers N passes its row of the host-wide table (proxy/multiproc/shared_load.py).
+        self.inflight = inflight if inflight is not None else InflightTable()
         self.metrics = ProxyMetrics()
         self.metrics.watch(self.store, self.inflight)
         self.router = Router(

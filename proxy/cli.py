@@ -45,7 +45,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     _setup_logging(args.log_level)
     from proxy.app import AffinityProxy
-    from proxy.multiproc.serve import default_worker_count, serve
+    from proxy.multiproc.cpus import default_worker_count
+    from proxy.multiproc.serve import serve
 
     workers = args.workers if args.workers is not None else default_worker_count()
     if workers < 1:

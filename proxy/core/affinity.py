@@ -288,7 +288,7 @@ class AffinityPolicy:
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
             get_blocks,
         )
-        self._work.record(chosen, self._uncached(prompt_tokens, matched))
+        self._work.record(chosen, self._uncached(prompt_tokens, matched), inflight)
         if record_exact:
             self._exact.put(keys.fingerprint, primary)
         if reason is not Reason.EXACT_HIT:

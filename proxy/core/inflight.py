@@ -1,13 +1,29 @@
-"""The proxy's own in-flight accounting, shared by every data plane of one process.
+"""The proxy's own in-flight accounting, shared by every data plane of one process (and, with
+`--workers N`, by every worker of one host).
 
 It is the one piece of shared mutable state in the data path (see ARCHITECTURE.md): the HTTP and gRPC
 listeners both count into the same table, so a policy like least-request sees all the work this process
 has sent to a backend, whatever protocol carried it. It is a plain `dict[str, Inflight]` subclass because
 policies read it on every request (`Mapping[str, Inflight]` is all they need) and a dict lookup is the
 cheapest thing Python has.
+
+`SharedInflightTable` is the same mapping over a buffer that several processes map (the supervisor of
+`--workers N` creates it, proxy/multiproc/shared_load.py): one row per worker, one fixed slot per backend
+name. Each worker writes only its own row and readers sum the rows, so no two processes ever write the
+same word and no lock or atomic is needed. Aligned 8-byte loads and stores are single instructions on the
+64-bit platforms Python runs the proxy on, so a reader sees each cell either before or after a write,
+never torn; a sum over the rows may be one update old, like any counter read concurrently. What each row
+holds per backend: the worker's requests and tokens in flight, and its share of the queued uncached
+prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py). This
+module only interprets a buffer; it creates no shared memory itself.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from itertools import islice
+from typing import Mapping
 
 from proxy.core.decision import Inflight
 
@@ -36,3 +52,286 @@ class InflightTable(dict[str, Inflight]):
     def requests(self, backend: str) -> int:
         entry = self.get(backend)
         return 0 if entry is None else entry.requests
+
+
+def newest_sum(entries: deque[float] | None, live: int, tokens: int) -> float:
+    """The work ledger's estimate of the prefill still queued on a backend with `live` requests (`tokens`
+    estimated tokens) in flight: the newest `live` recorded uncached-token entries (engines finish
+    prefills in arrival order), and live requests beyond the records at the per-request average."""
+    if live <= 0:
+        return 0.0
+    known = 0 if entries is None else min(live, len(entries))
+    total = sum(islice(reversed(entries), known)) if known else 0.0  # type: ignore[arg-type]
+    return with_unrecorded(total, known, live, tokens)
+
+
+def with_unrecorded(total: float, known: int, live: int, tokens: int) -> float:
+    """`total`, the newest `known` records, plus the `live - known` live requests nobody recorded, at the
+    data plane's per-request average (or, without token counts, at the average of the records)."""
+    if live > known:
+        per_request = tokens / live if tokens > 0 else (total / known if known else 0.0)
+        total += (live - known) * per_request
+    return total
+
+
+class RecentWork:
+    """The newest `depth` uncached-token records of one backend, with the sum of the newest k in O(1)
+    (a ring of running totals), so that a worker republishes its queued prefill on every acquire and
+    release for the price of two list reads. Same estimate as `newest_sum` over a deque of `depth`."""
+
+    __slots__ = ("_cum", "_n", "_size")
+
+    def __init__(self, depth: int) -> None:
+        self._size = depth + 1
+        self._cum = [0.0] * self._size
+        self._n = 0
+
+    def append(self, tokens: float) -> None:
+        cum, n, size = self._cum, self._n, self._size
+        cum[(n + 1) % size] = cum[n % size] + tokens
+        self._n = n + 1
+
+    def estimate(self, live: int, tokens: int) -> float:
+        if live <= 0:
+            return 0.0
+        n, size = self._n, self._size
+        known = min(live, n, size - 1)
+        total = self._cum[n % size] - self._cum[(n - known) % size]
+        if live > known:
+            return with_unrecorded(total, known, live, tokens)
+        return total
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Where each cell lives in the shared buffer: `rows` workers x `slots` backends.
+
+    int64 cells: requests[slot][row], tokens[slot][row], total_requests[row]; then float64 cells:
+    queued[slot][row]. A backend's rows are adjacent, so a read sums one short contiguous run.
+    """
+
+    rows: int
+    slots: int
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.slots < 1:
+            raise ValueError(f"a shared in-flight layout needs rows >= 1 and slots >= 1, got {self}")
+
+    @property
+    def int_cells(self) -> int:
+        return 2 * self.slots * self.rows + self.rows
+
+    @property
+    def size(self) -> int:
+        """Bytes the buffer must have."""
+        return 8 * (self.int_cells + self.slots * self.rows)
+
+    def views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
+        """The int64 and float64 cells of `buf`."""
+        if len(buf) < self.size:
+            raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
+        split = 8 * self.int_cells
+        return buf[:split].cast("q"), buf[split:self.size].cast("d")
+
+
+class SharedInflight(Inflight):
+    """One backend's in-flight work summed over every worker's row: what a policy reads.
+
+    Read-only: the owning `SharedInflightTable` writes its own row; `requests`, `tokens` and `queued` are
+    computed from the shared cells at each read."""
+
+    __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "slot")
+
+    def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int) -> None:
+        rows = layout.rows
+        self._ints = ints
+        self._floats = floats
+        self.slot = slot
+        self._req = slot * rows
+        self._end = self._req + rows
+        self._tok = layout.slots * rows + slot * rows
+        self._q = slot * rows
+        self._qend = self._q + rows
+
+    @property
+    def requests(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
+        return sum(self._ints[self._req:self._end])
+
+    @property
+    def tokens(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
+        start = self._tok
+        return sum(self._ints[start:start + self._end - self._req])
+
+    @property
+    def queued(self) -> float:
+        """Estimated uncached prefill tokens queued on the backend, over every worker."""
+        return sum(self._floats[self._q:self._qend])
+
+
+class SharedInflightTable(InflightTable):
+    """The in-flight table of one worker (`row`) of several sharing a buffer, or with `row=None` a
+    read-only view of all of them (the supervisor's: admin API, drains, metrics).
+
+    The mapping holds a `SharedInflight` for every backend that has a slot (`assign`, from the
+    supervisor), so `get`, `[]` and iteration are plain dict operations; their values sum every row.
+    `acquire`/`release` write the worker's own row. A backend without a slot (only when the supervisor ran
+    out of slots) is counted in this worker alone, like a single process.
+
+    The work ledger's part: `record_queued` keeps this worker's uncached-token estimates per backend and
+    publishes, after every change, the estimate for this worker's own live requests into its row, so the
+    policy of every worker reads the whole host's queued prefill from `SharedInflight.queued`.
+    """
+
+    def __init__(self, buf: memoryview, layout: SharedLayout, row: int | None, ledger_depth: int = 1024) -> None:
+        dict.__init__(self)
+        if row is not None and not 0 <= row < layout.rows:
+            raise ValueError(f"row {row} outside the layout's {layout.rows} rows")
+        self.layout = layout
+        self.row = row
+        self._ints, self._floats = layout.views(buf)
+        self._total_at = 2 * layout.slots * layout.rows
+        self._tok_off = layout.slots * layout.rows  # tokens[slot][row] - requests[slot][row]
+        self._total_cell = self._total_at + (row if row is not None else 0)
+        self._slots: dict[str, int] = {}
+        # This worker's own requests per backend: name -> (its requests cell (slot * rows + row), or -1
+        # when the backend has no slot; own Inflight). A backend's cell is fixed for as long as this worker
+        # has requests on it, so every release writes the very cell its acquire wrote, even across a slot
+        # map change.
+        self._own: dict[str, tuple[int, Inflight]] = {}
+        self._local_total = 0
+        self._ledger_depth = ledger_depth
+        self._ledger: dict[str, RecentWork] = {}
+
+    # -- reading
+
+    @property  # type: ignore[override]  # summed over the rows, not an attribute
+    def total_requests(self) -> int:
+        at = self._total_at
+        return sum(self._ints[at:at + self.layout.rows]) + self._local_total
+
+    @total_requests.setter
+    def total_requests(self, value: int) -> None:
+        raise AttributeError("a shared in-flight table's total is the sum of its rows")
+
+    def slots(self) -> dict[str, int]:
+        return dict(self._slots)
+
+    # -- the supervisor's slot map
+
+    def assign(self, slots: Mapping[str, int]) -> None:
+        """Follow the supervisor's backend name -> slot map (it changes with the backend set)."""
+        for name in [n for n in self._slots if n not in slots]:
+            del self._slots[name]
+            if name not in self._own:
+                self.pop(name, None)
+                self._ledger.pop(name, None)
+        for name, slot in slots.items():
+            if not 0 <= slot < self.layout.slots:
+                raise ValueError(f"slot {slot} of {name!r} outside the layout's {self.layout.slots} slots")
+            if self._slots.get(name) == slot and name in self:
+                continue
+            self._slots[name] = slot
+            held = self._own.get(name)
+            if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
+                self[name] = SharedInflight(self._ints, self._floats, self.layout, slot)
+
+    # -- this worker's row
+
+    def _writable_row(self) -> int:
+        if self.row is None:
+            raise RuntimeError("the supervisor's view of the shared in-flight table is read-only")
+        return self.row
+
+    def _hold(self, backend: str) -> tuple[int, Inflight]:
+        row = self._writable_row()
+        slot = self._slots.get(backend, -1)
+        own = Inflight()
+        if slot < 0 and backend not in self:
+            self[backend] = own
+        held = self._own[backend] = (slot * self.layout.rows + row if slot >= 0 else -1, own)
+        return held
+
+    def acquire(self, backend: str, tokens: int) -> None:
+        held = self._own.get(backend)
+        if held is None:
+            held = self._hold(backend)
+        i, own = held
+        own.requests += 1
+        own.tokens += tokens
+        if i < 0:
+            self._local_total += 1
+            return
+        ints = self._ints
+        ints[i] = own.requests
+        ints[i + self._tok_off] = own.tokens
+        ints[self._total_cell] += 1
+        recent = self._ledger.get(backend)
+        if recent is not None:
+            self._floats[i] = recent.estimate(own.requests, own.tokens)
+
+    def release(self, backend: str, tokens: int) -> None:
+        held = self._own[backend]
+        i, own = held
+        own.requests -= 1
+        own.tokens -= tokens
+        if i < 0:
+            self._local_total -= 1
+        else:
+            ints = self._ints
+            ints[i] = own.requests
+            ints[i + self._tok_off] = own.tokens
+            ints[self._total_cell] -= 1
+            recent = self._ledger.get(backend)
+            if recent is not None:
+                self._floats[i] = recent.estimate(own.requests, own.tokens)
+        if own.requests <= 0:
+            self._unhold(backend, i)
+
+    def _unhold(self, backend: str, cell: int) -> None:
+        del self._own[backend]
+        slot = self._slots.get(backend)
+        if slot is None:  # removed from the fleet while this worker still had work on it
+            self.pop(backend, None)
+            self._ledger.pop(backend, None)
+        elif cell < 0 or cell != slot * self.layout.rows + (self.row or 0):
+            self[backend] = SharedInflight(self._ints, self._floats, self.layout, slot)
+
+    def record_queued(self, backend: str, tokens: float) -> None:
+        """The work ledger's `record` for this worker: the estimated uncached prompt tokens of a request
+        just routed to `backend` (its acquire follows)."""
+        recent = self._ledger.get(backend)
+        if recent is None:
+            recent = self._ledger[backend] = RecentWork(self._ledger_depth)
+        recent.append(tokens)
+        held = self._own.get(backend)
+        if held is not None and held[0] >= 0:
+            self._floats[held[0]] = recent.estimate(held[1].requests, held[1].tokens)
+
+    def queued_local(self, backend: str) -> float:
+        """The queued prefill of a backend counted in this worker only (no slot): the ledger's estimate."""
+        held = self._own.get(backend)
+        recent = self._ledger.get(backend)
+        if held is None or recent is None:
+            return 0.0
+        return recent.estimate(held[1].requests, held[1].tokens)
+
+
+def clear_row(buf: memoryview, layout: SharedLayout, row: int) -> None:
+    """Zero one worker's row (it died: its requests died with it)."""
+    ints, floats = layout.views(buf)
+    rows = layout.rows
+    for slot in range(layout.slots):
+        i = slot * rows + row
+        ints[i] = 0
+        ints[layout.slots * rows + i] = 0
+        floats[i] = 0.0
+    ints[2 * layout.slots * rows + row] = 0
+
+
+def slot_is_idle(buf: memoryview, layout: SharedLayout, slot: int) -> bool:
+    """No worker has anything in flight or queued in `slot` (it may be given to another backend)."""
+    ints, floats = layout.views(buf)
+    rows = layout.rows
+    a = slot * rows
+    b = layout.slots * rows + a
+    return not any(ints[a:a + rows]) and not any(ints[b:b + rows]) and not any(floats[a:a + rows])

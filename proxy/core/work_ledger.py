@@ -11,16 +11,22 @@ So the policy remembers, per backend, the estimated *uncached* prompt tokens of 
 there, newest last, and reads the live count from `Inflight`: with k requests still in flight, the
 newest k entries are the ones most likely still waiting for or doing their prefill (engines finish
 prefills in arrival order; the oldest live requests are usually decoding). Live requests this policy did
-not record (another worker's, or from before a restart) count at the data plane's own per-request
-average. Pure and bounded: no clock, at most `depth` entries per backend.
+not record (from before a restart) count at the data plane's own per-request average. Pure and bounded:
+no clock, at most `depth` entries per backend.
+
+With `--workers N` the in-flight mapping is a `SharedInflightTable` (proxy/core/inflight.py): `record`
+also hands the estimate to it, each worker publishes the same estimate for its own live requests into its
+row of the shared block, and `pending` reads the sum over every worker (`SharedInflight.queued`), so the
+cost check sees the prefill every worker has queued on a backend, as one process would.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
+from typing import Mapping
 
 from proxy.core.decision import Inflight
+from proxy.core.inflight import SharedInflight, SharedInflightTable, newest_sum
 
 
 class WorkLedger:
@@ -34,24 +40,23 @@ class WorkLedger:
         self._depth = depth
         self._entries: dict[str, deque[float]] = {}
 
-    def record(self, backend: str, tokens: float) -> None:
+    def record(self, backend: str, tokens: float, inflight: Mapping[str, Inflight] | None = None) -> None:
+        """Remember a request routed to `backend`; `inflight` is the mapping the policy picked with (a
+        shared one learns the estimate too)."""
         entries = self._entries.get(backend)
         if entries is None:
             entries = self._entries[backend] = deque(maxlen=self._depth)
         entries.append(tokens)
+        if isinstance(inflight, SharedInflightTable) and inflight.row is not None:
+            inflight.record_queued(backend, tokens)
 
     def pending(self, backend: str, inflight: Inflight | None) -> float:
         """Estimated prefill tokens still ahead of a new request on `backend`."""
-        if inflight is None or inflight.requests <= 0:
+        if inflight is None:
             return 0.0
-        live = inflight.requests
-        entries = self._entries.get(backend)
-        known = 0 if entries is None else min(live, len(entries))
-        total = sum(islice(reversed(entries), known)) if known else 0.0  # type: ignore[arg-type]
-        if live > known:
-            per_request = inflight.tokens / inflight.requests if inflight.tokens > 0 else (total / known if known else 0.0)
-            total += (live - known) * per_request
-        return total
+        if isinstance(inflight, SharedInflight):
+            return inflight.queued
+        return newest_sum(self._entries.get(backend), inflight.requests, inflight.tokens)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import AffinityProxy
 from proxy.cli import build_parser
 from proxy.config import load_config, parse_config
-from proxy.multiproc.serve import Supervisor
+from proxy.multiproc.supervisor import Supervisor
 from tests.deploy.files import (
     DOCKER,
     DEPLOY,

@@ -4,26 +4,18 @@ reuseport listeners and the channel framing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 import socket
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.core.snapshot import BackendSpec, Snapshot
-from proxy.multiproc.serve import (
-    FamilyData,
-    PublishSnapshot,
-    _cgroup_cpu_quota,
-    default_worker_count,
-    families_of,
-    merge_families,
-    read_message,
-    render,
-    reserve_port,
-    retire,
-    write_message,
-)
+from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
+from proxy.multiproc.channel import PublishSnapshot, read_message, write_message
+from proxy.multiproc.cpus import _cgroup_cpu_quota, default_worker_count
+from proxy.multiproc.metrics_merge import FamilyData, families_of, merge_families, render, retire
+from proxy.multiproc.serve import reserve_port
 
 
 def _process_registry(requests: int, inflight: int, version: int, routable: float) -> CollectorRegistry:
@@ -48,7 +40,7 @@ def _values(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def test_merge_sums_counters_histograms_and_keeps_supervisor_state() -> None:
-    # The supervisor mirrors the workers' in-flight sum (InflightReport), so its value is the proxy's.
+    # The supervisor reads the workers' in-flight sum from the shared load block, so its value is the proxy's.
     supervisor = families_of(_process_registry(requests=0, inflight=3, version=7, routable=0))
     w1 = families_of(_process_registry(requests=3, inflight=2, version=6, routable=1))
     w2 = families_of(_process_registry(requests=5, inflight=1, version=7, routable=1))
@@ -169,7 +161,7 @@ async def test_channel_round_trips_a_snapshot() -> None:
 
 async def test_readiness_holds_while_any_worker_serves() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.multiproc.serve import Supervisor
+    from proxy.multiproc.supervisor import Supervisor
 
     store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
@@ -181,17 +173,32 @@ async def test_readiness_holds_while_any_worker_serves() -> None:
         ("ready", 1), ("starting", 1)}
 
 
-def test_supervisor_sums_worker_inflight_reports_and_forgets_dead_workers() -> None:
+def test_supervisor_reads_the_workers_rows_and_clears_a_dead_workers_row() -> None:
     from proxy.control.store import SnapshotStore
-    from proxy.multiproc.serve import Supervisor
+    from proxy.multiproc.supervisor import Supervisor
 
-    store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1")]))
+    store = SnapshotStore(Snapshot.initial([BackendSpec("gpu-0", "http://127.0.0.1:1"),
+                                            BackendSpec("gpu-1", "http://127.0.0.1:2")]))
     supervisor = Supervisor(None, store, 2, {}, drain_s=1.0)
-    supervisor._inflight_reports = {0: {"gpu-0": (2, 200), "gpu-1": (1, 50)}, 1: {"gpu-0": (3, 300)}}
-    supervisor._sum_inflight()
+    # What two workers would write into their rows of the same block.
+    w0, w1 = supervisor.load.table(0), supervisor.load.table(1)
+    for t in (w0, w1):
+        t.assign(supervisor.slot_map.slots)
+    w0.acquire("gpu-0", 100)
+    w0.acquire("gpu-0", 100)
+    w0.acquire("gpu-1", 50)
+    for _ in range(3):
+        w1.acquire("gpu-0", 100)
     assert (supervisor.inflight["gpu-0"].requests, supervisor.inflight["gpu-0"].tokens) == (5, 500)
     assert supervisor.inflight.total_requests == 6
-    del supervisor._inflight_reports[0]
-    supervisor._sum_inflight()
+    supervisor.load.clear_row(0)  # worker 0 died: its requests died with it
     assert supervisor.inflight["gpu-1"].requests == 0 and supervisor.inflight["gpu-0"].requests == 3
     assert supervisor.inflight.total_requests == 3
+    # A backend added at run time gets a slot, and the supervisor's view follows it.
+    store.update(lambda snap: snap.evolve([*snap.backends, _renamed(snap.backends[0], "gpu-2")]))
+    assert "gpu-2" in supervisor.slot_map.slots and "gpu-2" in supervisor.inflight
+    assert len(set(supervisor.slot_map.slots.values())) == 3
+
+
+def _renamed(state: BackendState, name: str) -> BackendState:
+    return dataclasses.replace(state, spec=dataclasses.replace(state.spec, name=name))

@@ -1,0 +1,192 @@
+"""One data-plane worker process: `python -m proxy.multiproc.worker --channel-fd FD --index I`, started by
+the supervisor (proxy/multiproc/supervisor.py), never by users. It serves the shared listeners with
+SO_REUSEPORT, routes on the snapshots the supervisor publishes and reports back up the channel."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any, Callable, Sequence
+
+from proxy.control.store import SnapshotStore
+from proxy.core.snapshot import Snapshot
+from proxy.multiproc.channel import (
+    ApplyConfig,
+    BackendChanges,
+    CollectMetrics,
+    MetricsReply,
+    OrcaReports,
+    Outcomes,
+    PublishSnapshot,
+    WorkerInit,
+    WorkerReady,
+    read_message,
+    write_message,
+)
+from proxy.multiproc.metrics_merge import families_of
+from proxy.multiproc.shared_load import SharedLoad
+
+log = logging.getLogger("affinity_proxy.workers")
+
+
+class WorkerStore(SnapshotStore):
+    """A worker's store: the supervisor's snapshots come in through `publish`; a data-plane `update` (the
+    gRPC admin service setting a weight or draining a backend) applies locally at once, so the caller sees
+    its effect, and is forwarded to the supervisor, whose next snapshot carries it to every worker. Without
+    the forward, such a write would hold in one worker only until the supervisor's next snapshot."""
+
+    def __init__(self, initial: Snapshot, forward: Callable[[dict[str, dict[str, Any]]], None]) -> None:
+        super().__init__(initial)
+        self._forward = forward
+
+    def update(self, change: Callable[[Snapshot], Snapshot]) -> Snapshot:
+        current = self.current
+        proposed = change(current)
+        changes: dict[str, dict[str, Any]] = {}
+        for b in proposed.backends:
+            old = current.get(b.name)
+            if old is None or old == b:
+                continue
+            changes[b.name] = {
+                f.name: getattr(b, f.name) for f in dataclasses.fields(b) if getattr(b, f.name) != getattr(old, f.name)
+            }
+        if set(proposed.names) != set(current.names):
+            log.warning("a worker cannot add or remove backends; only the supervisor's membership does")
+        if changes:
+            self._forward(changes)
+        return self.publish(proposed)
+
+
+def _apply(store: SnapshotStore, snapshot: Snapshot) -> None:
+    """Publish the supervisor's snapshot in this worker.
+
+    Versions come from the supervisor and only grow, so the usual case is a plain publish. Equal versions
+    are the same snapshot (the initial one, or a resend after a restart). A lower version can only follow a
+    local publish in this worker; the supervisor's view wins, re-versioned above the local one so the store
+    keeps its "versions only increase" rule.
+    """
+    current = store.current
+    if snapshot.version > current.version:
+        store.publish(snapshot)
+    elif snapshot.version < current.version:
+        store.publish(Snapshot(version=current.version + 1, backends=snapshot.backends))
+
+
+def _with_ports(config: Any, listeners: dict[str, tuple[str, int]]) -> Any:
+    """The worker's config with the ports the supervisor resolved (port 0 becomes the same real port)."""
+    changes: dict[str, Any] = {}
+    if "http" in listeners:
+        changes["listen"] = dataclasses.replace(config.listen, port=listeners["http"][1])
+    if "grpc" in listeners and config.grpc_listen is not None:
+        changes["grpc_listen"] = dataclasses.replace(config.grpc_listen, port=listeners["grpc"][1])
+    return dataclasses.replace(config, **changes)
+
+
+class _Batch:
+    """Reports sent up the channel as one message per event-loop turn, however many requests made them."""
+
+    def __init__(self, writer: asyncio.StreamWriter, message: Callable[[list[Any]], object]) -> None:
+        self._writer = writer
+        self._message = message
+        self._items: list[Any] = []
+
+    def add(self, item: Any) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._items.append(item)
+
+    def _flush(self) -> None:
+        items, self._items = self._items, []
+        write_message(self._writer, self._message(items))
+
+
+async def _worker(channel_fd: int, shared_fd: int) -> int:
+    from proxy.app import AffinityProxy
+
+    reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=channel_fd))
+    init = await read_message(reader)
+    if not isinstance(init, WorkerInit):
+        raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
+    store = WorkerStore(init.snapshot, lambda changes: write_message(writer, BackendChanges(changes)))
+    # This worker's row of the host-wide load block: its policy routes on every worker's in-flight work.
+    inflight = SharedLoad.attach(shared_fd, init.shared).table(init.index)
+    inflight.assign(init.slots)
+    proxy = AffinityProxy(
+        _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight
+    )
+    outcomes = _Batch(writer, Outcomes)
+    proxy.router.on_outcome = lambda name, outcome: outcomes.add((name, outcome))
+
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def channel() -> None:
+        try:
+            while True:
+                message = await read_message(reader)
+                if isinstance(message, PublishSnapshot):
+                    if message.slots is not None:
+                        inflight.assign(message.slots)
+                    _apply(proxy.store, message.snapshot)
+                elif isinstance(message, ApplyConfig):
+                    proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
+                elif isinstance(message, CollectMetrics):
+                    write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            # The supervisor is gone: nobody will restart us or feed us snapshots. Drain and leave rather
+            # than serve on a frozen view of the fleet.
+            log.error("worker %d lost its supervisor: draining", init.index)
+            stop.set()
+
+    await proxy.start()
+    telemetry = init.config.telemetry
+    if telemetry.enabled and telemetry.orca and proxy.http is not None:
+        # The supervisor's poller folds ORCA reports into the snapshot (workers run no poller): the data
+        # plane asks backends for them and this forwards what they send (the HTTP/2 bridge uses the same hook).
+        orca = _Batch(writer, OrcaReports)
+        proxy.http.load_report = lambda name, header: orca.add((name, header))
+    reading = asyncio.create_task(channel(), name="worker-channel")
+    write_message(writer, WorkerReady(init.index, os.getpid()))
+    await writer.drain()
+    await stop.wait()
+    await proxy.stop()
+    reading.cancel()
+    writer.close()
+    return 0
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m proxy.multiproc.worker --channel-fd FD --shared-fd FD --index I`: what the supervisor starts, never users."""
+    parser = argparse.ArgumentParser(prog="python -m proxy.multiproc.worker")
+    parser.add_argument("--channel-fd", type=int, required=True)
+    parser.add_argument("--shared-fd", type=int, required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    # Ctrl-C in a terminal reaches the whole process group; the supervisor turns it into an orderly SIGTERM
+    # of every worker, so the workers themselves ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGHUP means "reload" to the supervisor, which forwards the result; a hang-up of the whole process
+    # group must not kill the workers (its default action).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s",
+    )
+    import uvloop
+
+    return uvloop.run(_worker(args.channel_fd, args.shared_fd))
+
+
+if __name__ == "__main__":
+    # Run the imported module's copy, not this __main__ one, so that there is one module state in the
+    # process (the channel's message classes live in proxy.multiproc.channel either way).
+    from proxy.multiproc.worker import worker_main as _worker_main
+
+    sys.exit(_worker_main())
