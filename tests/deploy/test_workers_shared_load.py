@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.deploy.procs import AFFINITY_PROXY, ProxyProcess, owner_of_connection, post_json, start_proxy
-from tests.http.fakes import FakeBackend
+from tests.support import FakeBackend
 
 _VLLM_PAGE = (
     "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"fake-model\"} 0\n"
