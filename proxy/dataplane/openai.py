@@ -51,6 +51,7 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 ORCA_ASK = ((ORCA_FORMAT_HEADER.encode(), b"TEXT"),)
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 class InboundRequest:
@@ -92,10 +93,10 @@ class Answer:
         self.close = close  # close the connection after it (HTTP/1.1: the rest of an oversized body is unread)
 
 
-class Responder(Protocol[T]):
+class Responder(Protocol[T_co]):
     """How one protocol writes an answer to its client. `T` is what its handler returns."""
 
-    async def send(self, answer: Answer) -> T:
+    async def send(self, answer: Answer) -> T_co:
         """A whole answer (status, headers and body at once)."""
 
     async def start(self, up: Exchange, headers: CIMultiDict[str]) -> None:
@@ -106,10 +107,10 @@ class Responder(Protocol[T]):
 
     async def write(self, data: bytes) -> None: ...
 
-    async def end(self) -> T:
+    async def end(self) -> T_co:
         """The stream is complete."""
 
-    async def abort(self) -> T:
+    async def abort(self) -> T_co:
         """The stream broke and cannot carry an error event: end it so the client sees a failure."""
 
     def gone(self) -> bool:

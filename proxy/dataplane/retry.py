@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.core.decision import NoBackendAvailable
@@ -102,7 +102,7 @@ class Attempts:
         if controller is not None:
             controller.on_request()  # counts toward the shared retry budget
 
-    def retry(self, failure: RetryableFailure[object], tried: frozenset[str]) -> float | None:
+    def retry(self, failure: RetryableFailure[Any], tried: frozenset[str]) -> float | None:
         """After attempt `count` failed before the first byte on the backends `tried`: the backoff (s)
         before the next attempt, or None when the policy, the attempts left or the budget say no."""
         controller = self.controller

@@ -274,9 +274,11 @@ class Call:
         # client should back off; everything else (503) is UNAVAILABLE. Both carry grpc-retry-pushback-ms,
         # gRPC's Retry-After: a client with a retry policy waits that long before its next attempt (the
         # HTTP data plane's Retry-After values: overload.retry_after_s, or 1 s when no backend is up).
-        overloaded = isinstance(err, Overloaded)
-        code = RESOURCE_EXHAUSTED if overloaded and err.status == 429 else UNAVAILABLE
-        pushback_s = err.retry_after_s if overloaded else NO_BACKEND_PUSHBACK_S
+        if isinstance(err, Overloaded):
+            code = RESOURCE_EXHAUSTED if err.status == 429 else UNAVAILABLE
+            pushback_s: float = err.retry_after_s
+        else:
+            code, pushback_s = UNAVAILABLE, NO_BACKEND_PUSHBACK_S
         self.fail(code, f"no backend available: {err}" if str(err) else "no backend available",
                   ((b"grpc-retry-pushback-ms", str(int(pushback_s * 1000)).encode()),))
 

@@ -46,6 +46,8 @@ class BackendStream(Protocol):
 
     def flush_up(self) -> None: ...
 
+    def flush_down(self) -> None: ...
+
 
 class ClientConnection(Protocol):
     """The client connection as its streams write to it."""

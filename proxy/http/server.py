@@ -154,7 +154,9 @@ class _AiohttpResponder:
             return resp
         if request.method != "HEAD" and answer.status >= 200 and answer.status not in (204, 304) and \
                 request.version == HttpVersion11:
-            return _RawResponse(answer.status, answer.reason, answer.headers, answer.body, request.keep_alive)
+            # Duck-typed: aiohttp's handler needs only prepare, write_eof and keep_alive (see _RawResponse).
+            return _RawResponse(  # type: ignore[return-value]
+                answer.status, answer.reason, answer.headers, answer.body, request.keep_alive)
         return web.Response(status=answer.status, reason=answer.reason, body=answer.body, headers=answer.headers)
 
     async def start(self, up: Exchange, headers: CIMultiDict[str]) -> None:
