@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 from http import HTTPStatus
-from typing import Any, Callable, Generic, Protocol, TypeVar, Union
+from typing import Any, Callable, Generic, Protocol, TypeVar
 
 import aiohttp
 from multidict import CIMultiDict
@@ -164,9 +164,6 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
-Summarised = Union[RequestSummary, Answer]
-
-
 class OpenAIPipeline(Generic[T]):
     """One per process, shared by every HTTP listener. Dependencies come in here and nowhere else."""
 
@@ -198,7 +195,7 @@ class OpenAIPipeline(Generic[T]):
         return error_answer(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes",
                             "invalid_request_error", "body_too_large", request_id=request_id, close=True)
 
-    def summarise(self, req: InboundRequest) -> Summarised:
+    def summarise(self, req: InboundRequest) -> RequestSummary | Answer:
         """The routing inputs of `req`, or the 400 answer its body earns."""
         if req.method != "POST" or req.path not in ROUTED_ENDPOINTS:
             return RequestSummary(prompt="", endpoint=req.path, session_key=req.session_key)
@@ -318,18 +315,15 @@ class OpenAIPipeline(Generic[T]):
             lease.status = 502
             if not responder.gone():  # a write to a departed client says nothing about the backend
                 lease.outcome = Outcome.STREAM_FAILURE
-            log.warning("backend %s failed mid-stream: %r", backend_name(lease), exc)
+            name = lease.backend.name
+            log.warning("backend %s failed mid-stream: %r", name, exc)
             if not sse:
                 return await responder.abort()
             await responder.write(sse_error_event(
-                f"The backend {backend_name(lease)} failed while streaming: {type(exc).__name__}",
+                f"The backend {name} failed while streaming: {type(exc).__name__}",
                 "upstream_stream_error",
             ))
         return await responder.end()
-
-
-def backend_name(lease: Lease) -> str:
-    return lease.backend.name
 
 
 def _declared_length(raw_headers: list[tuple[bytes, bytes]]) -> int | None:

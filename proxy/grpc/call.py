@@ -6,8 +6,9 @@ Life of a call (`Call`):
    extractor, or END_STREAM, or `first_message_timeout_s`). Held bytes are acknowledged to the client as
    they arrive, bounded by `max_routing_message_bytes`.
 2. ROUTE: the extractor for the method reads routing inputs off a copy of the message (decompressed for
-   routing when ``grpc-encoding`` says so) into a `RequestSummary`; the shared router step picks a
-   backend; the in-flight table is charged.
+   routing when ``grpc-encoding`` says so) into a `RequestSummary`; a `Lease` of the shared router
+   (proxy/dataplane/router.py) picks a backend with a gRPC address and holds its in-flight slot, exactly
+   as for HTTP: one token formula, one duration (from the HEADERS), one outcome rule.
 3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent), then
    every DATA frame in order, each direction under the receiver's flow-control window. Data received
    from one side is acknowledged (WINDOW_UPDATE) only once it has been handed to the other side, so a
@@ -15,8 +16,10 @@ Life of a call (`Call`):
    window per stream.
 4. END: trailers (or END_STREAM) from the backend end the client stream; a reset on either side resets
    the other; a backend reset or crash gives the client ``UNAVAILABLE`` with a message. If the backend
-   connection fails before any response byte, the call is sent once more to another backend (its
-   request bytes are kept for that, up to `replay_buffer_bytes`).
+   connection fails before any response byte (the first response HEADERS or DATA to the client), the
+   call goes to another backend as the shared retry policy allows (`retries:`, proxy/dataplane/retry.py
+   `Attempts`; its request bytes are kept for that, up to `replay_buffer_bytes`). Each attempt's lease
+   is finished on its own, so a retried call is accounted to every backend it touched.
 """
 
 from __future__ import annotations
