@@ -9,7 +9,8 @@ Life of a call (`Call`):
    routing when ``grpc-encoding`` says so) into a `RequestSummary`; a `Lease` of the shared router
    (proxy/dataplane/router.py) picks a backend with a gRPC address and holds its in-flight slot, exactly
    as for HTTP: one token formula, one duration (from the HEADERS), one outcome rule.
-3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent), then
+3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent, an
+   ``x-request-id`` added when the client sent none, as for HTTP), then
    every DATA frame in order, each direction under the receiver's flow-control window. Data received
    from one side is acknowledged (WINDOW_UPDATE) only once it has been handed to the other side, so a
    slow reader holds back its writer through HTTP/2 flow control and the proxy buffers at most one
@@ -36,6 +37,7 @@ import h2.exceptions
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.health import Outcome
 from proxy.core.request import RequestSummary
+from proxy.dataplane.request_ids import new_request_id
 from proxy.dataplane.retry import Attempts, RetryableFailure
 from proxy.dataplane.router import Lease, Overloaded
 from proxy.grpc.context import CLIENT_CHOSEN, RelayContext, http_status_for
@@ -63,7 +65,7 @@ class Call:
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "lease",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
         "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "timer", "route_key", "summary",
-        "grpc_status", "failure", "admission", "deadline", "holding",
+        "grpc_status", "failure", "admission", "deadline", "holding", "request_id",
     )
 
     def __init__(self, ctx: RelayContext, down: ClientConnection, holding: list["Call"], sid: int,
@@ -80,11 +82,19 @@ class Call:
         self.timeout: float | None = None
         self.encoding = b"identity"
         self.route_key: str | None = None
+        request_id: bytes | None = None
         for name, value in headers:
             if name == b"grpc-timeout":
                 self.timeout = wire.parse_timeout(value)
             elif name == b"grpc-encoding":
                 self.encoding = value
+            elif name == b"x-request-id":
+                request_id = value
+        if request_id is None:
+            # As for HTTP: the backend gets an x-request-id, from the one id source of every protocol.
+            request_id = new_request_id().encode("ascii")
+            self.headers = [*headers, (b"x-request-id", request_id)]
+        self.request_id = request_id.decode("latin-1")
         self.state = _HOLD
         self.held = bytearray()
         self.client_ended = False
@@ -482,7 +492,7 @@ class Call:
         self.state = _WAIT_CONN
         ctx.retried += 1
         self.retry_reason = reason
-        log.info("retrying call %s on another backend: %s", self.path, reason)
+        log.info("retrying call %s (request %s) on another backend: %s", self.path, self.request_id, reason)
         if delay > 0:
             self.timer = asyncio.get_running_loop().call_later(delay, self._retry_now)
         else:

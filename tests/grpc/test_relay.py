@@ -271,3 +271,18 @@ async def test_retries_follow_the_shared_retry_policy(fleet: Fleet, make_proxy, 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "cannot connect to backend sim-0" in info.value.details()
     assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retried == 0
+
+
+async def test_calls_carry_a_request_id_to_the_backend(echoes: list[EchoBackend], make_proxy, channel_to) -> None:
+    """As over HTTP: a client's x-request-id is kept; without one the proxy adds a process-unique id."""
+    proxy = await make_proxy(echo_entries(echoes))
+    call = stubs.generate(channel_to(proxy_address(proxy)))
+    ids = set()
+    for _ in range(20):
+        c = call(_req())
+        await c
+        ids.add(dict(await c.initial_metadata())["echo-x-request-id"])
+    assert len(ids) == 20 and all(len(i) == 32 for i in ids)
+    c = call(_req(), metadata=(("x-request-id", "client-chosen-1"),))
+    await c
+    assert dict(await c.initial_metadata())["echo-x-request-id"] == "client-chosen-1"
