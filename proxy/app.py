@@ -24,7 +24,8 @@ Hook points for the other subsystems (use these names; wire new ones in `_instal
                        and their `stop()` must drain within `config.timeouts.drain_s`.
   - `proxy.add_task(name, coro_fn)`  a coroutine that runs for the proxy's lifetime and is cancelled on stop.
   - `proxy.session`    an aiohttp ClientSession (after `start()`) for the proxy's own calls (health checks...).
-  - `proxy.upstream`   the data plane's UpstreamPool (after `start()`): `close_idle(url)` when a backend leaves.
+  - `proxy.upstream`   the data plane's UpstreamPool (started by `start()`): `close_idle(url)` when a backend leaves.
+  - `proxy.openai`     the OpenAI pipeline (proxy/dataplane/openai.py) both HTTP listeners hand requests to.
 """
 
 from __future__ import annotations
