@@ -7,6 +7,10 @@
     control-plane services (poller, health checks, reload, discovery) publish into the store
     admin listener: /metrics, /admin/backends, /healthz (+ write endpoints added to `admin_app`)
 
+Every part gets what it uses in its constructor, built here in dependency order (store, metrics, health
+monitor and overload queue, router, resilience, relay pool, OpenAI pipeline, listeners); nothing is
+wired by assigning attributes afterwards, and no part is handed this object.
+
 Hook points for the other subsystems (use these names; wire new ones in `_install_subsystems`):
   - `proxy.store`      SnapshotStore: control-plane tasks `publish`/`update` new snapshots here.
   - `proxy.router`     Router: data planes do `async with proxy.router.route(summary) as lease:`.
@@ -20,7 +24,8 @@ Hook points for the other subsystems (use these names; wire new ones in `_instal
                        and their `stop()` must drain within `config.timeouts.drain_s`.
   - `proxy.add_task(name, coro_fn)`  a coroutine that runs for the proxy's lifetime and is cancelled on stop.
   - `proxy.session`    an aiohttp ClientSession (after `start()`) for the proxy's own calls (health checks...).
-  - `proxy.upstream`   the data plane's UpstreamPool (after `start()`): `close_idle(url)` when a backend leaves.
+  - `proxy.upstream`   the data plane's UpstreamPool (started by `start()`): `close_idle(url)` when a backend leaves.
+  - `proxy.openai`     the OpenAI pipeline (proxy/dataplane/openai.py) both HTTP listeners hand requests to.
 """
 
 from __future__ import annotations
@@ -30,27 +35,34 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Literal, Protocol
+from typing import Any, Awaitable, Callable, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from proxy.admin import build_admin_app
 from proxy.config import Config
+from proxy.control.checks import HealthMonitor
+from proxy.control.membership import close_idle_connections
 from proxy.control.poller import Poller
+from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
+from proxy.core.decision import Outcome
+from proxy.core.inflight import InflightTable
 from proxy.core.registry import build_policy
-from proxy.core.snapshot import Snapshot
+from proxy.core.snapshot import BackendSpec, Snapshot
+from proxy.dataplane.admission import AdmissionQueue
+from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.router import Router
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
-from proxy.upstream.http1 import UpstreamPool
-from proxy.upstream.factory import create_pool, create_session
-from proxy.resilience import Resilience
-from proxy.core.inflight import InflightTable
+from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
 from proxy.metrics import ProxyMetrics
+from proxy.resilience import Resilience, panic_view
+from proxy.upstream.factory import create_pool, create_session
+from proxy.upstream.http1 import UpstreamPool
 
 log = logging.getLogger("affinity_proxy")
 
@@ -75,8 +87,13 @@ class AffinityProxy:
     def __init__(
         self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all",
         config_path: str | None = None, store: SnapshotStore | None = None, inflight: InflightTable | None = None,
+        on_outcome: Callable[[str, Outcome], None] | None = None,
+        load_report: Callable[[str, str], None] | None = None,
     ) -> None:
-        self.config = config
+        """`on_outcome`: where passive outlier reports go; default: this process's health monitor (role
+        "all"). `load_report`: where the ORCA load reports that backends attach to answers go; default: this
+        process's telemetry poller, when `telemetry.orca` is on. A --workers data process passes its channel
+        to the supervisor for both (workers run no monitor and no poller)."""
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/multiproc/serve.py)
         # "all": one process does everything. With --workers N (proxy/multiproc/serve.py) the supervisor runs
         # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
@@ -85,25 +102,31 @@ class AffinityProxy:
         self.config_path = config_path  # the file hot reload re-reads (SIGHUP, file change, POST /admin/reload)
         # A worker process passes its own store (proxy/multiproc/serve.py) so that data-plane writes reach the supervisor.
         self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
-        self.policy = policy if policy is not None else build_policy(config.routing)
         # A worker of --workers N passes its row of the host-wide table (proxy/multiproc/shared_load.py).
         self.inflight = inflight if inflight is not None else InflightTable()
         self.metrics = ProxyMetrics()
         self.metrics.watch(self.store, self.inflight)
-        self.router = Router(
-            self.store, self.policy, self.inflight, self.metrics, max_inflight_total=config.limits.max_inflight_total
-        )
         self.admin_token = config.admin.resolved_token()
         self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
         self.session: aiohttp.ClientSession | None = None
-        self.upstream: UpstreamPool | None = None
+        # The data plane's relay pool: requests of every HTTP version go through it (started in start()).
+        self.upstream: UpstreamPool = create_pool(config, self.metrics.upstream)
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
         self._http_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._started = False
-        self._install_subsystems()
+        self._install_subsystems(config, policy, on_outcome)
+
+    @property
+    def config(self) -> Config:
+        """The configuration in force (a hot reload replaces it)."""
+        return self.resilience.config
+
+    @property
+    def policy(self) -> Policy:
+        return self.router.policy
 
     # ------------------------------------------------------------------------------------------ hooks
 
@@ -117,27 +140,73 @@ class AffinityProxy:
             raise RuntimeError("tasks must be added before start()")
         self._tasks.append(_Task(name, factory))
 
-    def _install_subsystems(self) -> None:
-        """Where optional subsystems are wired from the config (telemetry poller, health checks, reload,
-        discovery, the gRPC listener): one guarded line each, e.g.
-        ``if self.config.grpc_listen is not None: self.add_service(GrpcListener(self), data_plane=True)``."""
+    def _install_subsystems(self, config: Config, policy: Policy | None,
+                            on_outcome: Callable[[str, Outcome], None] | None) -> None:
+        """Where the parts are built from the config, each given what it uses, in dependency order;
+        optional subsystems (telemetry poller, the gRPC listener) are one guarded block each."""
+        data = self.role != "control"
+        control = self.role != "data"
         # Telemetry: the poller is a control-plane service (the supervisor's, with --workers); data-only
         # workers get their snapshots from the supervisor, so they neither poll nor fold in ORCA reports.
         self.telemetry: Poller | None = None
         self.telemetry_metrics = TelemetryMetrics(self.metrics.registry)
         self.metrics.register_collector(self.telemetry_metrics.snapshot_collector(self.store, time.monotonic))
-        if self.config.telemetry.enabled and self.role != "data":
-            self.telemetry = Poller(self.store, self.config.telemetry, metrics=self.telemetry_metrics)
+        if config.telemetry.enabled and control:
+            self.telemetry = Poller(self.store, config.telemetry, metrics=self.telemetry_metrics)
             self.add_service(self.telemetry)
-        # gRPC/h2c listener (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
-        self.grpc: GrpcListener | None = None
-        if self.config.grpc_listen is not None and self.role != "control":
-            self.grpc = GrpcListener(self)
-            self.add_service(self.grpc, data_plane=True)
+        # Resilience's data-plane pieces go into the router: saturation thresholds, panic routing, the
+        # overload queue and the passive outlier reports (proxy/resilience.py owns them on reload).
+        resilience_metrics = ResilienceMetrics(self.metrics.registry)
+        monitor = HealthMonitor(self.store, config.health_checks, config.outlier_detection, metrics=resilience_metrics)
+        queue = AdmissionQueue(config.overload, resilience_metrics)
+        if on_outcome is None and self.role == "all":
+            on_outcome = monitor.report
+        self.router = Router(
+            self.store, policy if policy is not None else build_policy(config.routing), self.inflight, self.metrics,
+            max_inflight_total=config.limits.max_inflight_total,
+            overload=config.overload if data else None,
+            panic=panic_view(config.overload, monitor) if data else None,
+            queue=queue if data else None,
+            on_outcome=on_outcome if data else None,
+        )
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
-        self.resilience = Resilience(self, self.config_path)
+        self.resilience = Resilience(
+            config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
+            metrics=resilience_metrics, build_policy=build_policy, close_idle=self._close_idle,
+            control=control, data=data, admin_app=self.admin_app if control else None,
+            admin_token=self.admin_token, config_path=self.config_path,
+        )
+        # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
+        orca = load_report
+        if orca is None and self.telemetry is not None and config.telemetry.orca:
+            orca = self.telemetry.observe_orca
+        self.openai: OpenAIPipeline[Any] = OpenAIPipeline(
+            self.router, self.upstream, self.metrics, retries=self.resilience.retries if data else None,
+            load_report=orca, debug_headers=config.debug_headers, max_body_bytes=config.limits.max_body_bytes,
+            session_header=config.routing.session_header,
+        )
+        # gRPC/h2c listener (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
+        self.grpc: GrpcListener | None = None
+        if config.grpc_listen is not None and data:
+            self.grpc = GrpcListener(
+                config.grpc_listen.host, config.grpc_listen.port, config.grpc,
+                router=self.router, retries=self.resilience.retries, openai=self.openai,
+                store=self.store, inflight=self.inflight, admin_token=self.admin_token,
+                connect_timeout_s=config.timeouts.connect_s, drain_s=config.timeouts.drain_s,
+                reuse_port=self.reuse_port,
+            )
+            self.add_service(self.grpc, data_plane=True)
         self.add_service(self.resilience, data_plane=self.role == "data")
+
+    async def _close_idle(self, spec: BackendSpec) -> None:
+        """A backend left: close its idle upstream connections now (proxy/control/membership.py)."""
+        n = 0
+        if self.session is not None:
+            n = await close_idle_connections(self.session, spec)
+        n += self.upstream.close_idle(spec.url)  # the data plane's relay pool
+        if n:
+            log.info("closed %d idle upstream connections to %s", n, spec.name)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -145,23 +214,21 @@ class AffinityProxy:
         self._started = True
         cfg = self.config
         self.session = create_session(cfg)
-        self.upstream = create_pool(cfg, self.metrics.upstream)
         self.upstream.start()
         if self.role != "control":
             self.http = HttpDataPlane(
-                cfg, self.router, self.session, self.metrics, cfg.routing.session_header, pool=self.upstream
+                self.openai, self.session, self.metrics,
+                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=cfg.timeouts.connect_s,
             )
-            if self.telemetry is not None and cfg.telemetry.orca:
-                self.http.load_report = self.telemetry.observe_orca
             self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
             await self._http_runner.setup()
-            await web.TCPSite(
-                self._http_runner, cfg.listen.host, cfg.listen.port, backlog=4096, reuse_port=self.reuse_port or None
-            ).start()
+            sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
+            await web.SockSite(self._http_runner, sock, backlog=DATA_BACKLOG).start()
         if self.role != "data":
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
-            await web.TCPSite(self._admin_runner, cfg.admin.host, cfg.admin.port).start()
+            sock = listening_socket(cfg.admin.host, cfg.admin.port, backlog=ADMIN_BACKLOG)
+            await web.SockSite(self._admin_runner, sock, backlog=ADMIN_BACKLOG).start()
         for service, data_plane in self._services:
             if self._runs(data_plane):
                 await service.start()
@@ -208,8 +275,7 @@ class AffinityProxy:
             await self._admin_runner.cleanup()
         if self.session is not None:
             await self.session.close()
-        if self.upstream is not None:
-            await self.upstream.close()
+        await self.upstream.close()
         self._http_runner = self._admin_runner = None
 
     async def serve_until_signal(self) -> None:

@@ -146,7 +146,8 @@ class ProxyMetrics:
             err.add_metric([kind], n)
         dur = HistogramMetricFamily(
             "affinity_proxy_request_duration_seconds",
-            "Time from routing to the end of the response (streams included), by backend.",
+            "Time from the request's head arriving to the end of the response (streams included), by backend; "
+            "the same for HTTP/1.1, HTTP/2 and gRPC.",
             labels=["backend"],
         )
         for backend, hist in list(self._durations.items()):

@@ -1,4 +1,8 @@
-"""Wiring of the resilience subsystem into one `AffinityProxy`: one object, one service, one line in app.py.
+"""The resilience subsystem of one proxy process: one object, one service.
+
+It is given what it works on (the snapshot store, the in-flight table, the `Router` it reconfigures on
+reload, the health monitor and overload queue the router was built with, the admin app to add its write
+endpoints to, and a function that closes idle upstream connections); it never sees the application.
 
 Control plane (roles "all" and "control"): health monitor + active checker, membership (joins and drains),
 DNS discovery, hot reload (SIGHUP and file watch) and the admin write endpoints.
@@ -17,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -25,16 +29,18 @@ from proxy.admin import require_token
 from proxy.config import Config
 from proxy.control.checks import HealthChecker, HealthMonitor
 from proxy.control.discovery import Discovery, split_services
-from proxy.control.membership import Membership, close_idle_connections
+from proxy.control.membership import Membership
 from proxy.control.reload import Reloader
 from proxy.control.resilience_metrics import ResilienceMetrics
-from proxy.core.overload import PanicView
+from proxy.control.store import SnapshotStore
+from proxy.core.decision import Policy
+from proxy.core.overload import OverloadConfig, PanicView
+from proxy.core.inflight import InflightTable
+from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.retry import RetryController
-
-if TYPE_CHECKING:
-    from proxy.app import AffinityProxy
+from proxy.dataplane.router import Router
 
 log = logging.getLogger("affinity_proxy.resilience")
 
@@ -52,19 +58,35 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def panic_view(overload: OverloadConfig, monitor: HealthMonitor) -> PanicView:
+    """Panic routing for the router: below the threshold of healthy backends, route to all of them."""
+    return PanicView(overload.panic_threshold_percent, monitor.fleet.joining)
+
+
 class Resilience:
-    def __init__(self, proxy: AffinityProxy, config_path: str | None = None) -> None:
-        self.proxy = proxy
+    def __init__(
+        self, config: Config, *, store: SnapshotStore, inflight: InflightTable, router: Router,
+        monitor: HealthMonitor, queue: AdmissionQueue, metrics: ResilienceMetrics,
+        build_policy: Callable[[RoutingConfig], Policy],
+        close_idle: Callable[[BackendSpec], Awaitable[None]],
+        control: bool = True, data: bool = True,
+        admin_app: web.Application | None = None, admin_token: str | None = None,
+        config_path: str | None = None,
+    ) -> None:
+        self.config = config  # the configuration in force; a reload replaces it
         self.config_path = config_path
-        cfg = proxy.config
-        self.metrics = ResilienceMetrics(proxy.metrics.registry)
-        self.control = proxy.role != "data"
-        self.data = proxy.role != "control"
-        self.monitor = HealthMonitor(proxy.store, cfg.health_checks, cfg.outlier_detection, metrics=self.metrics)
-        self.checker = HealthChecker(proxy.store, self.monitor)
+        self.store = store
+        self.router = router
+        self.metrics = metrics
+        self.control = control
+        self.data = data
+        self._build_policy = build_policy
+        cfg = config
+        self.monitor = monitor
+        self.checker = HealthChecker(store, self.monitor)
         self.membership = Membership(
-            proxy.store, self.monitor, proxy.inflight, drain_timeout_s=cfg.timeouts.drain_s,
-            close_idle=self._close_idle, metrics=self.metrics,
+            store, self.monitor, inflight, drain_timeout_s=cfg.timeouts.drain_s,
+            close_idle=close_idle, metrics=self.metrics,
         )
         static, services = split_services(cfg.backend_specs())
         self.discovery: Discovery | None = None
@@ -75,29 +97,21 @@ class Resilience:
             self.membership.seed("config", cfg.backend_specs())
         self.reloader: Reloader | None = None
         if config_path is not None:
-            self.reloader = Reloader(config_path, self.apply_config, lambda: proxy.store.current.version,
+            self.reloader = Reloader(config_path, self.apply_config, lambda: store.current.version,
                                      metrics=self.metrics)
         self.retries = RetryController(cfg.retries, metrics=self.metrics)
-        self.queue = AdmissionQueue(cfg.overload, self.metrics)
+        self.queue = queue
         self._tasks: list[asyncio.Task[None]] = []
         # Called with every configuration a reload swapped in (proxy/multiproc/serve.py forwards it to the workers).
         self.reload_listeners: list[Callable[[Config], None]] = []
-        router = proxy.router
         if self.data:
-            router.overload = cfg.overload
-            router.panic = PanicView(cfg.overload.panic_threshold_percent, self.monitor.fleet.joining)
-            router.queue = self.queue
-            if self.control:
-                router.on_outcome = self.monitor.report
-            proxy.store.subscribe(lambda _s: self.queue.notify_all())
-        if self.control:
-            self._add_admin_routes(proxy.admin_app, proxy.admin_token, cfg.admin.host)
+            store.subscribe(lambda _s: self.queue.notify_all())
+        if self.control and admin_app is not None:
+            self._add_admin_routes(admin_app, admin_token, cfg.admin.host)
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self.data and self.proxy.http is not None:
-            self.proxy.http.retries = self.retries
         if not self.control:
             return
         await self.checker.start()
@@ -120,20 +134,11 @@ class Resilience:
         if self.control:
             await self.checker.stop()
 
-    async def _close_idle(self, spec: BackendSpec) -> None:
-        session = self.proxy.session
-        if session is not None:
-            n = await close_idle_connections(session, spec)
-            if self.proxy.upstream is not None:  # the data plane's relay pool
-                n += self.proxy.upstream.close_idle(spec.url)
-            if n:
-                log.info("closed %d idle upstream connections to %s", n, spec.name)
-
     # ------------------------------------------------------------------------------------------ reload
 
     def apply_config(self, new: Config) -> int:
         """Swap in a validated config: backends, health, outliers, retries, overload, routing, discovery."""
-        old = self.proxy.config
+        old = self.config
         restart = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
         if restart:
             log.warning("reload: %s changed and take effect only after a restart", ", ".join(restart))
@@ -153,7 +158,7 @@ class Resilience:
                 self.discovery.set_services([], new.discovery)
                 self.membership.drop_source("discovery")
         snapshot = self.membership.set_source("config", static)
-        self.proxy.config = new
+        self.config = new
         self.checker.refresh()
         for listener in self.reload_listeners:
             listener(new)
@@ -162,18 +167,15 @@ class Resilience:
     def apply_data_config(self, new: Config) -> None:
         """The data-plane half of a reload (retries, overload, routing). With --workers N the supervisor
         runs `apply_config` and each worker process this half, sent over its channel (proxy/multiproc/serve.py)."""
-        old = self.proxy.config
+        old = self.config
         self.retries.reconfigure(new.retries)
         self.queue.cfg = new.overload
-        router = self.proxy.router
-        router.overload = new.overload
-        router.panic = PanicView(new.overload.panic_threshold_percent, self.monitor.fleet.joining)
+        policy = None
         if new.routing != old.routing:
-            from proxy.core.registry import build_policy
-
-            router.policy = self.proxy.policy = build_policy(new.routing)
+            policy = self._build_policy(new.routing)
             log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
-        self.proxy.config = new
+        self.router.reconfigure(policy=policy, overload=new.overload, panic=panic_view(new.overload, self.monitor))
+        self.config = new
 
     # ------------------------------------------------------------------------------------------ admin API
 
@@ -192,7 +194,7 @@ class Resilience:
 
             return require_token(token, handler) if open_ok else refuse
 
-        store = self.proxy.store
+        store = self.store
 
         async def drain(request: web.Request) -> web.Response:
             name = request.match_info["name"]
@@ -259,7 +261,7 @@ class Resilience:
 
     async def _health_report(self, request: web.Request) -> web.Response:
         """Per backend: what the health machines believe and why (read-only, no token needed)."""
-        return web.json_response({"version": self.proxy.store.current.version,
+        return web.json_response({"version": self.store.current.version,
                                   "backends": self.monitor.fleet.describe(self.monitor.clock()),
                                   "retries": {"retried": self.retries.retried,
                                               "budget_requests": self.retries.budget.requests,
@@ -273,4 +275,4 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> we
                                         "server_error", "param": param, "code": code}}, status=status)
 
 
-__all__ = ["Resilience"]
+__all__ = ["Resilience", "panic_view"]

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
 from proxy.core.request import RequestSummary
+from proxy.dataplane.router import Lease, Router
 
 T = TypeVar("T")
 
@@ -85,37 +86,71 @@ class RetryController:
         return backoff_s(self.cfg, retry_number, self.rng.random())
 
 
+class Attempts:
+    """The retry bookkeeping of one request: attempts made, backends to exclude, the shared budget.
+
+    `run_with_retries` drives it for the coroutine data planes; gRPC's callback-driven calls
+    (proxy/grpc/call.py) drive the same object step by step, so both follow one policy.
+    """
+
+    __slots__ = ("controller", "count", "exclude")
+
+    def __init__(self, controller: RetryController | None) -> None:
+        self.controller = controller
+        self.count = 1  # attempts started so far
+        self.exclude: frozenset[str] = frozenset()
+        if controller is not None:
+            controller.on_request()  # counts toward the shared retry budget
+
+    def retry(self, failure: RetryableFailure[Any], tried: frozenset[str]) -> float | None:
+        """After attempt `count` failed before the first byte on the backends `tried`: the backoff (s)
+        before the next attempt, or None when the policy, the attempts left or the budget say no."""
+        controller = self.controller
+        if controller is None or not controller.allow(failure, self.count):
+            return None
+        self.count += 1
+        self.exclude = tried
+        controller.retried += 1
+        label = failure.outcome.value if failure.status is None else str(failure.status)
+        controller.metrics.retries.labels(label).inc()
+        return controller.backoff(self.count - 1)
+
+    def no_backend_left(self) -> None:
+        """A retry found no other backend: the client gets the failure it would have got."""
+        if self.controller is not None:
+            self.controller.metrics.retries_denied.labels("no_backend").inc()
+
+
 async def run_with_retries(
-    controller: RetryController,
-    router: object,
+    controller: RetryController | None,
+    router: Router,
     summary: RequestSummary,
-    attempt: Callable[[object], Awaitable[T]],
+    attempt: Callable[[Lease], Awaitable[T]],
+    *,
+    received_at: float | None = None,
 ) -> T:
-    """Route and run `attempt(lease)`, retrying on other backends per the controller. See module doc."""
-    controller.on_request()
-    exclude: frozenset[str] = frozenset()
-    attempts = 0
+    """Route and run `attempt(lease)`, retrying on other backends per the controller (None: one attempt).
+    See the module doc."""
+    attempts = Attempts(controller)
     while True:
-        attempts += 1
         try:
-            async with router.route(summary, exclude) as lease:  # type: ignore[attr-defined]
+            async with router.route(summary, attempts.exclude, received_at=received_at) as lease:
                 try:
                     return await attempt(lease)
                 except RetryableFailure as failure:
                     last: RetryableFailure[T] = failure
-                    exclude = lease.tried
+                    tried = lease.tried
         except NoBackendAvailable:
-            if attempts == 1:
+            if attempts.count == 1:
                 raise
-            controller.metrics.retries_denied.labels("no_backend").inc()
+            attempts.no_backend_left()
             return last.response  # no other backend left: the client gets the failure it would have got
-        if not controller.allow(last, attempts):
+        # The lease above is finished: the failed attempt is accounted to its backend before the next pick.
+        delay = attempts.retry(last, tried)
+        if delay is None:
             return last.response
-        controller.retried += 1
-        controller.metrics.retries.labels(last.outcome.value if last.status is None else str(last.status)).inc()
-        delay = controller.backoff(attempts)
         if delay > 0:
             await asyncio.sleep(delay)
 
 
-__all__ = ["RetryController", "RetryableFailure", "run_with_retries"]
+__all__ = ["Attempts", "RetryController", "RetryableFailure", "run_with_retries"]

@@ -1,16 +1,18 @@
 """The data-plane-neutral routing step: summary -> pick -> in-flight accounting -> metrics.
 
-Both data planes (HTTP here, gRPC in proxy/grpc/) do exactly this around each upstream exchange:
+Every data plane (HTTP/1.1 and the HTTP/2 bridge through proxy/dataplane/openai.py, gRPC in
+proxy/grpc/call.py) does exactly this around each upstream exchange:
 
-    async with router.route(summary) as lease:      # raises UnknownModel / NoBackendAvailable / Overloaded
+    async with router.route(summary, received_at=t0) as lease:   # UnknownModel / NoBackendAvailable / Overloaded
         backend = lease.backend                     # BackendState chosen against one snapshot
         ...forward to backend.spec.url...
         lease.status = 200                          # what the client got; recorded when the block exits
 
 `route()` picks at `__aenter__` (so a retry after a failure is just another `route(summary,
-exclude=lease.tried)`), counts the request in the shared `InflightTable` for exactly as long as the block runs
+exclude=lease.tried)`; proxy/dataplane/retry.py), counts the request in the shared `InflightTable` for exactly as long as the block runs
 (streams included, client disconnects included: cancellation exits the block too), and records the decision,
-status and duration. Overload and retry policy (RESILIENCE) plug in here so every protocol gets them.
+status and duration (from `received_at`, when the request's head arrived). Overload and retry policy
+(RESILIENCE) plug in here so every protocol gets them.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ class Overloaded(NoBackendAvailable):
 class _ModelIndex:
     """Per snapshot version: which backends cannot serve a model (to exclude) and which models exist."""
 
-    __slots__ = ("version", "any_model", "known", "exclude")
+    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc")
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.version = snapshot.version
+        self.no_grpc = frozenset(b.name for b in snapshot.backends if not b.spec.grpc_address)
         self.any_model = any(not b.spec.models for b in snapshot.backends)
         self.known = frozenset(m for b in snapshot.backends for m in b.spec.models)
         self.exclude: dict[str, frozenset[str]] = {}
@@ -66,61 +69,112 @@ class _ModelIndex:
 
 
 class Lease:
-    """One routed request for the duration of its upstream exchange."""
+    """One routed attempt of one request, from the pick to the end of its upstream exchange.
 
-    __slots__ = ("router", "summary", "exclude", "decision", "backend", "status", "outcome", "_tokens", "_started")
+    The one definition, for every protocol, of what a request counts for: it holds one in-flight slot
+    (`InflightTable`, charged `tokens`) from the pick until `finish()`, and `finish()` records the
+    backend, the HTTP `status` (gRPC: mapped to its HTTP equivalent; 499 = the client went away) and the
+    duration since the request's head was received (`received_at`, time.monotonic), then reports the
+    outcome for passive outlier detection. A coroutine data plane uses it as `async with`; a
+    callback-driven one (gRPC) calls `try_pick` / `wait_in_queue` and `finish` itself.
+    """
 
-    def __init__(self, router: Router, summary: RequestSummary, exclude: frozenset[str]) -> None:
+    __slots__ = ("router", "summary", "exclude", "grpc", "decision", "backend", "status", "outcome",
+                 "client_chosen", "tokens", "received_at", "_open")
+
+    def __init__(self, router: Router, summary: RequestSummary, exclude: frozenset[str],
+                 received_at: float | None = None, grpc: bool = False) -> None:
         self.router = router
         self.summary = summary
         self.exclude = exclude
+        self.grpc = grpc  # only backends with a gRPC address are eligible
         self.decision: Decision
         self.backend: BackendState
-        # HTTP status the client got (gRPC: mapped to the HTTP equivalent); 499 = client went away.
         self.status = 499
         # What went wrong with the backend, when the status alone cannot tell (connect failure, reset,
         # mid-stream break); None = judge by `status`. Feeds passive outlier detection.
         self.outcome: Outcome | None = None
-        self._tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
+        # The client chose this ending (its own deadline ran out): it says nothing about the backend.
+        self.client_chosen = False
+        self.tokens = tokens_of(summary)
+        self.received_at = time.monotonic() if received_at is None else received_at
+        self._open = False
 
     @property
     def tried(self) -> frozenset[str]:
         """Backends to exclude when retrying this request elsewhere."""
         return self.exclude | {self.decision.backend}
 
-    async def __aenter__(self) -> Lease:
+    def try_pick(self) -> None:
+        """Pick now or raise (UnknownModel, Overloaded, NoBackendAvailable); on success the slot is held."""
+        self._hold(*self._pick())
+
+    async def wait_in_queue(self, first: Overloaded) -> None:
+        """overload.action: queue -- wait (bounded) for capacity, then hold the slot; re-raises the
+        overload answer when the queue is full or the wait is over."""
+        queue = self.router.queue
+        if queue is None or not queue.enabled:
+            raise first
+        self._hold(*await queue.wait_for(self._pick, first))
+
+    def _pick(self) -> tuple[Decision, BackendState]:
+        if self.grpc:
+            return self.router.pick(self.summary, self.exclude, grpc=True)
+        return self.router.pick(self.summary, self.exclude)
+
+    def _hold(self, decision: Decision, backend: BackendState) -> None:
+        self.decision = decision
+        self.backend = backend
+        self.router.inflight.acquire(decision.backend, self.tokens)
+        self._open = True
+
+    def finish(self) -> None:
+        """Release the slot and record the attempt; safe to call more than once."""
+        if not self._open:
+            return
+        self._open = False
+        name = self.decision.backend
         router = self.router
+        status = self.status
+        router.inflight.release(name, self.tokens)
+        router.metrics.finished(name, status, time.monotonic() - self.received_at)
+        if router.queue is not None:
+            router.queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
+        report = router.on_outcome
+        if report is not None:
+            outcome = self.outcome
+            # 499: the client left; a client-chosen ending (its deadline): neither says anything of the backend
+            if outcome is None and status != 499 and not self.client_chosen:
+                outcome = Outcome.STATUS_5XX if status >= 500 else Outcome.SUCCESS
+            if outcome is not None:
+                report(name, outcome)
+
+    async def __aenter__(self) -> Lease:
         try:
-            self.decision, self.backend = router.pick(self.summary, self.exclude)
+            self.try_pick()
         except Overloaded as exc:
-            if router.queue is None or not router.queue.enabled:
-                raise
-            self.decision, self.backend = await router.queue.wait_for(
-                lambda: router.pick(self.summary, self.exclude), exc
-            )
-        self.router.inflight.acquire(self.decision.backend, self._tokens)
-        self._started = time.perf_counter()
+            await self.wait_in_queue(exc)
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        name = self.decision.backend
-        router = self.router
-        router.inflight.release(name, self._tokens)
-        router.metrics.finished(name, self.status, time.perf_counter() - self._started)
-        if router.queue is not None:
-            router.queue.notify_one()
-        report = router.on_outcome
-        if report is not None:
-            outcome = self.outcome
-            if outcome is None and self.status != 499:  # 499: the client left, says nothing of the backend
-                outcome = Outcome.STATUS_5XX if self.status >= 500 else Outcome.SUCCESS
-            if outcome is not None:
-                report(name, outcome)
+        self.finish()
+
+
+def tokens_of(summary: RequestSummary) -> int:
+    """What one request is charged in the in-flight table: its prompt estimate plus its output budget."""
+    return summary.prompt_tokens_est + (summary.max_tokens or 0)
 
 
 class Router:
+    """admit -> pick for every protocol: one policy, one in-flight table, one set of overload rules.
+
+    Everything it uses comes in here: the snapshot store, the policy, the in-flight table, the request
+    metrics and RESILIENCE's pieces (saturation thresholds, panic routing, the overload queue, the passive
+    outlier reports). A reload swaps policy and thresholds with `reconfigure`.
+    """
+
     def __init__(
         self,
         store: SnapshotStore,
@@ -128,6 +182,11 @@ class Router:
         inflight: InflightTable,
         metrics: ProxyMetrics,
         max_inflight_total: int | None = None,
+        *,
+        overload: OverloadConfig | None = None,
+        panic: PanicView | None = None,
+        queue: AdmissionQueue | None = None,
+        on_outcome: Callable[[str, Outcome], None] | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -135,15 +194,25 @@ class Router:
         self.metrics = metrics
         self.max_inflight_total = max_inflight_total
         self._models = _ModelIndex(store.current)
-        # RESILIENCE hooks (proxy/resilience.py): saturation thresholds, panic routing, the overload queue
-        # and the passive outlier reports. Defaults keep the plain behaviour (spec.max_inflight only).
-        self.overload = OverloadConfig()
-        self.panic: PanicView | None = None
-        self.queue: AdmissionQueue | None = None
-        self.on_outcome: Callable[[str, Outcome], None] | None = None
+        # Defaults keep the plain behaviour (spec.max_inflight only, no queue, no panic routing).
+        self.overload = overload if overload is not None else OverloadConfig()
+        self.panic = panic
+        self.queue = queue
+        self.on_outcome = on_outcome
 
-    def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset()) -> Lease:
-        return Lease(self, summary, exclude)
+    def reconfigure(self, *, policy: Policy | None = None, overload: OverloadConfig | None = None,
+                    panic: PanicView | None = None) -> None:
+        """A reload's data-plane half: the next picks use these."""
+        if policy is not None:
+            self.policy = policy
+        if overload is not None:
+            self.overload = overload
+        if panic is not None:
+            self.panic = panic
+
+    def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset(), *,
+              received_at: float | None = None, grpc: bool = False) -> Lease:
+        return Lease(self, summary, exclude, received_at, grpc)
 
     def model_known(self, model: str | None, snapshot: Snapshot | None = None) -> bool:
         snapshot = snapshot or self.store.current
@@ -156,14 +225,19 @@ class Router:
             index = self._models = _ModelIndex(snapshot)
         return index
 
-    def pick(self, summary: RequestSummary, exclude: frozenset[str]) -> tuple[Decision, BackendState]:
-        """Choose a backend for `summary` against the current snapshot, honouring in-flight limits."""
+    def pick(self, summary: RequestSummary, exclude: frozenset[str], grpc: bool = False) -> tuple[Decision, BackendState]:
+        """Choose a backend for `summary` against the current snapshot, honouring in-flight limits; with
+        `grpc`, only among backends that have a gRPC address."""
         if self.max_inflight_total is not None and self.inflight.total_requests >= self.max_inflight_total:
             self.metrics.error("overloaded")
             raise self._overloaded(f"the proxy is at its limit of {self.max_inflight_total} requests in flight")
         snapshot = self.store.current
         if self.panic is not None:
             snapshot = self.panic(snapshot)  # too few healthy: the unhealthy ones count as routable again
+        if grpc:
+            no_grpc = self._index(snapshot).no_grpc
+            if no_grpc:
+                exclude = exclude | no_grpc
         model = summary.model
         if model is not None:
             index = self._index(snapshot)

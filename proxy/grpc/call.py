@@ -6,17 +6,21 @@ Life of a call (`Call`):
    extractor, or END_STREAM, or `first_message_timeout_s`). Held bytes are acknowledged to the client as
    they arrive, bounded by `max_routing_message_bytes`.
 2. ROUTE: the extractor for the method reads routing inputs off a copy of the message (decompressed for
-   routing when ``grpc-encoding`` says so) into a `RequestSummary`; the shared router step picks a
-   backend; the in-flight table is charged.
-3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent), then
+   routing when ``grpc-encoding`` says so) into a `RequestSummary`; a `Lease` of the shared router
+   (proxy/dataplane/router.py) picks a backend with a gRPC address and holds its in-flight slot, exactly
+   as for HTTP: one token formula, one duration (from the HEADERS), one outcome rule.
+3. RELAY: request headers go to the backend (``grpc-timeout`` reduced by the time already spent, an
+   ``x-request-id`` added when the client sent none, as for HTTP), then
    every DATA frame in order, each direction under the receiver's flow-control window. Data received
    from one side is acknowledged (WINDOW_UPDATE) only once it has been handed to the other side, so a
    slow reader holds back its writer through HTTP/2 flow control and the proxy buffers at most one
    window per stream.
 4. END: trailers (or END_STREAM) from the backend end the client stream; a reset on either side resets
    the other; a backend reset or crash gives the client ``UNAVAILABLE`` with a message. If the backend
-   connection fails before any response byte, the call is sent once more to another backend (its
-   request bytes are kept for that, up to `replay_buffer_bytes`).
+   connection fails before any response byte (the first response HEADERS or DATA to the client), the
+   call goes to another backend as the shared retry policy allows (`retries:`, proxy/dataplane/retry.py
+   `Attempts`; its request bytes are kept for that, up to `replay_buffer_bytes`). Each attempt's lease
+   is finished on its own, so a retried call is accounted to every backend it touched.
 """
 
 from __future__ import annotations
@@ -25,37 +29,25 @@ import asyncio
 import collections
 import logging
 import time
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import Any
 
 import h2.errors
-import h2.events
 import h2.exceptions
-import hyperframe.frame
 
 from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.request import RequestSummary
-from proxy.dataplane.router import Overloaded
-from proxy.dataplane.retry import RetryableFailure
-from proxy.wire import grpc as wire
+from proxy.dataplane.request_ids import new_request_id
+from proxy.dataplane.retry import Attempts, RetryableFailure
+from proxy.dataplane.router import Lease, Overloaded
+from proxy.grpc.context import CLIENT_CHOSEN, RelayContext, http_status_for
 from proxy.grpc.extractors import Extractor
-from proxy.grpc.connection import FastData, H2Side
+from proxy.grpc.streams import ClientConnection
 from proxy.grpc.upstream import BackendPool, Upstream
-
-if TYPE_CHECKING:
-    from proxy.grpc.listener import RelayContext
+from proxy.wire import grpc as wire
+from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, UNKNOWN,
+                             grpc_message, status_of)
 
 log = logging.getLogger(__name__)
-
-# gRPC status codes used by the proxy itself.
-CANCELLED = 1
-UNKNOWN = 2
-INVALID_ARGUMENT = 3
-DEADLINE_EXCEEDED = 4
-RESOURCE_EXHAUSTED = 8
-UNIMPLEMENTED = 12
-INTERNAL = 13
-UNAVAILABLE = 14
 
 NO_BACKEND_PUSHBACK_S = 1  # as the HTTP data plane's Retry-After when no backend is available
 
@@ -64,39 +56,44 @@ _CANCEL = h2.errors.ErrorCodes.CANCEL
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
 
 
-def grpc_message(text: str) -> bytes:
-    """grpc-message is percent-encoded UTF-8 (the spec allows printable ASCII except '%' unencoded)."""
-    return quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
-
-
 class Call:
     """One relayed gRPC call (one stream on each side). See the module docstring for its life."""
 
     __slots__ = (
         "ctx", "down", "sid", "headers", "path", "ext", "started", "timeout", "encoding", "state",
-        "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "tokens",
+        "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "lease",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
-        "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "excluded", "timer", "route_key", "summary", "grpc_status", "failure", "admission",
-        "deadline",
+        "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "timer", "route_key", "summary",
+        "grpc_status", "failure", "admission", "deadline", "holding", "request_id",
     )
 
-    def __init__(self, ctx: "RelayContext", down: "Downstream", sid: int, headers: list[tuple[bytes, bytes]],
+    def __init__(self, ctx: RelayContext, down: ClientConnection, holding: list["Call"], sid: int,
+                 headers: list[tuple[bytes, bytes]],
                  path: str, ext: Extractor | None) -> None:
         self.ctx = ctx
         self.down = down
+        self.holding = holding  # the connection's calls that started holding during its current read
         self.sid = sid
         self.headers = headers
         self.path = path
         self.ext = ext  # None: a local service (health, admin), not routed
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # the HEADERS are in: deadline and request duration count from here
         self.timeout: float | None = None
         self.encoding = b"identity"
         self.route_key: str | None = None
+        request_id: bytes | None = None
         for name, value in headers:
             if name == b"grpc-timeout":
                 self.timeout = wire.parse_timeout(value)
             elif name == b"grpc-encoding":
                 self.encoding = value
+            elif name == b"x-request-id":
+                request_id = value
+        if request_id is None:
+            # As for HTTP: the backend gets an x-request-id, from the one id source of every protocol.
+            request_id = new_request_id().encode("ascii")
+            self.headers = [*headers, (b"x-request-id", request_id)]
+        self.request_id = request_id.decode("latin-1")
         self.state = _HOLD
         self.held = bytearray()
         self.client_ended = False
@@ -104,21 +101,20 @@ class Call:
         self.up: Upstream | None = None
         self.uid = 0
         self.pool: BackendPool | None = None
-        self.backend: str | None = None
-        self.tokens = 0
+        self.backend: str | None = None  # the backend of the current attempt
+        self.lease: Lease | None = None  # the current attempt's in-flight slot (proxy/dataplane/router.py)
         # [bytes, unacknowledged flow-controlled length] per queued DATA chunk.
-        self.to_up: collections.deque[list] = collections.deque()
+        self.to_up: collections.deque[list[Any]] = collections.deque()
         self.up_sent_end = False
-        self.to_down: collections.deque[list] = collections.deque()
+        self.to_down: collections.deque[list[Any]] = collections.deque()
         self.down_trailers: list[tuple[bytes, bytes]] | None = None
         self.down_end = False
         self.response_started = False
         self.headers_sent = False
         self.replay: list[bytes] | None = [] if ctx.options.retry_on_connect_failure else None
         self.replay_bytes = 0
-        self.attempts = 1
+        self.attempts: Attempts | None = None  # the shared retry bookkeeping, from the first pick on
         self.retry_reason: str | None = None
-        self.excluded: frozenset[str] = frozenset()
         self.timer: asyncio.TimerHandle | None = None
         self.summary: RequestSummary | None = None
         self.grpc_status = UNKNOWN
@@ -202,7 +198,7 @@ class Call:
         else:
             # The first message usually arrives in the same read as the headers; the timer is only
             # armed (by the connection, after this read) for calls still holding.
-            self.down.holding.append(self)
+            self.holding.append(self)
 
     def arm_timer(self) -> None:
         if self.state == _HOLD and self.timer is None:
@@ -245,59 +241,66 @@ class Call:
 
     def _pick(self, summary: RequestSummary) -> None:
         ctx = self.ctx
-        if self.summary is None and ctx.retry_controller is not None:
-            ctx.retry_controller.on_request()  # first attempt: counts toward the shared retry budget
+        if self.attempts is None:
+            self.attempts = Attempts(ctx.retries)  # first attempt: counts toward the shared retry budget
         self.summary = summary
+        ctx.prune_pools()
+        lease = ctx.router.route(summary, self.attempts.exclude, received_at=self.started, grpc=True)
         try:
-            name, address = ctx.pick(summary, self.excluded)
+            lease.try_pick()
         except Overloaded as err:
             queue = ctx.router.queue
             if queue is not None and queue.enabled:
                 # overload.action: queue -- wait (bounded) for capacity like an HTTP request would.
                 self.state = _WAIT_CONN
-                self.admission = asyncio.get_running_loop().create_task(self._admit(summary, err))
+                self.admission = asyncio.get_running_loop().create_task(self._admit(lease, err))
                 return
             self._no_backend(err)
             return
         except NoBackendAvailable as err:
             self._no_backend(err)
             return
-        self._picked(name, address, summary)
+        self._picked(lease)
 
-    async def _admit(self, summary: RequestSummary, first: Overloaded) -> None:
-        queue = self.ctx.router.queue
-        assert queue is not None
+    async def _admit(self, lease: Lease, first: Overloaded) -> None:
         try:
-            name, address = await queue.wait_for(lambda: self.ctx.pick(summary, self.excluded), first)
+            await lease.wait_in_queue(first)
         except NoBackendAvailable as err:
             self.admission = None
             self._no_backend(err)
             return
         self.admission = None
-        if self.state != _DONE:
-            self._picked(name, address, summary)
+        if self.state == _DONE:
+            lease.finish()  # status 499: the client left while it waited
+        else:
+            self._picked(lease)
 
     def _no_backend(self, err: NoBackendAvailable) -> None:
         if self.retry_reason is not None:
             # A retry found no other backend: the client hears why the first attempt failed.
+            if self.attempts is not None:
+                self.attempts.no_backend_left()
             self.fail(UNAVAILABLE, self.retry_reason)
             return
         # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
         # client should back off; everything else (503) is UNAVAILABLE. Both carry grpc-retry-pushback-ms,
         # gRPC's Retry-After: a client with a retry policy waits that long before its next attempt (the
         # HTTP data plane's Retry-After values: overload.retry_after_s, or 1 s when no backend is up).
-        overloaded = isinstance(err, Overloaded)
-        code = RESOURCE_EXHAUSTED if overloaded and err.status == 429 else UNAVAILABLE
-        pushback_s = err.retry_after_s if overloaded else NO_BACKEND_PUSHBACK_S
+        if isinstance(err, Overloaded):
+            code = RESOURCE_EXHAUSTED if err.status == 429 else UNAVAILABLE
+            pushback_s: float = err.retry_after_s
+        else:
+            code, pushback_s = UNAVAILABLE, NO_BACKEND_PUSHBACK_S
         self.fail(code, f"no backend available: {err}" if str(err) else "no backend available",
                   ((b"grpc-retry-pushback-ms", str(int(pushback_s * 1000)).encode()),))
 
-    def _picked(self, name: str, address: str, summary: RequestSummary) -> None:
-        ctx = self.ctx
-        self.backend = name
-        self.tokens = ctx.tokens_of(summary)
-        ctx.inflight.acquire(name, self.tokens)
-        self._use_pool(ctx.pools.get(name, address))
+    def _picked(self, lease: Lease) -> None:
+        self.lease = lease
+        backend = lease.backend
+        self.backend = backend.name
+        address = backend.spec.grpc_address
+        assert address is not None  # the router picks only backends with one for gRPC leases
+        self._use_pool(self.ctx.pools.get(backend.name, address))
 
     def _use_pool(self, pool: BackendPool) -> None:
         self.pool = pool
@@ -458,26 +461,26 @@ class Call:
         """The attempt failed before any response byte: route the call again, excluding the backends
         tried, if the shared retry policy (`retries:` -- failure kinds, attempts, budget) allows it."""
         ctx = self.ctx
+        lease = self.lease
         if (self.ext is None or self.replay is None or not ctx.options.retry_on_connect_failure
-                or self.backend is None):
+                or lease is None or self.attempts is None):
             self.fail(UNAVAILABLE, reason)
             return
         outcome = self.failure or Outcome.RESET
-        controller = ctx.retry_controller
-        if controller is not None:
-            allowed = controller.allow(RetryableFailure(outcome, None), self.attempts)
-        else:
-            allowed = self.attempts < 2
-        if not allowed:
+        delay = self.attempts.retry(RetryableFailure(outcome, None), lease.tried)
+        if delay is None:
             self.fail(UNAVAILABLE, reason)
             return
-        self.attempts += 1
+        # The failed attempt ends here and is accounted to its backend, as an HTTP attempt is: the status
+        # the client would have got (UNAVAILABLE) and the failure for outlier detection.
+        lease.status = http_status_for(UNAVAILABLE)
+        lease.outcome = outcome
+        lease.finish()
+        self.lease = None
+        ctx.router.metrics.error("grpc_retry")
         summary = self.summary
         assert summary is not None
-        ctx.inflight.release(self.backend, self.tokens)
-        ctx.attempt_failed(self.backend, outcome)
         self.failure = None
-        self.excluded = self.excluded | {self.backend}
         self.backend = None
         # Sent bytes go again, ahead of what was still queued; they were acknowledged already.
         for chunk in reversed(self.replay):
@@ -488,12 +491,7 @@ class Call:
         self.state = _WAIT_CONN
         ctx.retried += 1
         self.retry_reason = reason
-        log.info("retrying call %s on another backend: %s", self.path, reason)
-        delay = 0.0
-        if controller is not None:
-            controller.retried += 1
-            controller.metrics.retries.labels(outcome.value).inc()
-            delay = controller.backoff(self.attempts - 1)
+        log.info("retrying call %s (request %s) on another backend: %s", self.path, self.request_id, reason)
         if delay > 0:
             self.timer = asyncio.get_running_loop().call_later(delay, self._retry_now)
         else:
@@ -596,10 +594,16 @@ class Call:
         if self.deadline is not None:
             self.deadline.cancel()
             self.deadline = None
-        ctx = self.ctx
-        if self.backend is not None:
-            ctx.inflight.release(self.backend, self.tokens)
-            ctx.finished(self.backend, self.grpc_status, self.started, self.failure)
+        lease = self.lease
+        if lease is not None:
+            # One accounting for every protocol (Lease.finish): the HTTP equivalent of the grpc-status,
+            # how the backend failed the call if it did, and whether the ending was the client's choice.
+            self.lease = None
+            code = self.grpc_status
+            lease.status = http_status_for(code)
+            lease.outcome = self.failure
+            lease.client_chosen = code in CLIENT_CHOSEN
+            lease.finish()
             self.backend = None
         if self.up is not None:
             self.up.blocked.pop(self, None)
@@ -615,7 +619,7 @@ class Call:
             self.to_up.clear()
 
 
-def take(queue: collections.deque[list], limit: int) -> tuple[bytes, int]:
+def take(queue: collections.deque[list[Any]], limit: int) -> tuple[bytes, int]:
     """Up to `limit` bytes from the front of a [bytes, unacknowledged length] queue, joined into one
     chunk, and how many flow-controlled bytes handing it on releases. A chunk cut short keeps its
     unacknowledged rest (padding included) with the bytes left behind."""
@@ -653,168 +657,3 @@ def take(queue: collections.deque[list], limit: int) -> tuple[bytes, int]:
                 ack += part
             break
     return b"".join(parts), ack
-
-
-def status_of(headers: list[tuple[bytes, bytes]]) -> int:
-    for name, value in headers:
-        if name == b"grpc-status":
-            return int(value) if value.isdigit() else UNKNOWN
-    return UNKNOWN
-
-
-class Downstream(H2Side):
-    """One client HTTP/2 connection on the gRPC listener."""
-
-    def __init__(self, ctx: "RelayContext") -> None:
-        super().__init__(ctx.flusher, client_side=False)
-        self.ctx = ctx
-        self.others: dict[int, object] = {}  # non-gRPC requests (HTTP bridge), by stream id
-        self.holding: list[Call] = []  # calls that started holding during the current read
-        self.draining = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio.Transport
-        opts = self.ctx.options
-        self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
-        self.ctx.downstreams.add(self)
-        self.mark()
-
-    def ack(self, n: int, sid: int) -> None:
-        try:
-            self.conn.acknowledge_received_data(n, sid)
-        except h2.exceptions.ProtocolError:
-            return
-        self.mark()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            events = self.receive(data)
-        except h2.exceptions.ProtocolError as err:
-            log.info("client HTTP/2 protocol error: %s", err)
-            self.mark()
-            self.flusher.run()
-            if self.transport is not None:
-                self.transport.close()
-            return
-        calls = self.calls
-        touched: dict[Call, None] = {}
-        for ev in events:
-            t = type(ev)
-            if t is FastData or t is h2.events.DataReceived:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.client_data(ev.data, ev.flow_controlled_length, ev.stream_ended is not None)
-                    touched[call] = None
-                else:
-                    other = self.others.get(ev.stream_id)
-                    if other is not None:
-                        other.client_data(ev.data, ev.flow_controlled_length)  # type: ignore[attr-defined]
-                    else:
-                        self.ack(ev.flow_controlled_length, ev.stream_id)
-            elif t is h2.events.RequestReceived:
-                self._request(ev.stream_id, ev.headers, ev.stream_ended is not None)
-            elif t is h2.events.StreamEnded:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.client_end()
-                else:
-                    other = self.others.get(ev.stream_id)
-                    if other is not None:
-                        other.client_end()  # type: ignore[attr-defined]
-            elif t is h2.events.WindowUpdated:
-                if ev.stream_id == 0:
-                    self.unblock()
-                else:
-                    call = calls.get(ev.stream_id)
-                    if call is not None:
-                        call.flush_down()
-                    else:
-                        other = self.others.get(ev.stream_id)
-                        if other is not None:
-                            other.flush_down()  # type: ignore[attr-defined]
-            elif t is h2.events.StreamReset:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.client_reset()
-                else:
-                    other = self.others.pop(ev.stream_id, None)
-                    if other is not None:
-                        other.client_reset()  # type: ignore[attr-defined]
-            elif t is h2.events.TrailersReceived:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.client_trailers_received(ev.headers)
-            elif t is h2.events.RemoteSettingsChanged:
-                self.unblock()
-            elif t is h2.events.ConnectionTerminated:
-                if not calls and not self.others and self.transport is not None:
-                    self.write_out()
-                    self.transport.close()
-        for call in touched:
-            call.flush_up()
-        if self.holding:
-            for call in self.holding:
-                call.arm_timer()
-            self.holding.clear()
-        self.mark()
-
-    def _request(self, sid: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
-        if self.draining:
-            try:
-                self.conn.reset_stream(sid, _REFUSED)  # the client may retry it on a new connection
-            except h2.exceptions.ProtocolError:
-                pass
-            return
-        path = b""
-        content_type = b""
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name == b"content-type":
-                content_type = value
-        ctx = self.ctx
-        if not content_type.startswith(b"application/grpc"):
-            ctx.start_http_bridge(self, sid, headers, ended)
-            return
-        path_s = path.decode("utf-8", "replace")
-        ext = None if path_s.startswith(ctx.local_prefixes) else ctx.registry.for_method(path_s)
-        call = Call(ctx, self, sid, headers, path_s, ext)
-        self.calls[sid] = call
-        call.start(ended)
-
-    def flush_call(self, call: Any) -> None:
-        call.flush_down()  # a relayed Call or an HttpBridgeCall
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.ctx.downstreams.discard(self)
-        for call in list(self.calls.values()):
-            call.client_reset()
-        self.calls.clear()
-        for other in list(self.others.values()):
-            other.client_reset()  # type: ignore[attr-defined]
-        self.others.clear()
-
-    def goaway(self) -> None:
-        """Graceful drain: tell the client to open no new streams while the open ones finish.
-
-        h2's own `close_connection` moves its state machine to CLOSED, after which the streams still in
-        flight could not be answered; so the GOAWAY frame is written beside it.
-        """
-        if self.transport is None or self.closed or self.draining:
-            return
-        self.draining = True
-        self.write_out()
-        frame = hyperframe.frame.GoAwayFrame(0)
-        frame.last_stream_id = self.conn.highest_inbound_stream_id
-        frame.error_code = 0
-        self.transport.write(frame.serialize())
-
-    def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            try:
-                self.conn.close_connection()
-                self.write_out()
-            except h2.exceptions.ProtocolError:
-                pass
-            self.transport.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -23,9 +23,6 @@ import h2.settings
 import h2.stream
 import hpack.hpack
 import hpack.table
-
-if TYPE_CHECKING:
-    from proxy.grpc.call import Call
 
 
 class Flusher:
@@ -139,7 +136,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
         self.transport = None
         self.paused = False
         self.closed = False
-        self.calls: dict[int, "Call"] = {}
+        self.calls: dict[int, Any] = {}  # stream id -> the stream's handler (proxy/grpc/streams.py)
         # Calls with data queued for this connection that its windows (or a full transport) hold back:
         # the only ones worth revisiting when a window opens.
         self.blocked: dict[Any, None] = {}

@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import h2.events
 import h2.exceptions
 
 from proxy.grpc.connection import FastData, Flusher, H2Side
-
-if TYPE_CHECKING:
-    from proxy.grpc.call import Call
+from proxy.grpc.streams import BackendStream
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +40,18 @@ class Upstream(H2Side):
         self.ping_sent = 0.0  # when the outstanding PING went out; 0 = none outstanding
         self.idle_since = 0.0  # when the sweeper first saw it without calls; 0 = busy
         self.opened_seen = 0
+        self._touched: dict[BackendStream, None] = {}  # calls given response data during this read
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            FastData: self._on_data,
+            h2.events.DataReceived: self._on_data,
+            h2.events.ResponseReceived: self._on_response,
+            h2.events.TrailersReceived: self._on_trailers,
+            h2.events.StreamEnded: self._on_ended,
+            h2.events.WindowUpdated: self._on_window,
+            h2.events.StreamReset: self._on_reset,
+            h2.events.RemoteSettingsChanged: self._on_settings,
+            h2.events.ConnectionTerminated: self._on_terminated,
+        }
 
     @property
     def capacity(self) -> int:
@@ -67,59 +77,73 @@ class Upstream(H2Side):
             log.warning("backend %s: HTTP/2 protocol error: %s", self.pool.name, err)
             self._fail(f"protocol error from backend {self.pool.name}")
             return
-        calls = self.calls
-        touched: dict["Call", None] = {}
+        handlers = self._handlers
         for ev in events:
-            t = type(ev)
-            if t is FastData or t is h2.events.DataReceived:
-                call = calls.get(ev.stream_id)
-                if call is None:
-                    self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                else:
-                    call.up_data(ev.data, ev.flow_controlled_length)
-                    touched[call] = None
-            elif t is h2.events.ResponseReceived:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.up_headers(ev.headers, ev.stream_ended is not None)
-            elif t is h2.events.TrailersReceived:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.up_trailers(ev.headers)
-            elif t is h2.events.StreamEnded:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.up_ended()
-            elif t is h2.events.WindowUpdated:
-                if ev.stream_id == 0:
-                    self.unblock()
-                else:
-                    call = calls.get(ev.stream_id)
-                    if call is not None:
-                        call.flush_up()
-            elif t is h2.events.StreamReset:
-                call = calls.get(ev.stream_id)
-                if call is not None:
-                    call.up_reset(ev.error_code)
-            elif t is h2.events.RemoteSettingsChanged:
-                if not self.ready:
-                    self.ready = True
-                    self.pool.connection_ready(self)
-                else:
-                    # A changed initial window may have opened every stream's window.
-                    self.unblock()
-                    self.pool.capacity_changed()
-            elif t is h2.events.ConnectionTerminated:
-                self.goaway = True
-                last = ev.last_stream_id
-                self.pool.discard(self)
-                for sid, call in list(calls.items()):
-                    if last is None or sid > last:
-                        # Never processed by the backend: safe to send elsewhere.
-                        call.up_lost(f"backend {self.pool.name} refused the stream (GOAWAY)", refused=True)
-        for call in touched:
-            call.flush_down()
+            handler = handlers.get(type(ev))
+            if handler is not None:
+                handler(ev)
+        touched = self._touched
+        if touched:
+            self._touched = {}
+            for call in touched:
+                call.flush_down()
         self.mark()
+
+    # One method per h2 event class (the table is built in __init__); other events need nothing.
+
+    def _on_data(self, ev: Any) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is None:
+            self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        else:
+            call.up_data(ev.data, ev.flow_controlled_length)
+            self._touched[call] = None
+
+    def _on_response(self, ev: h2.events.ResponseReceived) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is not None:
+            call.up_headers(ev.headers, ev.stream_ended is not None)
+
+    def _on_trailers(self, ev: h2.events.TrailersReceived) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is not None:
+            call.up_trailers(ev.headers)
+
+    def _on_ended(self, ev: h2.events.StreamEnded) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is not None:
+            call.up_ended()
+
+    def _on_window(self, ev: h2.events.WindowUpdated) -> None:
+        if ev.stream_id == 0:
+            self.unblock()
+        else:
+            call = self.calls.get(ev.stream_id)
+            if call is not None:
+                call.flush_up()
+
+    def _on_reset(self, ev: h2.events.StreamReset) -> None:
+        call = self.calls.get(ev.stream_id)
+        if call is not None:
+            call.up_reset(ev.error_code)
+
+    def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        if not self.ready:
+            self.ready = True
+            self.pool.connection_ready(self)
+        else:
+            # A changed initial window may have opened every stream's window.
+            self.unblock()
+            self.pool.capacity_changed()
+
+    def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
+        self.goaway = True
+        last = ev.last_stream_id
+        self.pool.discard(self)
+        for sid, call in list(self.calls.items()):
+            if last is None or sid > last:
+                # Never processed by the backend: safe to send elsewhere.
+                call.up_lost(f"backend {self.pool.name} refused the stream (GOAWAY)", refused=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -131,7 +155,7 @@ class Upstream(H2Side):
             call.up_lost(reason, refused=False)
         self.calls.clear()
 
-    def flush_call(self, call: "Call") -> None:
+    def flush_call(self, call: BackendStream) -> None:
         call.flush_up()
 
     def _fail(self, reason: str) -> None:
@@ -144,7 +168,7 @@ class Upstream(H2Side):
 
     # used by calls -----------------------------------------------------------------------------------
 
-    def open_stream(self, call: "Call", headers: list[tuple[bytes, bytes]]) -> int:
+    def open_stream(self, call: BackendStream, headers: list[tuple[bytes, bytes]]) -> int:
         sid = self.conn.get_next_available_stream_id()
         self.conn.send_headers(sid, headers)
         self.calls[sid] = call
@@ -219,7 +243,7 @@ class BackendPool:
         self.flusher = flusher
         self.conns: list[Upstream] = []
         self.connecting = 0
-        self.waiters: collections.deque["Call"] = collections.deque()
+        self.waiters: collections.deque[BackendStream] = collections.deque()
         self.closed = False
 
     def take(self) -> Upstream | None:
@@ -229,11 +253,11 @@ class BackendPool:
                 return up
         return None
 
-    def wait(self, call: "Call") -> None:
+    def wait(self, call: BackendStream) -> None:
         self.waiters.append(call)
         self._maybe_connect()
 
-    def cancel_wait(self, call: "Call") -> None:
+    def cancel_wait(self, call: BackendStream) -> None:
         try:
             self.waiters.remove(call)
         except ValueError:

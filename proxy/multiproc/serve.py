@@ -48,36 +48,11 @@ import signal
 import socket
 from typing import Any
 
+from proxy.listen import reserve_port
 from proxy.multiproc.shared_load import SharedLoad
 from proxy.multiproc.supervisor import Supervisor
 
 log = logging.getLogger("affinity_proxy.workers")
-
-
-# ------------------------------------------------------------------------------------------ listeners
-
-
-def reserve_port(host: str, port: int) -> socket.socket:
-    """Bind (never listen) a SO_REUSEPORT socket: fixes the real port for port 0 and holds it for workers.
-
-    SO_REUSEPORT lets any process of the same user join a listening group, so a second proxy started by
-    mistake on the same port would silently take half the connections. A probe bind without SO_REUSEPORT
-    fails (EADDRINUSE) while anything listens there, ours or not, and so refuses to start like a single
-    process would. (SO_REUSEADDR only steps over TIME_WAIT leftovers of a previous run.)
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if port != 0:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
 
 
 # ------------------------------------------------------------------------------------------ entry point

@@ -117,11 +117,16 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
     # This worker's row of the host-wide load block: its policy routes on every worker's in-flight work.
     inflight = SharedLoad.attach(shared_fd, init.shared).table(init.index)
     inflight.assign(init.slots)
-    proxy = AffinityProxy(
-        _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight
-    )
     outcomes = _Batch(writer, Outcomes)
-    proxy.router.on_outcome = lambda name, outcome: outcomes.add((name, outcome))
+    # The supervisor's poller folds ORCA reports into the snapshot (workers run no poller): the data plane
+    # asks backends for them and this forwards what they send (HTTP/1.1 and the HTTP/2 bridge alike).
+    telemetry = init.config.telemetry
+    orca = _Batch(writer, OrcaReports) if telemetry.enabled and telemetry.orca else None
+    proxy = AffinityProxy(
+        _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight,
+        on_outcome=lambda name, outcome: outcomes.add((name, outcome)),
+        load_report=None if orca is None else (lambda name, header: orca.add((name, header))),
+    )
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -145,12 +150,6 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
             stop.set()
 
     await proxy.start()
-    telemetry = init.config.telemetry
-    if telemetry.enabled and telemetry.orca and proxy.http is not None:
-        # The supervisor's poller folds ORCA reports into the snapshot (workers run no poller): the data
-        # plane asks backends for them and this forwards what they send (the HTTP/2 bridge uses the same hook).
-        orca = _Batch(writer, OrcaReports)
-        proxy.http.load_report = lambda name, header: orca.add((name, header))
     reading = asyncio.create_task(channel(), name="worker-channel")
     write_message(writer, WorkerReady(init.index, os.getpid()))
     await writer.drain()

@@ -12,6 +12,7 @@ import gzip
 import struct
 import zlib
 from typing import Iterator
+from urllib.parse import quote
 
 # Wire types (protobuf encoding spec).
 VARINT = 0
@@ -22,6 +23,30 @@ END_GROUP = 4
 FIXED32 = 5
 
 GRPC_PREFIX = 5  # 1 byte compressed flag + 4 bytes big-endian length
+
+# gRPC status codes the proxy itself answers with (grpc/status.h).
+OK = 0
+CANCELLED = 1
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+RESOURCE_EXHAUSTED = 8
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+
+
+def grpc_message(text: str) -> bytes:
+    """grpc-message is percent-encoded UTF-8 (the spec allows printable ASCII except '%' unencoded)."""
+    return quote(text, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode("ascii")
+
+
+def status_of(headers: list[tuple[bytes, bytes]]) -> int:
+    """The grpc-status of a trailers (or trailers-only) block; UNKNOWN when missing or not a number."""
+    for name, value in headers:
+        if name == b"grpc-status":
+            return int(value) if value.isdigit() else UNKNOWN
+    return UNKNOWN
 
 
 class WireError(ValueError):

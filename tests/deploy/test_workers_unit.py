@@ -15,7 +15,7 @@ from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
 from proxy.multiproc.channel import PublishSnapshot, read_message, write_message
 from proxy.multiproc.cpus import _cgroup_cpu_quota, default_worker_count
 from proxy.multiproc.metrics_merge import FamilyData, families_of, merge_families, render, retire
-from proxy.multiproc.serve import reserve_port
+from proxy.listen import reserve_port
 
 
 def _process_registry(requests: int, inflight: int, version: int, routable: float) -> CollectorRegistry:

@@ -15,6 +15,7 @@ import pytest
 from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
+from proxy.core.decision import Outcome
 from tests.grpc.echo import EchoBackend
 
 QUIET = ("listen: {port: 0}\ngrpc_listen: {port: 0}\n"
@@ -58,10 +59,11 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
 
     async def make(entries: Sequence[tuple[str, str, str | None]], *, policy: str = "round_robin",
                    weights: Sequence[float] | None = None, extra: str = "",
-                   admin_token: str | None = None) -> AffinityProxy:
+                   admin_token: str | None = None,
+                   on_outcome: Callable[[str, Outcome], None] | None = None) -> AffinityProxy:
         admin = f"admin: {{port: 0, token: {admin_token}}}\n" if admin_token else "admin: {port: 0}\n"
         text = f"{QUIET}{admin}routing: {{policy: {policy}}}\n{backend_lines(entries, weights)}{extra}"
-        proxy = AffinityProxy(parse_config(text))
+        proxy = AffinityProxy(parse_config(text), on_outcome=on_outcome)
         await proxy.start()
         started.append(proxy)
         return proxy

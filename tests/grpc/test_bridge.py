@@ -26,7 +26,8 @@ async def test_bridge_uses_the_relay_pool_and_folds_in_orca_reports(fleet: Fleet
     proxy = await make_proxy(fleet_entries(fleet)[:1])
     reports: list[tuple[str, str]] = []
     assert proxy.http is not None and proxy.upstream is not None
-    proxy.http.load_report = lambda backend, report: reports.append((backend, report))  # telemetry.orca's hook
+    # telemetry.orca's hook, read by the shared OpenAI pipeline on every response
+    proxy.openai.load_report = lambda backend, report: reports.append((backend, report))
     requests_before = proxy.metrics.upstream.requests
     async with httpx.AsyncClient(http1=False, http2=True, base_url=f"http://{proxy_address(proxy)}",
                                  timeout=10) as client:

@@ -152,9 +152,8 @@ async def test_client_cancel_reaches_backend(fleet: Fleet, make_proxy, channel_t
 
 
 async def test_backend_killed_mid_stream_gives_unavailable(fleet: Fleet, make_proxy, channel_to) -> None:
-    proxy = await make_proxy(fleet_entries(fleet))
     outcomes: list[tuple[str, Outcome]] = []
-    proxy.router.on_outcome = lambda name, outcome: outcomes.append((name, outcome))
+    proxy = await make_proxy(fleet_entries(fleet), on_outcome=lambda name, outcome: outcomes.append((name, outcome)))
     stream = stubs.generate_stream(channel_to(proxy_address(proxy)))
     call = stream(_req("long story", max_tokens=8000))
     first = await call.read()
@@ -175,9 +174,8 @@ async def test_connect_failure_is_retried_on_another_backend(fleet: Fleet, make_
     entries = fleet_entries(fleet)
     dead = fleet.servers[0]
     dead.grpc_server.kill()
-    proxy = await make_proxy(entries)
     outcomes: list[tuple[str, Outcome]] = []
-    proxy.router.on_outcome = lambda name, outcome: outcomes.append((name, outcome))
+    proxy = await make_proxy(entries, on_outcome=lambda name, outcome: outcomes.append((name, outcome)))
     call = stubs.generate(channel_to(proxy_address(proxy)))
     backends = [(await call(_req())).backend for _ in range(4)]
     assert dead.name not in backends
@@ -185,6 +183,10 @@ async def test_connect_failure_is_retried_on_another_backend(fleet: Fleet, make_
     # Passive outlier detection hears about the refused connection, and about the successes elsewhere.
     assert (dead.name, Outcome.CONNECT_FAILURE) in outcomes
     assert sum(1 for _, o in outcomes if o is Outcome.SUCCESS) == 4
+    # The failed attempt is accounted to the dead backend as an HTTP attempt would be: one lease each,
+    # with the status its client would have got (UNAVAILABLE = 503).
+    exposition = proxy.metrics.exposition().decode()
+    assert f'affinity_proxy_requests_total{{backend="{dead.name}",status="503"}}' in exposition
 
 
 async def test_unknown_method_passes_through_as_backend_status(fleet: Fleet, make_proxy, channel_to) -> None:
@@ -258,3 +260,18 @@ async def test_retries_follow_the_shared_retry_policy(fleet: Fleet, make_proxy, 
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "cannot connect to backend sim-0" in info.value.details()
     assert proxy.grpc is not None and proxy.grpc.ctx is not None and proxy.grpc.ctx.retried == 0
+
+
+async def test_calls_carry_a_request_id_to_the_backend(echoes: list[EchoBackend], make_proxy, channel_to) -> None:
+    """As over HTTP: a client's x-request-id is kept; without one the proxy adds a process-unique id."""
+    proxy = await make_proxy(echo_entries(echoes))
+    call = stubs.generate(channel_to(proxy_address(proxy)))
+    ids = set()
+    for _ in range(20):
+        c = call(_req())
+        await c
+        ids.add(dict(await c.initial_metadata())["echo-x-request-id"])
+    assert len(ids) == 20 and all(len(i) == 32 for i in ids)
+    c = call(_req(), metadata=(("x-request-id", "client-chosen-1"),))
+    await c
+    assert dict(await c.initial_metadata())["echo-x-request-id"] == "client-chosen-1"

@@ -101,7 +101,7 @@ async def test_retry_budget_bounds_retries() -> None:
         def __init__(self) -> None:
             self.picks: list[str] = []
 
-        def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset()):
+        def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset(), **_: object):
             router = self
 
             class CM:
@@ -121,7 +121,7 @@ async def test_retry_budget_bounds_retries() -> None:
         raise RetryableFailure(Outcome.CONNECT_FAILURE, "502")
 
     router = Router()
-    assert await run_with_retries(ctl, router, RequestSummary(prompt=""), failing) == "502"
+    assert await run_with_retries(ctl, router, RequestSummary(prompt=""), failing) == "502"  # type: ignore[arg-type]  # a scripted stand-in router
     assert router.picks == ["a", "b"]  # the budget (1 retry per 10 s) allowed exactly one
     router.picks.clear()
     assert await run_with_retries(ctl, router, RequestSummary(prompt=""), failing) == "502"

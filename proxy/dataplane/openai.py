@@ -1,0 +1,337 @@
+"""The OpenAI pipeline, written once for every HTTP version: parse, summarise, route, exchange, map errors.
+
+A protocol adapter (aiohttp for HTTP/1.1 in proxy/http/server.py, the HTTP/2 bridge in proxy/grpc/bridge.py)
+reads the request head and the body (bounded), fills in an `InboundRequest` and hands it to
+`OpenAIPipeline.handle` together with a `Responder`, its own way of writing an answer back:
+
+    summary      = parse the body once (`summary_from_openai`), bounded in size and JSON depth
+    lease        = router.route(summary, ...)            admit -> pick (proxy/dataplane/router.py)
+    attempt      = send the ORIGINAL bytes over the relay pool; retried on another backend while nothing
+                   reached the client (proxy/dataplane/retry.py)
+    answer       = a whole `Answer` (JSON, held 429/503, the proxy's own errors), sent once the lease ended,
+                   or a stream relayed through the responder as it arrives (never retried)
+
+Every routing failure, upstream failure and mid-stream break is mapped here to the same OpenAI-shaped
+answer whichever protocol carried the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from http import HTTPStatus
+from typing import Any, Callable, Generic, Protocol, TypeVar
+
+import aiohttp
+from multidict import CIMultiDict
+
+from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
+from proxy.control.orca import HEADER as ORCA_HEADER
+from proxy.core.decision import NoBackendAvailable
+from proxy.core.decision import Outcome
+from proxy.core.request import RequestError, RequestSummary, summary_from_openai
+from proxy.dataplane.errors import error_body, sse_error_event
+from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
+from proxy.metrics import ProxyMetrics
+from proxy.upstream.failures import classify_upstream_error
+from proxy.upstream.headers import upstream_request_head
+from proxy.upstream.http1 import Exchange, UpstreamPool
+
+log = logging.getLogger("affinity_proxy.http")
+
+ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+RETRY_AFTER_S = "1"
+# Deeper request JSON is refused with a 400. OpenAI request bodies nest a handful of levels (messages ->
+# content parts -> image_url; tool schemas a few more); Python's json parser itself gives up with a
+# RecursionError somewhere near 1,000 levels, and every later walk over the parsed body recurses too.
+MAX_JSON_DEPTH = 128
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+ORCA_ASK = ((ORCA_FORMAT_HEADER.encode(), b"TEXT"),)
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class InboundRequest:
+    """What every attempt of one request needs, read once by the protocol adapter."""
+
+    __slots__ = ("method", "raw_path", "path", "scheme", "raw_headers", "peer", "request_id", "body",
+                 "asked_orca", "session_key", "received_at")
+
+    def __init__(self, method: str, raw_path: str, path: str, scheme: str,
+                 raw_headers: tuple[tuple[bytes, bytes], ...], peer: str | None, request_id: str, body: bytes,
+                 *, asked_orca: bool, session_key: str | None, received_at: float) -> None:
+        self.method = method
+        self.raw_path = raw_path
+        self.path = path
+        self.scheme = scheme
+        self.raw_headers = raw_headers
+        self.peer = peer
+        self.request_id = request_id
+        self.body = body
+        self.asked_orca = asked_orca  # the client asked for ORCA reports itself: they are its to keep
+        self.session_key = session_key
+        # When the request's head was received (time.monotonic): request durations count from here for
+        # every protocol (proxy/dataplane/router.py).
+        self.received_at = received_at
+
+
+class Answer:
+    """A complete answer not sent yet: the backend's (JSON, or held back for a retry) or the proxy's own."""
+
+    __slots__ = ("status", "reason", "headers", "body", "head_length", "close")
+
+    def __init__(self, status: int, reason: str, headers: CIMultiDict[str], body: bytes,
+                 head_length: int | None = None, close: bool = False) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+        self.head_length = head_length  # HEAD: the length a GET would have had (the backend's Content-Length)
+        self.close = close  # close the connection after it (HTTP/1.1: the rest of an oversized body is unread)
+
+
+class Responder(Protocol[T_co]):
+    """How one protocol writes an answer to its client. `T` is what its handler returns."""
+
+    async def send(self, answer: Answer) -> T_co:
+        """A whole answer (status, headers and body at once)."""
+
+    async def start(self, up: Exchange, headers: CIMultiDict[str]) -> None:
+        """The head of a streamed answer; from here on bytes reached the client."""
+
+    async def relay(self, up: Exchange) -> None:
+        """Forward the body as it arrives; upstream failures propagate (UPSTREAM_ERRORS)."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> T_co:
+        """The stream is complete."""
+
+    async def abort(self) -> T_co:
+        """The stream broke and cannot carry an error event: end it so the client sees a failure."""
+
+    def gone(self) -> bool:
+        """The client went away (a failed write then says nothing about the backend)."""
+
+
+def error_answer(status: int, message: str, type_: str, code: str, param: str | None = None, *,
+                 request_id: str, retry_after: str | None = None, close: bool = False) -> Answer:
+    headers: CIMultiDict[str] = CIMultiDict([("Content-Type", "application/json"), ("x-request-id", request_id)])
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    return Answer(status, _reason(status), headers, error_body(message, type_, code, param), close=close)
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+class JsonTooDeep(ValueError):
+    pass
+
+
+def parse_json(body: bytes | bytearray) -> Any:
+    """`json.loads`, with nesting deeper than MAX_JSON_DEPTH refused (JsonTooDeep, a ValueError).
+
+    Cheap in the common case: a body with fewer brackets than the limit cannot be nested that deep, so
+    only bodies with many brackets (inside strings, usually) get their parsed tree measured.
+    """
+    try:
+        parsed = json.loads(body)
+    except RecursionError:
+        raise JsonTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _deeper_than(parsed, MAX_JSON_DEPTH):
+        raise JsonTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return parsed
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+class OpenAIPipeline(Generic[T]):
+    """One per process, shared by every HTTP listener. Dependencies come in here and nowhere else."""
+
+    def __init__(
+        self, router: Router, pool: UpstreamPool, metrics: ProxyMetrics, *,
+        retries: RetryController | None = None,
+        load_report: Callable[[str, str], None] | None = None,
+        debug_headers: bool = False,
+        max_body_bytes: int,
+        session_header: str | None = None,
+    ) -> None:
+        self.router = router
+        self.pool = pool
+        self.metrics = metrics
+        self.counters = metrics.upstream
+        # RESILIENCE's retry controller; None = one attempt, no retry.
+        self.retries = retries
+        # Telemetry's ORCA hook (Poller.observe_orca) when telemetry.orca is on: upstream requests then ask
+        # for `endpoint-load-metrics`, and each response's report refreshes the backend's signals.
+        self.load_report = load_report
+        self.debug_headers = debug_headers
+        self.max_body_bytes = max_body_bytes
+        self.session_header = session_header
+
+    # ------------------------------------------------------------------------------------------ request
+
+    def too_large(self, request_id: str) -> Answer:
+        self.metrics.error("body_too_large")
+        return error_answer(413, f"Request body is larger than the limit of {self.max_body_bytes} bytes",
+                            "invalid_request_error", "body_too_large", request_id=request_id, close=True)
+
+    def summarise(self, req: InboundRequest) -> RequestSummary | Answer:
+        """The routing inputs of `req`, or the 400 answer its body earns."""
+        if req.method != "POST" or req.path not in ROUTED_ENDPOINTS:
+            return RequestSummary(prompt="", endpoint=req.path, session_key=req.session_key)
+        try:
+            parsed = parse_json(req.body)
+        except ValueError as exc:
+            self.metrics.error("invalid_json")
+            return error_answer(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
+                                "invalid_json", request_id=req.request_id)
+        try:
+            return summary_from_openai(req.path, parsed, session_key=req.session_key)
+        except RequestError as exc:
+            self.metrics.error("invalid_request")
+            return error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
+                                request_id=req.request_id)
+
+    async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
+        summary = self.summarise(req)
+        if isinstance(summary, Answer):
+            return await responder.send(summary)
+        return await self.proxy(req, summary, responder)
+
+    async def proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
+        request_id = req.request_id
+        try:
+            result: Answer | T = await run_with_retries(
+                self.retries, self.router, summary, lambda lease: self._exchange(req, lease, responder),
+                received_at=req.received_at,
+            )
+        except UnknownModel as exc:
+            result = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
+                                  request_id=request_id)
+        except Overloaded as exc:
+            result = error_answer(exc.status, str(exc), "server_error", "overloaded", request_id=request_id,
+                                  retry_after=str(exc.retry_after_s))
+        except NoBackendAvailable as exc:
+            result = error_answer(503, str(exc) or "No backend is available", "server_error", "no_backend",
+                                  request_id=request_id, retry_after=RETRY_AFTER_S)
+        if isinstance(result, Answer):
+            return await responder.send(result)
+        return result
+
+    # ------------------------------------------------------------------------------------------ attempt
+
+    async def _exchange(self, req: InboundRequest, lease: Lease, responder: Responder[T]) -> Answer | T:
+        """One attempt. Returns a whole answer to send, or what the responder returned after streaming.
+        Failures before the first byte raise `RetryableFailure` when a retry policy is configured."""
+        backend = lease.backend
+        url = backend.spec.url
+        load_report = self.load_report
+        extra = ORCA_ASK if load_report is not None and not req.asked_orca else ()
+        head = upstream_request_head(
+            req.method, req.raw_path, self.pool.backend(url).host_header, req.raw_headers, req.peer,
+            req.scheme, req.request_id, len(req.body), extra,
+        )
+        self.counters.requests += 1
+        up: Exchange | None = None
+        try:
+            up = await self.pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            headers = up.headers  # end-to-end fields only; this exchange's own copy
+            if load_report is not None:
+                report = headers.get(ORCA_HEADER)
+                if report is not None:
+                    load_report(backend.name, report)
+                    if extra:
+                        # The proxy asked for this report, not the client: it stops here.
+                        headers.popall(ORCA_HEADER)
+            headers["x-request-id"] = req.request_id
+            if self.debug_headers:
+                headers["x-affinity-backend"] = backend.name
+            lease.status = up.status
+            if self.retries is not None and self.retries.retry_status(up.status):
+                # Held back, not forwarded: if another backend is tried, the client never sees this one.
+                held = Answer(up.status, up.reason, headers, await up.read())
+                raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
+            sse = headers.get("Content-Type", "").startswith("text/event-stream")
+            if not up.chunked and not sse and (up.content_length is not None or up.complete):
+                body = await up.read()
+                # A HEAD answer has no body but keeps the length a GET would have had.
+                length = _declared_length(up.raw_headers) if req.method == "HEAD" else None
+                return Answer(up.status, up.reason, headers, body, length)
+            return await self._relay(up, headers, lease, sse, responder)
+        except asyncio.CancelledError:
+            lease.status = 499
+            raise
+        except UPSTREAM_ERRORS as exc:
+            # Only reachable before anything was sent to the client (connecting, sending, reading a held or
+            # JSON body): once _relay has started answering it handles failures itself.
+            return self._failed_before_response(exc, lease, req.request_id)
+        finally:
+            if up is not None:
+                up.release()
+
+    def _failed_before_response(self, exc: BaseException, lease: Lease, request_id: str) -> Answer:
+        backend = lease.backend
+        self.metrics.error("upstream_unreachable")
+        lease.status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+        log.warning("backend %s failed before responding: %r", backend.name, exc)
+        failed = error_answer(
+            lease.status, f"Backend {backend.name} failed: {type(exc).__name__}", "server_error",
+            "upstream_timeout" if lease.status == 504 else "upstream_error", request_id=request_id,
+        )
+        lease.outcome = classify_upstream_error(exc)
+        if self.retries is not None and lease.outcome is not None:
+            raise RetryableFailure(lease.outcome, failed) from exc
+        return failed
+
+    async def _relay(self, up: Exchange, headers: CIMultiDict[str], lease: Lease, sse: bool,
+                     responder: Responder[T]) -> T:
+        """Stream the answer as it arrives. From here on bytes reach the client: never retried."""
+        await responder.start(up, headers)
+        try:
+            await responder.relay(up)
+        except UPSTREAM_ERRORS as exc:
+            # Headers are gone already: end the stream with an error the client can parse, or visibly break it.
+            self.metrics.error("upstream_midstream")
+            lease.status = 502
+            if not responder.gone():  # a write to a departed client says nothing about the backend
+                lease.outcome = Outcome.STREAM_FAILURE
+            name = lease.backend.name
+            log.warning("backend %s failed mid-stream: %r", name, exc)
+            if not sse:
+                return await responder.abort()
+            await responder.write(sse_error_event(
+                f"The backend {name} failed while streaming: {type(exc).__name__}",
+                "upstream_stream_error",
+            ))
+        return await responder.end()
+
+
+def _declared_length(raw_headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in raw_headers:
+        if name.lower() == b"content-length" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+__all__ = ["Answer", "InboundRequest", "MAX_JSON_DEPTH", "OpenAIPipeline", "ROUTED_ENDPOINTS", "Responder",
+           "RETRY_AFTER_S", "UPSTREAM_ERRORS", "error_answer", "parse_json"]
