@@ -117,7 +117,7 @@ class AffinityProxy:
         self._http_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._started = False
-        self._install_subsystems(config, policy, on_outcome)
+        self._install_subsystems(config, policy, on_outcome, load_report)
 
     @property
     def config(self) -> Config:
@@ -141,7 +141,8 @@ class AffinityProxy:
         self._tasks.append(_Task(name, factory))
 
     def _install_subsystems(self, config: Config, policy: Policy | None,
-                            on_outcome: Callable[[str, Outcome], None] | None) -> None:
+                            on_outcome: Callable[[str, Outcome], None] | None,
+                            load_report: Callable[[str, str], None] | None) -> None:
         """Where the parts are built from the config, each given what it uses, in dependency order;
         optional subsystems (telemetry poller, the gRPC listener) are one guarded block each."""
         data = self.role != "control"
