@@ -31,9 +31,11 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.health import DiscoveryConfig, HealthCheckConfig, OutlierConfig, OverloadConfig, RetryConfig
+from proxy.core.hotspots import HotspotConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
 from proxy.grpc.grpc_config import GrpcOptions
+from proxy.observability.config import LoggingConfig
 
 __all__ = [
     "AdminConfig",
@@ -160,6 +162,8 @@ class Config:
     overload: OverloadConfig = OverloadConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
+    hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         seen: set[str] = set()
