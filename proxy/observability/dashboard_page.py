@@ -112,23 +112,33 @@ function draw(data) {
   const h = data.heatmap, m = METRICS.find(x => x[0] === metric) || METRICS[0];
   const grid = document.getElementById("heatmap");
   const n = h.windows.length;
-  grid.style.gridTemplateColumns = "120px repeat(" + n + ", minmax(3px, 1fr))";
-  grid.textContent = "";
   const rows = h.metrics[m[0]];
   const scale = scaleFor(m[3], rows.flat());
+  // Same backends and window count as last time: update the cells in place (no flicker, no new nodes).
+  const shape = h.backends.join("\u0000") + "|" + n;
+  if (grid.dataset.shape !== shape) {
+    grid.style.gridTemplateColumns = "120px repeat(" + n + ", minmax(3px, 1fr))";
+    grid.textContent = "";
+    h.backends.forEach(name => {
+      const label = el("div", "name", name); label.title = name; grid.appendChild(label);
+      for (let c = 0; c < n; c++) { const cell = el("div", "cell"); cell.dataset.backend = name; grid.appendChild(cell); }
+    });
+    grid.dataset.shape = shape;
+  }
+  const nodes = grid.children;
   h.backends.forEach((name, r) => {
     const st = h.states[name] || {};
-    const label = el("div", "name" + (st.spreading_anomaly ? " spreading" : st.latency_hot_spot ? " hot" : ""), name);
-    label.title = name; grid.appendChild(label);
+    nodes[r * (n + 1)].className = "name" + (st.spreading_anomaly ? " spreading" : st.latency_hot_spot ? " hot" : "");
     for (let c = 0; c < n; c++) {
-      const v = rows[r][c], mark = h.marks[r][c], cell = el("div", "cell" + (h.windows[c] === h.open_window ? " open" : ""));
-      cell.dataset.backend = name; cell.dataset.window = h.windows[c];
+      const v = rows[r][c], mark = h.marks[r][c], cell = nodes[r * (n + 1) + 1 + c];
+      cell.className = "cell" + (h.windows[c] === h.open_window ? " open" : "");
+      cell.dataset.window = h.windows[c];
       if (v !== null) { cell.style.backgroundColor = color(scale(v)); cell.dataset.value = v; }
-      if (mark) cell.dataset.mark = mark;
+      else { cell.style.backgroundColor = ""; delete cell.dataset.value; }
+      if (mark) cell.dataset.mark = mark; else delete cell.dataset.mark;
       const t = new Date(h.windows[c] * h.window_s * 1000).toLocaleTimeString();
       cell.title = name + " · " + t + " · " + m[1] + ": " + (v === null ? "no requests" : m[2](v))
         + " · requests " + (h.metrics.requests[r][c] || 0) + (mark ? " · " + mark : "");
-      grid.appendChild(cell);
     }
   });
   const axis = document.getElementById("axis"); axis.textContent = ""; axis.style.marginLeft = "120px";

@@ -63,12 +63,13 @@ def feed_fleet(obs: Observer, clock: Clock, windows: int, backends: tuple[str, .
                error_backend: str | None = None, error_rate: float = 0.0, seed: int = 0) -> None:
     """`windows` 10 s windows of traffic; `stalled` is slow in windows [stall_from, stall_to)."""
     rng = random.Random(seed)
-    start = clock.now
+    ws = obs.hotspot_config.window_s
+    start = (clock.now // ws) * ws  # each batch starts on a window boundary, so windows never straddle
     i = 0
     for k in range(windows):
         for j in range(per_window * len(backends)):
             b = backends[j % len(backends)]
-            clock.now = start + k * obs.hotspot_config.window_s + (j + 1) * 9.0 / (per_window * len(backends))
+            clock.now = start + k * ws + (j + 1) * 9.0 / (per_window * len(backends))
             ttft = 0.12 * rng.lognormvariate(0, 0.3)
             slow = b == stalled and stall_from <= k < stall_to
             if slow:
@@ -79,4 +80,4 @@ def feed_fleet(obs: Observer, clock: Clock, windows: int, backends: tuple[str, .
                                  load_score=0.9 if slow else 0.3 + 0.1 * rng.random(),
                                  inflight=12 if slow else rng.randint(0, 4)))
             i += 1
-    clock.now = start + windows * obs.hotspot_config.window_s + 0.5
+    clock.now = start + windows * ws + 0.5
