@@ -35,7 +35,7 @@ from proxy.core.hotspots import HotspotConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec
 from proxy.grpc.grpc_config import GrpcOptions
-from proxy.observability.config import LoggingConfig
+from proxy.observability.config import LoggingConfig, TracingConfig
 
 __all__ = [
     "AdminConfig",
@@ -164,6 +164,7 @@ class Config:
     telemetry: TelemetryConfig = TelemetryConfig()
     logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
     hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
+    tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans over OTLP/HTTP (proxy/observability/tracing.py)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         seen: set[str] = set()

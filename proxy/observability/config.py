@@ -47,3 +47,37 @@ class LoggingConfig:
 
     format: Literal["json", "text"] = "json"
     access_log: AccessLogConfig = AccessLogConfig()
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry traces, exported in batches over OTLP/HTTP (protobuf) off the request path.
+
+    ```yaml
+    tracing:
+      enabled: false
+      endpoint: http://127.0.0.1:4318/v1/traces   # the collector's OTLP/HTTP traces endpoint
+      headers: {}                 # e.g. {authorization: "Bearer ..."} for the collector
+      sampler: parent_based       # parent_based: follow the client's sampled flag, `ratio` for new traces
+                                  # ratio: `ratio` always | always_on | always_off
+      ratio: 0.1
+      service_name: affinity-proxy
+      max_queue: 2048             # spans waiting for export; more are dropped, never waited for
+      batch_delay_ms: 1000
+      export_timeout_s: 10
+    ```
+    """
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    headers: dict[str, str] = field(default_factory=dict)
+    sampler: Literal["parent_based", "ratio", "always_on", "always_off"] = "parent_based"
+    ratio: float = field(default=0.1, metadata={"ge": 0, "le": 1})
+    service_name: str = field(default="affinity-proxy", metadata={"min_len": 1})
+    max_queue: int = field(default=2048, metadata={"ge": 1})
+    batch_delay_ms: int = field(default=1000, metadata={"ge": 1})
+    export_timeout_s: float = field(default=10.0, metadata={"gt": 0})
+
+    def validate(self) -> Iterable[tuple[str, str]]:
+        if not self.endpoint.startswith(("http://", "https://")):
+            yield "endpoint", f"must be an http:// or https:// URL, got {self.endpoint!r}"
