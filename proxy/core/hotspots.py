@@ -7,7 +7,11 @@ replay can run it in virtual time.
 Windows
     One `BackendWindow` per backend per 10 s window: request and error counts, a fixed-bucket histogram of
     TTFT and of end-to-end duration (41 integers each, never a list of samples), and sums for the mean load
-    score and in-flight count. Everything in it adds up, so windows from several worker processes are merged
+    score and in-flight count. A third histogram, `waiting`, holds the age at the window's end of every
+    request routed there that had not had its first byte yet: a stalled backend finishes nothing, so
+    without these censored samples its windows would be empty (no evidence) for exactly as long as it stalls.
+    TTFT p99 is taken over finished TTFTs and waiting ages together; each age is a lower bound of that
+    request's TTFT, so this never overstates a backend's latency. Everything in it adds up, so windows from several worker processes are merged
     with `merge` (or `WindowRing.merge_data` on their `to_data()` form) and judged once.
 
 Rules (`HotspotDetector`)
@@ -24,7 +28,7 @@ Rules (`HotspotDetector`)
     backends would be hot spots forever and a fast one could triple before anyone noticed. The median (not
     the mean) keeps one earlier spike from raising the bar. A window with fewer than ``min_requests``
     finished requests is no evidence either way (it neither extends nor breaks a streak): a p99 of three
-    samples is noise. ``min_p99_s`` is a floor under the threshold: 5 ms -> 20 ms is not trouble.
+    samples is noise (waiting requests count as evidence for TTFT). ``min_p99_s`` is a floor under the threshold: 5 ms -> 20 ms is not trouble.
 
     A hot spot clears after ``clear_windows`` consecutive judged windows back under the threshold
     (hysteresis: one good window inside a stall must not make it flap); spreading clears with it, or when
@@ -119,6 +123,7 @@ class BackendWindow:
     errors: int = 0
     ttft: list[int] = field(default_factory=lambda: [0] * N_BUCKETS)
     e2e: list[int] = field(default_factory=lambda: [0] * N_BUCKETS)
+    waiting: list[int] = field(default_factory=lambda: [0] * N_BUCKETS)  # ages of requests awaiting a first byte
     load_sum: float = 0.0
     load_n: int = 0
     inflight_sum: float = 0.0
@@ -139,6 +144,10 @@ class BackendWindow:
             self.inflight_sum += inflight
             self.inflight_n += 1
 
+    def add_waiting(self, age_s: float) -> None:
+        """A request still waiting for its first byte at the end of the window, `age_s` after it was sent."""
+        self.waiting[bisect_left(BUCKET_BOUNDS_S, age_s)] += 1
+
     def merge(self, other: "BackendWindow") -> None:
         self.requests += other.requests
         self.errors += other.errors
@@ -146,15 +155,28 @@ class BackendWindow:
             self.ttft[i] += c
         for i, c in enumerate(other.e2e):
             self.e2e[i] += c
+        for i, c in enumerate(other.waiting):
+            self.waiting[i] += c
         self.load_sum += other.load_sum
         self.load_n += other.load_n
         self.inflight_sum += other.inflight_sum
         self.inflight_n += other.inflight_n
 
+    @property
+    def waiting_n(self) -> int:
+        return sum(self.waiting)
+
+    def evidence(self, metric: str = "ttft") -> int:
+        """Samples behind `p99(metric)`: finished requests, plus waiting ones for TTFT."""
+        return self.requests + self.waiting_n if metric == "ttft" else self.requests
+
     def p99(self, metric: str = "ttft") -> float | None:
-        """p99 of TTFT (falling back to e2e for requests that reported no first byte) or of e2e."""
-        if metric == "ttft" and sum(self.ttft):
-            return quantile(self.ttft, 0.99)
+        """p99 of TTFT with the waiting ages (falling back to e2e for finished requests that reported no
+        first byte), or of e2e."""
+        if metric == "ttft":
+            if sum(self.ttft) or self.waiting_n:
+                first = self.ttft if sum(self.ttft) or not self.requests else self.e2e
+                return quantile([a + b for a, b in zip(first, self.waiting)], 0.99)
         return quantile(self.e2e, 0.99)
 
     @property
@@ -172,15 +194,15 @@ class BackendWindow:
 
     def to_data(self) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "ttft": list(self.ttft), "e2e": list(self.e2e),
-                "load_sum": self.load_sum, "load_n": self.load_n,
+                "waiting": list(self.waiting), "load_sum": self.load_sum, "load_n": self.load_n,
                 "inflight_sum": self.inflight_sum, "inflight_n": self.inflight_n}
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any]) -> "BackendWindow":
-        ttft, e2e = list(data["ttft"]), list(data["e2e"])
-        if len(ttft) != N_BUCKETS or len(e2e) != N_BUCKETS:
-            raise ValueError(f"histograms must have {N_BUCKETS} buckets, got {len(ttft)} and {len(e2e)}")
-        return cls(requests=int(data["requests"]), errors=int(data["errors"]), ttft=ttft, e2e=e2e,
+        ttft, e2e, waiting = list(data["ttft"]), list(data["e2e"]), list(data["waiting"])
+        if not len(ttft) == len(e2e) == len(waiting) == N_BUCKETS:
+            raise ValueError(f"histograms must have {N_BUCKETS} buckets, got {len(ttft)}, {len(e2e)} and {len(waiting)}")
+        return cls(requests=int(data["requests"]), errors=int(data["errors"]), ttft=ttft, e2e=e2e, waiting=waiting,
                    load_sum=float(data["load_sum"]), load_n=int(data["load_n"]),
                    inflight_sum=float(data["inflight_sum"]), inflight_n=int(data["inflight_n"]))
 
@@ -334,11 +356,11 @@ class HotspotDetector:
     def _judge(self, name: str, index: int, w: BackendWindow) -> list[HotspotEvent]:
         cfg = self.config
         t = self._track(name)
-        if w.requests < cfg.min_requests:
+        if w.evidence(cfg.metric) < cfg.min_requests:
             return []
         p99 = w.p99(cfg.metric)
-        assert p99 is not None  # requests > 0 means the e2e histogram is not empty
-        err = w.errors / w.requests
+        assert p99 is not None  # evidence > 0 means one of the histograms is not empty
+        err = w.errors / w.requests if w.requests else 0.0
         t.last_p99, t.last_error_rate = p99, err
         base_p99, base_err = t.baseline()
         if base_p99 is None or len(t.base_p99) < cfg.min_baseline_windows:
@@ -357,10 +379,10 @@ class HotspotDetector:
             if not t.hot and t.streak >= cfg.windows:
                 t.hot, t.hot_since = True, index
                 event(LATENCY_HOT_SPOT, True)
-            if t.hot:
-                req = sum(r for r, _ in t.over)
-                pooled = sum(e for _, e in t.over) / req
-                spreading = pooled - base_err > cfg.error_rise
+            req = sum(r for r, _ in t.over)
+            # (a stall that has finished nothing yet says nothing about errors: the state stays as it was)
+            if t.hot and req:
+                spreading = sum(e for _, e in t.over) / req - base_err > cfg.error_rise
                 if spreading != t.spreading:
                     t.spreading = spreading
                     t.spreading_since = index if spreading else None

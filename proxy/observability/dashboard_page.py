@@ -138,7 +138,8 @@ function draw(data) {
       if (mark) cell.dataset.mark = mark; else delete cell.dataset.mark;
       const t = new Date(h.windows[c] * h.window_s * 1000).toLocaleTimeString();
       cell.title = name + " · " + t + " · " + m[1] + ": " + (v === null ? "no requests" : m[2](v))
-        + " · requests " + (h.metrics.requests[r][c] || 0) + (mark ? " · " + mark : "");
+        + " · finished " + (h.metrics.requests[r][c] || 0)
+        + (h.metrics.waiting[r][c] ? " · waiting for a first byte " + h.metrics.waiting[r][c] : "") + (mark ? " · " + mark : "");
     }
   });
   const axis = document.getElementById("axis"); axis.textContent = ""; axis.style.marginLeft = "120px";

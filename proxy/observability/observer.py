@@ -1,5 +1,12 @@
 """What the request lifecycle calls once per finished request: `Observer.on_finish(record)`.
 
+Optionally also `Observer.on_pick(record)` once the backend is chosen: the Observer then keeps the record
+until it finishes, and at each window's end counts the requests still waiting for their first byte
+(`record.ttft_s` still None) with their age. That is how a stalled backend, which finishes nothing while it
+stalls, is seen as slow during the stall rather than only once it recovers. Windows are closed by the next
+request to finish or by `tick()`; `run()` ticks every second so a quiet or fully stalled proxy still
+closes its windows on time.
+
 It feeds the access log and the heat-map windows, and, when a window closes, the hot-spot rules, whose
 transitions become one log line each, a Prometheus gauge per backend and state, and `/admin/hotspots`.
 The hot path is a few attribute reads, one msgspec encode into a shared buffer and two histogram bumps; the
@@ -15,6 +22,7 @@ page but is not judged again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -69,6 +77,7 @@ class Observer:
         self._on_event = on_event
         self._marks: dict[int, dict[str, str]] = {}  # window index -> backend -> mark, for the heat map
         self._judged = -1  # highest window index judged
+        self._pending: dict[int, RequestRecord] = {}  # id(record) -> record, from on_pick to on_finish
         self._closed: list[Window] = []  # closed, not yet taken by take_closed() (role="worker")
         self.events: deque[HotspotEvent] = deque(maxlen=RECENT_EVENTS)
         acfg = logging_config.access_log
@@ -82,11 +91,20 @@ class Observer:
 
     # ------------------------------------------------------------------ hot path
 
+    def on_pick(self, record: RequestRecord) -> None:
+        """Optional: the backend was chosen (`record.backend` set; on a retry elsewhere, just update it).
+        The lifecycle sets `record.ttft_s` at the first response byte, as it does anyway for the log."""
+        if record.started is None:
+            record.started = self._clock()
+        self._pending[id(record)] = record
+
     def on_finish(self, record: RequestRecord) -> None:
         """The lifecycle's finish step calls this once per request, every protocol, success or not."""
         now = self._clock()
         if record.time is None:
             record.time = now
+        if self._pending:
+            self._pending.pop(id(record), None)
         access = self.access_log
         if access is not None:
             access.write(record, now)
@@ -119,8 +137,16 @@ class Observer:
         if cur is None or index > cur.index:
             self._roll(index)
 
+    async def run(self, interval_s: float = 1.0) -> None:
+        """Tick forever (start it as a task next to the data plane; cancel it on shutdown)."""
+        while True:
+            self.tick()
+            await asyncio.sleep(interval_s)
+
     def _roll(self, index: int) -> None:
         closed = self._ring.advance(index)
+        if self._pending and closed:
+            self._count_waiting(closed)
         if self.role == "single":
             for w in closed:
                 self._judge_window(w)
@@ -128,6 +154,23 @@ class Observer:
             self._closed.extend(closed)
             del self._closed[: max(0, len(self._closed) - self.hotspot_config.history_windows)]
         # aggregator: its windows are filled and judged by ingest()
+
+    def _count_waiting(self, closed: list[Window]) -> None:
+        """Add, to each closed window, the requests that were waiting for a first byte at its end."""
+        ws = self._window_s
+        oldest = (closed[-1].index + 1 - self.hotspot_config.history_windows) * ws
+        for key, r in list(self._pending.items()):
+            started, backend = r.started, r.backend
+            if started is None or backend is None:
+                continue
+            if started < oldest:  # a request the lifecycle never finished: forget it
+                del self._pending[key]
+                continue
+            first_byte = None if r.ttft_s is None else started + r.ttft_s
+            for w in closed:
+                end = (w.index + 1) * ws
+                if started < end and (first_byte is None or first_byte > end):
+                    w.backend(backend).add_waiting(end - started)
 
     def _judge_window(self, w: Window) -> None:
         if w.index <= self._judged:
@@ -231,7 +274,7 @@ class Observer:
                 row = []
                 for w in windows:
                     bw = w.backends.get(name) if w is not None else None
-                    row.append(None if bw is None or bw.requests == 0 else fn(bw))
+                    row.append(None if bw is None or (bw.requests == 0 and bw.waiting_n == 0) else fn(bw))
                 rows.append(row)
             return rows
 
@@ -248,12 +291,13 @@ class Observer:
             "backends": names,
             "metric_rule": metric,
             "metrics": {
-                "ttft_p99": series(lambda bw: bw.p99("ttft") if sum(bw.ttft) else None),
+                "ttft_p99": series(lambda bw: bw.p99("ttft") if sum(bw.ttft) or bw.waiting_n else None),
                 "e2e_p99": series(lambda bw: bw.p99("e2e")),
                 "error_rate": series(lambda bw: bw.error_rate),
                 "load_score": series(lambda bw: bw.load_score),
                 "inflight": series(lambda bw: bw.inflight),
                 "requests": series(lambda bw: bw.requests),
+                "waiting": series(lambda bw: bw.waiting_n),
             },
             "marks": [[self._marks.get(i, {}).get(name) for i in indices] for name in names],
             "routing_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1])),

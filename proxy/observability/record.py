@@ -31,6 +31,8 @@ class RequestRecord:
     # its clock. Epoch seconds, not a formatted string, because formatting costs µs on the hot path and
     # Loki/promtail parse it directly (`timestamp: {source: time, format: Unix}`).
     time: float | None = None
+    # Wall-clock seconds when it was routed: set by `Observer.on_pick`, None when that hook is not used.
+    started: float | None = None
     request_id: str
     trace_id: str | None = None  # 32 hex digits of the W3C trace, when there is one
     client: str | None = None  # peer address "ip:port"

@@ -157,3 +157,16 @@ def test_ring_closes_windows_in_order_fills_gaps_and_stays_bounded():
     assert [w.index for w in ring.windows()] == [11, 12, 13, 14]
     assert [w.index for w in ring.advance(100)] == [14, 96, 97, 98, 99]  # a long gap: at most `keep` kept
     assert [w.index for w in ring.windows()] == [97, 98, 99, 100]
+
+
+def test_waiting_ages_count_as_ttft_evidence_and_merge():
+    bw = BackendWindow()
+    for _ in range(10):
+        bw.add_waiting(8.0)
+    assert bw.requests == 0 and bw.evidence("ttft") == 10 and bw.evidence("e2e") == 0
+    assert bw.p99("ttft") == pytest.approx(8.0, rel=0.42) and bw.p99("e2e") is None
+    other = BackendWindow()
+    other.add(0.5, 0.1)
+    bw.merge(other)
+    assert bw.waiting_n == 10 and bw.requests == 1
+    assert BackendWindow.from_data(bw.to_data()) == bw

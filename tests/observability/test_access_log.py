@@ -16,7 +16,7 @@ from proxy.observability.record import GRPC, H2, HTTP1, PROTOCOLS, RequestRecord
 
 from tests.observability.helpers import Clock, make_observer, record
 
-FIELDS = ("time", "request_id", "trace_id", "client", "protocol", "method", "path", "model", "adapter", "session",
+FIELDS = ("time", "started", "request_id", "trace_id", "client", "protocol", "method", "path", "model", "adapter", "session",
           "policy", "reason", "backend", "attempts", "status", "grpc_status", "error", "ttft_s", "duration_s",
           "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight")
 
@@ -121,7 +121,7 @@ def test_text_format_is_logfmt():
     obs, out = make_observer(clock, fmt="text")
     obs.on_finish(record(1, path='/v1/odd "path"', adapter=None))
     (line,) = out.lines
-    assert line.startswith("time=7.0 request_id=req-1 ")
+    assert line.startswith("time=7.0 started=- request_id=req-1 ")
     assert 'path="/v1/odd \\"path\\""' in line and "adapter=- " in line and "backend=gpu-0" in line
 
 

@@ -79,3 +79,86 @@ def test_workers_hand_windows_to_an_aggregator_that_judges_the_merged_fleet():
     assert not any(o.hotspots()["backends"] for o in workers)  # workers judge nothing
     heat = agg.heatmap()
     assert heat["metrics"]["requests"][0][-2] == 6  # both workers' requests in one cell
+
+
+def simulate(obs, clock, seconds: float, rate_per_backend: float, stall: tuple[str, float, float] | None,
+             seed: int = 0) -> list:
+    """Requests in virtual time: on_pick at arrival, ttft_s set at the first byte, on_finish at the end; a
+    stalled backend answers nothing between `stall[1]` and `stall[2]` (as sim/ faults' stall_ms does), and
+    the Observer is ticked every second as `Observer.run` does."""
+    import heapq
+    import random
+
+    from proxy.observability.record import RequestRecord
+
+    rng = random.Random(seed)
+    t0 = clock.now
+    events: list = []
+    n = 0
+    for b in FLEET:
+        t = t0
+        while t < t0 + seconds:
+            t += rng.expovariate(rate_per_backend)
+            ttft = 0.12 * rng.lognormvariate(0, 0.3)
+            first = t + ttft
+            if stall and b == stall[0] and t0 + stall[1] - 1 < first and t < t0 + stall[2]:
+                first = max(first, t0 + stall[2]) + ttft  # nothing until the stall ends
+            rec = RequestRecord(request_id=f"r{n}", backend=b, reason="hash", status=200)
+            heapq.heappush(events, (t, n, "pick", rec, first))
+            n += 1
+    tick = t0 + 1
+    while events:
+        t, k, kind, rec, first = heapq.heappop(events)
+        while tick <= t:
+            clock.now = tick
+            obs.tick()
+            tick += 1
+        clock.now = t
+        if kind == "pick":
+            obs.on_pick(rec)
+            heapq.heappush(events, (first, k, "first", rec, first))
+        elif kind == "first":
+            rec.ttft_s = first - rec.started
+            heapq.heappush(events, (first + 0.3, k, "finish", rec, first))
+        else:
+            rec.duration_s = t - rec.started
+            obs.on_finish(rec)
+    return list(obs.events)
+
+
+def test_a_stall_that_finishes_nothing_is_a_hot_spot_during_the_stall():
+    clock = Clock(1_800_000_000.0)
+    obs, _ = make_observer(clock, AccessLogConfig(enabled=False))
+    simulate(obs, clock, 120, rate_per_backend=3.0, stall=None)
+    assert list(obs.events) == []
+    stall_start = clock.now + 5
+    stall_window = int(stall_start // 10)
+    events = simulate(obs, clock, 90, rate_per_backend=3.0, stall=("gpu-2", 5, 45), seed=1)  # 40 s stall
+    enter = [e for e in events if e.entered]
+    assert [(e.backend, e.state) for e in enter] == [("gpu-2", LATENCY_HOT_SPOT)]
+    # 3 windows after the stall began (the first one partly stalled), long before the stall ends
+    assert enter[0].window - stall_window <= 3
+    assert enter[0].window * 10 + 10 < stall_start + 40
+    leave = [e for e in events if not e.entered]
+    assert [(e.backend, e.state) for e in leave] == [("gpu-2", LATENCY_HOT_SPOT)]
+    assert leave[0].window * 10 > stall_start + 40  # cleared after it recovered
+    heat = obs.heatmap()
+    row = heat["marks"][FLEET.index("gpu-2")]
+    assert row.count("hot") >= 3
+    assert max(x for x in heat["metrics"]["waiting"][FLEET.index("gpu-2")] if x) > 50  # requests piled up
+    assert obs._pending == {}  # every finished request left the pending table
+
+
+def test_pending_requests_never_finished_are_forgotten():
+    clock = Clock(1_800_000_000.0)
+    obs, _ = make_observer(clock, AccessLogConfig(enabled=False), hotspots=HotspotConfig(history_windows=6))
+    from proxy.observability.record import RequestRecord
+
+    obs.on_pick(RequestRecord(request_id="lost", backend="gpu-0"))
+    obs.on_finish(record(1))
+    clock.now += 45
+    obs.tick()
+    assert len(obs._pending) == 1
+    clock.now += 30
+    obs.tick()
+    assert obs._pending == {}
