@@ -9,6 +9,7 @@ boundary, so the lines of several worker processes writing to one pipe never int
 
 from __future__ import annotations
 
+import enum
 import os
 import select
 from dataclasses import fields
@@ -78,6 +79,8 @@ class LineSink:
 def _logfmt_value(value: object) -> str:
     if value is None:
         return "-"
+    if isinstance(value, enum.Enum):  # proxy.core.decision.Reason: its value, not "Reason.HASH"
+        value = value.value
     text = str(value)
     if text and not any(c in text for c in ' "=\\\n\r\t'):
         return text

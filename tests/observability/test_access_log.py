@@ -9,6 +9,7 @@ import os
 import pytest
 
 from proxy.config import ConfigError, parse_config
+from proxy.core.decision import Reason
 from proxy.observability.access_log import PIPE_BUF, LineSink
 from proxy.observability.config import AccessLogConfig, LoggingConfig
 from proxy.observability.logs import JsonFormatter, configure_logging
@@ -119,8 +120,9 @@ def test_file_sink_appends(tmp_path):
 def test_text_format_is_logfmt():
     clock = Clock(7.0)
     obs, out = make_observer(clock, fmt="text")
-    obs.on_finish(record(1, path='/v1/odd "path"', adapter=None))
+    obs.on_finish(record(1, path='/v1/odd "path"', adapter=None, reason=Reason.HASH))
     (line,) = out.lines
+    assert " reason=hash " in line
     assert line.startswith("time=7.0 started=- request_id=req-1 ")
     assert 'path="/v1/odd \\"path\\""' in line and "adapter=- " in line and "backend=gpu-0" in line
 
