@@ -41,9 +41,11 @@ from proxy.core.health import HealthCheckConfig, OutlierConfig
 from proxy.core.overload import OverloadConfig
 from proxy.core.registry import policy_name_error
 from proxy.core.retry_policy import RetryConfig
+from proxy.core.hotspots import HotspotConfig
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, duplicate_urls
 from proxy.grpc.grpc_config import GrpcOptions
+from proxy.observability.config import LoggingConfig, TracingConfig
 
 __all__ = [
     "AdminConfig",
@@ -201,6 +203,9 @@ class Config:
     overload: OverloadConfig = OverloadConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
+    hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
+    tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans over OTLP/HTTP (proxy/observability/tracing.py)
 
     def __post_init__(self) -> None:
         check_config(self)

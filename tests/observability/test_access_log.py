@@ -1,0 +1,177 @@
+"""The access log: JSON lines with every field, for each protocol; sampling, rate limit, batching, text."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from proxy.config import ConfigError, parse_config
+from proxy.core.decision import Reason
+from proxy.observability.access_log import PIPE_BUF, LineSink
+from proxy.observability.config import AccessLogConfig, LoggingConfig
+from proxy.observability.logs import JsonFormatter, configure_logging
+from proxy.observability.record import GRPC, H2, HTTP1, PROTOCOLS, RequestRecord
+
+from tests.observability.helpers import Clock, make_observer, record
+
+FIELDS = ("time", "started", "request_id", "trace_id", "client", "protocol", "method", "path", "model", "adapter", "session",
+          "policy", "reason", "backend", "attempts", "status", "grpc_status", "error", "ttft_s", "duration_s",
+          "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_json_line_per_request_carries_every_field(protocol):
+    clock = Clock()
+    obs, out = make_observer(clock)
+    obs.on_finish(record(1, protocol=protocol, adapter="sql-lora"))
+    (line,) = out.json()
+    assert tuple(line) == FIELDS
+    assert line["time"] == clock.now and line["protocol"] == protocol
+    assert line["request_id"] == "req-1" and line["trace_id"] == f"{1:032x}" and line["client"] == "127.0.0.1:50000"
+    assert line["backend"] == "gpu-0" and line["policy"] == "affinity" and line["reason"] == "prefix_hit"
+    assert line["model"] == "llama" and line["adapter"] == "sql-lora" and line["session"] == "s1"
+    assert line["prompt_tokens"] == 120 and line["cached_tokens"] == 64 and line["attempts"] == 1
+    assert line["bytes_in"] == 900 and line["bytes_out"] == 4000
+    assert line["ttft_s"] == pytest.approx(0.1) and line["duration_s"] == pytest.approx(0.5)
+    if protocol == GRPC:
+        assert line["path"] == "/affinity.v1.Generation/Generate" and line["grpc_status"] == 0
+    else:
+        assert line["path"] == "/v1/chat/completions" and line["grpc_status"] is None
+
+
+def test_a_record_stamped_by_the_lifecycle_keeps_its_time_and_unknowns_are_null():
+    clock = Clock()
+    obs, out = make_observer(clock)
+    obs.on_finish(RequestRecord(request_id="r", time=123.5, status=400, error="invalid_request"))
+    (line,) = out.json()
+    assert line["time"] == 123.5 and line["backend"] is None and line["ttft_s"] is None
+    assert line["error"] == "invalid_request" and line["status"] == 400
+
+
+def test_failed_counts_5xx_and_grpc_server_codes_only():
+    assert RequestRecord(request_id="a", status=502).failed
+    assert not RequestRecord(request_id="a", status=404).failed
+    assert RequestRecord(request_id="a", status=200, protocol=GRPC, grpc_status=14).failed  # UNAVAILABLE
+    assert not RequestRecord(request_id="a", status=200, protocol=GRPC, grpc_status=3).failed  # INVALID_ARGUMENT
+
+
+def test_sampling_is_even_and_errors_are_always_logged():
+    clock = Clock()
+    obs, out = make_observer(clock, AccessLogConfig(sample_ratio=0.25, flush_interval_s=0.0))
+    for i in range(400):
+        obs.on_finish(record(i, status=500 if i % 50 == 0 else 200))
+    lines = out.json()
+    errors = [l for l in lines if l["status"] == 500]
+    assert len(errors) == 8
+    assert len(lines) - len(errors) == pytest.approx(392 * 0.25, abs=1)
+    assert obs.access_log.sampled_out == 400 - len(lines)
+
+
+def test_rate_limit_drops_lines_past_the_limit_and_says_how_many():
+    clock = Clock(1000.0)
+    obs, out = make_observer(clock, AccessLogConfig(max_lines_per_s=10, flush_interval_s=0.0))
+    for i in range(30):
+        clock.now = 1000.0 + i * 0.02  # 30 requests within one second
+        obs.on_finish(record(i))
+    clock.now = 1001.2
+    obs.on_finish(record(99))
+    lines = out.json()
+    assert [l.get("request_id") for l in lines[:10]] == [f"req-{i}" for i in range(10)]
+    assert lines[10] == {"time": 1001.2, "event": "access_log_rate_limited", "dropped": 20, "max_lines_per_s": 10}
+    assert lines[11]["request_id"] == "req-99"
+    assert obs.access_log.rate_limited == 20
+
+
+def test_lines_are_batched_below_pipe_buf_and_on_line_boundaries():
+    clock = Clock()
+    obs, out = make_observer(clock, AccessLogConfig(flush_interval_s=60.0))
+    for i in range(100):
+        obs.on_finish(record(i))
+    assert out.chunks, "a full batch is written without waiting for the interval"
+    assert all(len(c) <= PIPE_BUF and c.endswith(b"\n") for c in out.chunks)
+    obs.close()
+    assert [l["request_id"] for l in out.json()] == [f"req-{i}" for i in range(100)]
+
+
+def test_quiet_proxy_flushes_after_the_interval():
+    clock = Clock(50.0)
+    obs, out = make_observer(clock, AccessLogConfig(flush_interval_s=1.0))
+    obs.on_finish(record(1))  # the first write flushes (nothing flushed yet)
+    clock.now = 50.5
+    obs.on_finish(record(2))
+    assert len(out.lines) == 1
+    clock.now = 51.6
+    obs.on_finish(record(3))
+    assert len(out.lines) == 3
+
+
+def test_file_sink_appends(tmp_path):
+    path = tmp_path / "access.log"
+    sink = LineSink.open(str(path), flush_interval_s=0.0)
+    sink.write_line(b'{"a":1}\n', 1.0)
+    sink2 = LineSink.open(str(path), flush_interval_s=0.0)
+    sink2.write_line(b'{"a":2}\n', 1.0)
+    assert [json.loads(l) for l in path.read_text().splitlines()] == [{"a": 1}, {"a": 2}]
+
+
+def test_text_format_is_logfmt():
+    clock = Clock(7.0)
+    obs, out = make_observer(clock, fmt="text")
+    obs.on_finish(record(1, path='/v1/odd "path"', adapter=None, reason=Reason.HASH))
+    (line,) = out.lines
+    assert " reason=hash " in line
+    assert line.startswith("time=7.0 started=- request_id=req-1 ")
+    assert 'path="/v1/odd \\"path\\""' in line and "adapter=- " in line and "backend=gpu-0" in line
+
+
+def test_access_log_off_writes_nothing_but_windows_still_fill():
+    clock = Clock()
+    obs, out = make_observer(clock, AccessLogConfig(enabled=False))
+    obs.on_finish(record(1))
+    assert obs.access_log is None and out.chunks == []
+    assert obs.heatmap()["metrics"]["requests"][0][-1] == 1
+
+
+def test_json_formatter_for_application_logs(capsys):
+    import io
+    stream = io.StringIO()
+    handler = configure_logging(LoggingConfig(format="json"), "info", stream)
+    try:
+        logging.getLogger("proxy.test").warning("backend %s slow", "gpu-1", extra={"backend": "gpu-1"})
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("proxy.test").exception("failed")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    first, second = [json.loads(l) for l in stream.getvalue().splitlines() if l.startswith("{")][:2]
+    assert first["level"] == "warning" and first["logger"] == "proxy.test"
+    assert first["message"] == "backend gpu-1 slow" and first["backend"] == "gpu-1"
+    assert isinstance(first["time"], float)
+    assert second["level"] == "error" and "RuntimeError: boom" in second["exc"]
+    text = io.StringIO()
+    handler = configure_logging(LoggingConfig(format="text"), "info", text)
+    try:
+        logging.getLogger("proxy.test").info("plain")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert text.getvalue().rstrip().endswith("INFO proxy.test: plain")
+    assert JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "m %s", (object(),), None))
+
+
+def test_config_sections_parse_with_defaults_and_errors():
+    cfg = parse_config("")
+    assert cfg.logging.format == "json" and cfg.logging.access_log.enabled
+    assert cfg.hotspots.windows == 3 and cfg.hotspots.latency_rise == 2.0
+    cfg = parse_config("logging: {format: text, access_log: {sample_ratio: 0.1, max_lines_per_s: 500}}\n"
+                       "hotspots: {windows: 5, metric: e2e}\n")
+    assert cfg.logging.format == "text" and cfg.logging.access_log.sample_ratio == 0.1
+    assert cfg.logging.access_log.max_lines_per_s == 500 and cfg.hotspots.windows == 5
+    with pytest.raises(ConfigError) as exc:
+        parse_config("logging: {format: xml, access_log: {sample_ratio: 2}}\nhotspots: {min_baseline_windows: 40}\n")
+    text = str(exc.value)
+    assert "logging.format (line 1)" in text and "logging.access_log.sample_ratio (line 1): must be <= 1" in text
+    assert "hotspots.min_baseline_windows" in text
