@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Iterable, Literal, Mapping
 
+from proxy.core.bounds import check_config
+
 # Histogram bucket upper bounds in seconds: 1 ms * sqrt(2)^i, up to ~741 s, plus an overflow bucket. The
 # sqrt(2) step bounds the p99 estimate's error to 41% (interpolated inside the bucket, typically far less),
 # well under the 200% the latency rule looks for.
@@ -85,6 +87,9 @@ class HotspotConfig:
     min_baseline_windows: int = field(default=3, metadata={"ge": 1})
     min_requests: int = field(default=5, metadata={"ge": 1})
     min_p99_s: float = field(default=0.05, metadata={"ge": 0})
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if self.min_baseline_windows > self.baseline_windows:

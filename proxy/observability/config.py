@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
+from proxy.core.bounds import check_config
+
 
 @dataclass(frozen=True)
 class AccessLogConfig:
@@ -28,6 +30,9 @@ class AccessLogConfig:
     max_lines_per_s: int | None = field(default=None, metadata={"ge": 1})
     always_log_errors: bool = True
     flush_interval_s: float = field(default=1.0, metadata={"ge": 0})
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if self.path is not None and not self.path.strip():
@@ -77,6 +82,12 @@ class TracingConfig:
     max_queue: int = field(default=2048, metadata={"ge": 1})
     batch_delay_ms: int = field(default=1000, metadata={"ge": 1})
     export_timeout_s: float = field(default=10.0, metadata={"gt": 0})
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
         if not self.endpoint.startswith(("http://", "https://")):

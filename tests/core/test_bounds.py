@@ -11,15 +11,17 @@ from proxy.config import AdminConfig, Config, DiscoveryConfig, LimitsConfig, Lis
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.bounds import ConfigValueError, check_value, config_errors, value_errors
 from proxy.core.health import HealthCheckConfig, OutlierConfig
+from proxy.core.hotspots import HotspotConfig
 from proxy.core.overload import OverloadConfig
 from proxy.core.retry_policy import RetryConfig
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
 from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, BackendState, Snapshot
+from proxy.observability.config import AccessLogConfig, LoggingConfig, TracingConfig
 
 SECTIONS = (HealthCheckConfig, OutlierConfig, RetryConfig, OverloadConfig, RoutingConfig, AffinityConfig,
             LoadConfig, ScoreConfig, TelemetryConfig, DiscoveryConfig, ListenConfig, LimitsConfig, TimeoutsConfig,
-            UpstreamConfig, AdminConfig)
+            UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig)
 NON_FINITE = (math.inf, -math.inf, math.nan)
 
 

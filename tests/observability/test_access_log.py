@@ -162,16 +162,19 @@ def test_json_formatter_for_application_logs(capsys):
     assert JsonFormatter().format(logging.LogRecord("x", logging.INFO, "", 0, "m %s", (object(),), None))
 
 
+BACKEND = "backends: [{name: b0, url: 'http://127.0.0.1:9'}]\n"
+
+
 def test_config_sections_parse_with_defaults_and_errors():
-    cfg = parse_config("")
+    cfg = parse_config(BACKEND)
     assert cfg.logging.format == "json" and cfg.logging.access_log.enabled
     assert cfg.hotspots.windows == 3 and cfg.hotspots.latency_rise == 2.0
-    cfg = parse_config("logging: {format: text, access_log: {sample_ratio: 0.1, max_lines_per_s: 500}}\n"
+    cfg = parse_config(BACKEND + "logging: {format: text, access_log: {sample_ratio: 0.1, max_lines_per_s: 500}}\n"
                        "hotspots: {windows: 5, metric: e2e}\n")
     assert cfg.logging.format == "text" and cfg.logging.access_log.sample_ratio == 0.1
     assert cfg.logging.access_log.max_lines_per_s == 500 and cfg.hotspots.windows == 5
     with pytest.raises(ConfigError) as exc:
-        parse_config("logging: {format: xml, access_log: {sample_ratio: 2}}\nhotspots: {min_baseline_windows: 40}\n")
+        parse_config(BACKEND + "logging: {format: xml, access_log: {sample_ratio: 2}}\nhotspots: {min_baseline_windows: 40}\n")
     text = str(exc.value)
-    assert "logging.format (line 1)" in text and "logging.access_log.sample_ratio (line 1): must be <= 1" in text
+    assert "logging.format (line 2)" in text and "logging.access_log.sample_ratio (line 2): must be <= 1" in text
     assert "hotspots.min_baseline_windows" in text

@@ -116,12 +116,12 @@ def test_parent_based_follows_the_clients_sampled_flag():
 
 def test_off_means_nothing_built_and_config_parses():
     assert build_tracing(TracingConfig()) is None
-    cfg = parse_config("tracing: {enabled: true, ratio: 0.25, endpoint: 'http://otel:4318/v1/traces'}\n")
+    cfg = parse_config("backends: [{name: b0, url: 'http://127.0.0.1:9'}]\ntracing: {enabled: true, ratio: 0.25, endpoint: 'http://otel:4318/v1/traces'}\n")
     assert cfg.tracing.enabled and cfg.tracing.ratio == 0.25 and cfg.tracing.sampler == "parent_based"
     with pytest.raises(ConfigError, match="tracing.endpoint"):
-        parse_config("tracing: {endpoint: 'otel:4318'}\n")
+        parse_config("backends: [{name: b0, url: 'http://127.0.0.1:9'}]\ntracing: {endpoint: 'otel:4318'}\n")
     with pytest.raises(ConfigError, match="tracing.sampler"):
-        parse_config("tracing: {sampler: parent}\n")
+        parse_config("backends: [{name: b0, url: 'http://127.0.0.1:9'}]\ntracing: {sampler: parent}\n")
 
 
 async def test_otlp_http_export_reaches_a_receiver(aiohttp_server):
