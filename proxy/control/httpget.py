@@ -116,7 +116,7 @@ class _Conn(asyncio.Protocol):
         if response.content_length is not None and response.content_length > _MAX_BODY:
             raise ProtocolError("response body too large")
         for name, value in response.headers:
-            if name.lower() == b"content-encoding":
+            if len(name) == 16 and name.lower() == b"content-encoding":
                 self.gzip = value.lower() in (b"gzip", b"deflate")
 
     def _done(self, body: bytes) -> None:

@@ -35,6 +35,7 @@ _MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
 _WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has this much unsent
 # Response fields that stop at the proxy (RFC 9110 7.6.1) or that it re-computes (framing).
 _NOT_FORWARDED = frozenset(n.encode() for n in HOP_BY_HOP) | {b"content-length"}
+_NOT_FORWARDED_LENGTHS = frozenset(map(len, _NOT_FORWARDED))  # most names need no lower() to be let through
 
 
 class UpstreamError(ConnectionError):
@@ -171,22 +172,31 @@ class Exchange:
             self._on_events(exc.events)  # what came before the bad bytes still counts (e.g. earlier chunks)
             self._fail(UpstreamProtocolError(f"malformed response: {exc}"))
             return
+        if len(events) == 1:  # the usual read in a stream: one run of chunks, or one piece of body
+            ev = events[0]
+            kind = type(ev)
+            if kind is RawChunks:
+                self._raw_sink(ev.data)  # type: ignore[misc,union-attr]  # set with raw_chunks; kind says which
+                return
+            if kind is Data:
+                self._emit(ev.data)  # type: ignore[union-attr]
+                return
         self._on_events(events)
 
     def _on_events(self, events: list[Event]) -> None:
         for ev in events:
             kind = type(ev)
-            if kind is RawChunks:
-                sink = self._raw_sink
-                assert sink is not None
-                sink(ev.data)  # type: ignore[union-attr]  # kind says which event it is
-            elif kind is Data:
-                self._emit(ev.data)  # type: ignore[union-attr]
+            if kind is Data:
+                self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
             elif kind is Response:
                 self._on_head(ev)  # type: ignore[arg-type]
             elif kind is EndOfMessage:
                 self.keep_alive = self.keep_alive and self._parser.reusable  # nothing may follow the end
                 self._finish()
+            elif kind is RawChunks:
+                sink = self._raw_sink
+                assert sink is not None
+                sink(ev.data)  # type: ignore[union-attr]
             # Informational (100 Continue, 103 Early Hints): skipped, the final answer follows.
 
     def _on_head(self, response: Response) -> None:
@@ -194,9 +204,10 @@ class Exchange:
         self.reason = response.reason.decode("latin-1")
         raw = self.raw_headers = response.headers
         headers = self.headers
+        add = headers.add
         for name, value in raw:
-            if name.lower() not in _NOT_FORWARDED:
-                headers.add(name.decode("latin-1"), value.decode("latin-1"))
+            if len(name) not in _NOT_FORWARDED_LENGTHS or name.lower() not in _NOT_FORWARDED:
+                add(name.decode("latin-1"), value.decode("latin-1"))
         named = response.connection
         if named:  # fields the Connection header names are hop-by-hop too
             for token in named:

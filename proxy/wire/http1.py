@@ -159,14 +159,22 @@ Event = Union[Informational, Response, Data, RawChunks, EndOfMessage]
 _Reader = Callable[["ResponseParser", bytes, int, list[Event]], list[Event]]
 
 
+_CHUNK_SIZES: dict[bytes, int] = {}  # a memo of chunk-size lines: a stream repeats a few sizes
+_CHUNK_SIZES_MAX = 4096
+
+
 def _chunk_size(line: bytes) -> int:
     """`chunk-size [ chunk-ext ]` -> the size. RFC 9112 7.1: chunk-size = 1*HEXDIG, so an empty size (or
-    one with a sign, `0x`, `_` or spaces inside, all of which int() would take) is an error."""
+    one with a sign, `0x`, `_` or spaces inside, all of which int() would take) is an error. Valid lines
+    are remembered (a pure function of the line), so the usual chunk costs one dict lookup here."""
     semi = line.find(b";")
     digits = (line[:semi] if semi >= 0 else line).rstrip(b" \t")  # BWS before a chunk-ext
     if not digits or len(digits) > 15 or digits.strip(_HEXDIGITS):
         raise ProtocolError(f"malformed chunk size line {line[:40]!r}")
-    return int(digits, 16)
+    size = int(digits, 16)
+    if len(_CHUNK_SIZES) < _CHUNK_SIZES_MAX:
+        _CHUNK_SIZES[line] = size
+    return size
 
 
 def _content_length(value: bytes) -> int:
@@ -181,25 +189,49 @@ def _content_length(value: bytes) -> int:
     raise ProtocolError(f"malformed Content-Length {value[:40]!r}")
 
 
-def _fields(lines: list[bytes], block: bytes) -> list[tuple[bytes, bytes]]:
-    """Header (or trailer) lines -> [(name, value)]. The slow path, taken only when `block` has a folded
-    line or whitespace before a colon: both are normalised as RFC 9112 5.1/5.2 tell a recipient to."""
+_FRAMING_NAME_LENGTHS = frozenset((len(b"connection"), len(b"content-length"), len(b"transfer-encoding")))
+
+
+def _fields(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """Header (or trailer) lines -> [(name, value)], normalising what RFC 9112 5.1/5.2 tell a recipient to:
+    a folded line joins the previous value, whitespace before the colon goes. The head parser's fast loop
+    falls back to this on any line it does not find plain."""
     fields: list[tuple[bytes, bytes]] = []
-    irregular = b"\r\n " in block or b"\r\n\t" in block or b" :" in block or b"\t:" in block
     for line in lines:
-        if irregular and line[:1] in (b" ", b"\t"):
+        if line[:1] in (b" ", b"\t"):
             if not fields:
                 raise ProtocolError("folded line before any header field")
             name, value = fields[-1]
             fields[-1] = (name, (value + b" " + line.strip()).strip())
             continue
         name, colon, value = line.partition(b":")
-        if irregular:
-            name = name.rstrip(b" \t")
-        if not colon or not name or b" " in name or b"\t" in name:
+        name = name.rstrip(b" \t")
+        if not colon or not name:
             raise ProtocolError(f"malformed header line {line[:80]!r}")
         fields.append((name, value.strip()))
     return fields
+
+
+_STATUS_LINES: dict[bytes, tuple[int, bytes, bytes]] = {}  # a memo: a backend sends a few distinct ones
+_STATUS_LINES_MAX = 256
+
+
+def _status_line(line: bytes) -> tuple[int, bytes, bytes]:
+    """`HTTP/1.x SP 3DIGIT SP reason` -> (status, reason, b"1.1" or b"1.0"); remembered once validated."""
+    version, _, rest = line.partition(b" ")
+    code = rest[:3]
+    if (version != b"HTTP/1.1" and version != b"HTTP/1.0") or len(code) != 3 or not code.isdigit() \
+            or (len(rest) > 3 and rest[3] != 32) or code[0] == 48:
+        raise ProtocolError(f"not an HTTP/1.x status line: {line[:80]!r}")
+    parsed = (int(code), rest[4:], version[5:])
+    if len(_STATUS_LINES) < _STATUS_LINES_MAX:
+        _STATUS_LINES[line] = parsed
+    return parsed
+
+
+def _bare_cr_or_lf(block: bytes, lines: list[bytes]) -> bool:
+    """After splitting at CRLF, any CR or LF left is a bare one (each CRLF removed one of each)."""
+    return len(block) - len(block.translate(None, b"\r\n")) != 2 * (len(lines) - 1)
 
 
 class ResponseParser:
@@ -221,7 +253,7 @@ class ResponseParser:
         self._held: list[bytes] = []  # body bytes kept until `_need` of them are there (a partial chunk)
         self._held_len = 0
         self._need = 0
-        self._head_buf = bytearray()  # a head that did not arrive in one read
+        self._head_buf: bytearray | None = None  # a head that did not arrive in one read
         self._leftover = b""  # bytes after the end of the response
         self._error: ProtocolError | None = None
 
@@ -235,36 +267,39 @@ class ResponseParser:
 
     def feed(self, data: bytes) -> list[Event]:
         """The events that `data` (the next bytes from the connection) completes."""
+        events: list[Event] = []
         state = self.state
-        if state is BODY:
-            if self._held_len:
-                total = self._held_len + len(data)
-                self._held.append(data)
-                if total < self._need:
-                    self._held_len = total
-                    return []
-                data = b"".join(self._held)
-                self._held = []
-                self._held_len = 0
-            reader = self._reader
-            assert reader is not None
-            return self._run(reader, data, 0, [])
-        if state is AWAIT_HEAD:
-            hb = self._head_buf
-            if hb:
-                scan = len(hb) - 3
-                hb += data
-                if hb.find(b"\r\n\r\n", scan if scan > 0 else 0) < 0:
-                    if len(hb) > self.max_head:
-                        raise self._fail(ProtocolError(f"response head larger than {self.max_head} bytes"))
-                    return []
-                data = bytes(hb)
-                hb.clear()
-            return self._run(ResponseParser._read_head, data, 0, [])
+        try:
+            if state is BODY:
+                if self._held_len:
+                    total = self._held_len + len(data)
+                    self._held.append(data)
+                    if total < self._need:
+                        self._held_len = total
+                        return events
+                    data = b"".join(self._held)
+                    self._held = []
+                    self._held_len = 0
+                return self._reader(self, data, 0, events)  # type: ignore[misc]  # set with state BODY
+            if state is AWAIT_HEAD:
+                hb = self._head_buf
+                if hb:
+                    scan = len(hb) - 3
+                    hb += data
+                    if hb.find(b"\r\n\r\n", scan if scan > 0 else 0) < 0:
+                        if len(hb) > self.max_head:
+                            raise ProtocolError(f"response head larger than {self.max_head} bytes")
+                        return events
+                    data = bytes(hb)
+                    self._head_buf = None
+                return self._read_head(data, 0, events)
+        except ProtocolError as exc:
+            exc.events = events
+            raise self._fail(exc) from None
         if state is DONE:
-            if data:
-                self._leftover += data[: 1024 - len(self._leftover)]  # only ever tested for emptiness
-            return []
+            if data and len(self._leftover) < 1024:
+                self._leftover += data[:1024]  # only ever tested for emptiness
+            return events
         assert self._error is not None
         raise self._error
 
@@ -285,18 +320,11 @@ class ResponseParser:
 
     # ------------------------------------------------------------------------------------------ readers
 
-    def _run(self, reader: _Reader, data: bytes, pos: int, events: list[Event]) -> list[Event]:
-        try:
-            return reader(self, data, pos, events)
-        except ProtocolError as exc:
-            exc.events = events
-            raise self._fail(exc) from None
-
     def _fail(self, exc: ProtocolError) -> ProtocolError:
         self.state = ERROR
         self._error = exc
         self._held = []
-        self._head_buf.clear()
+        self._head_buf = None
         return exc
 
     def _hold(self, data: bytes, pos: int, need: int) -> None:
@@ -312,51 +340,49 @@ class ResponseParser:
                 if len(data) - pos > self.max_head:
                     raise ProtocolError(f"response head larger than {self.max_head} bytes")
                 if pos < len(data):
-                    self._head_buf += data[pos:] if pos else data
+                    self._head_buf = bytearray(data[pos:] if pos else data)
                 return events
             if end - pos > self.max_head:
                 raise ProtocolError(f"response head larger than {self.max_head} bytes")
             head = data[pos:end]
             pos = end + 4
             lines = head.split(b"\r\n")
-            breaks = len(lines) - 1
-            if head.count(b"\n") != breaks or head.count(b"\r") != breaks:
+            if _bare_cr_or_lf(head, lines):
                 raise ProtocolError("bare CR or LF in the response head")
             status_line = lines[0]
-            version, _, rest = status_line.partition(b" ")
-            code = rest[:3]
-            if (version != b"HTTP/1.1" and version != b"HTTP/1.0") or not code.isdigit() or len(code) != 3 \
-                    or (len(rest) > 3 and rest[3] != 32) or code[0] == 48:
-                raise ProtocolError(f"not an HTTP/1.x status line: {status_line[:80]!r}")
-            status = int(code)
-            reason = rest[4:]
-            http_version = version[5:]
+            known = _STATUS_LINES.get(status_line)
+            if known is None:
+                known = _status_line(status_line)
+            status, reason, version = known
             if 100 <= status < 200 and status != 101:
-                events.append(Informational(status, reason, http_version, _fields(lines[1:], head)))
+                events.append(Informational(status, reason, version, _fields(lines[1:])))
                 continue  # the final answer follows
             break
 
         # The final response's fields, with the framing ones picked out on the way.
-        keep_alive = version == b"HTTP/1.1"
+        keep_alive = version == b"1.1"
         length: int | None = None
         transfer: bytes | None = None
         tokens: frozenset[bytes] = _NO_TOKENS
-        if b"\r\n " in head or b"\r\n\t" in head or b" :" in head or b"\t:" in head:
-            fields = _fields(lines[1:], head)
-        else:
-            fields = []
-            append = fields.append
-            for line in lines[1:]:
-                name, colon, value = line.partition(b":")
-                if not colon or not name or b" " in name or b"\t" in name:
-                    raise ProtocolError(f"malformed header line {line[:80]!r}")
-                append((name, value.strip()))
-        for name, value in fields:
-            if len(name) not in (10, 14, 17):  # none of connection, content-length, transfer-encoding
-                continue
+        fields: list[tuple[bytes, bytes]] = []
+        picked: list[tuple[bytes, bytes]] = []  # the fields whose name has the length of a framing one
+        append = fields.append
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            # bytes.strip returns the object itself when there is nothing to strip: whitespace around a
+            # name (a folded line, a space before the colon) or no colon at all takes the slow path.
+            if not colon or not name or name.strip() is not name:
+                fields = _fields(lines[1:])
+                picked = [f for f in fields if len(f[0]) in _FRAMING_NAME_LENGTHS]
+                break
+            field = (name, value.strip())
+            append(field)
+            if len(name) in _FRAMING_NAME_LENGTHS:  # connection, content-length, transfer-encoding
+                picked.append(field)
+        for name, value in picked:
             lname = name.lower()
             if lname == b"content-length":
-                n = _content_length(value)
+                n = int(value) if value.isdigit() else _content_length(value)
                 if length is not None and n != length:
                     raise ProtocolError("conflicting Content-Length fields")
                 length = n
@@ -367,7 +393,7 @@ class ResponseParser:
                 tokens = tokens | found if tokens else found
                 if b"close" in found:
                     keep_alive = False
-                elif b"keep-alive" in found and version == b"HTTP/1.0":
+                elif b"keep-alive" in found and version == b"1.0":
                     keep_alive = True
         if b"close" in tokens:
             keep_alive = False
@@ -394,10 +420,20 @@ class ResponseParser:
         else:
             framing = UNTIL_CLOSE
             keep_alive = False
-        response = Response(status, reason, http_version, fields, framing, length, keep_alive, tokens)
+        response = Response(status, reason, version, fields, framing, length, keep_alive, tokens)
         self.response = response
         events.append(response)
-        if framing is NO_BODY or (framing is CONTENT_LENGTH and not length):
+        if framing is CONTENT_LENGTH:
+            end = pos + length  # type: ignore[operator]  # not None: framing says so
+            if end <= len(data):  # the whole body is here (the usual JSON answer): done in one step
+                if length:
+                    events.append(Data(data[pos:end]))
+                self.state = DONE
+                if end < len(data):
+                    self._leftover = data[end : end + 1024]
+                events.append(_END)
+                return events
+        elif framing is NO_BODY:
             return self._done(data, pos, events, _END)
         self.state = BODY
         reader = self._reader = _READERS[framing]
@@ -429,36 +465,35 @@ class ResponseParser:
         n = len(data)
         start = pos  # the run of complete raw chunks not yet reported
         raw = self.raw_chunks
-        find = data.find
-        while True:
-            eol = find(b"\r\n", pos)
+        while pos < n:
+            eol = data.find(b"\r\n", pos)
             if eol < 0:
                 if n - pos > _MAX_CHUNK_LINE:
                     raise ProtocolError("chunk size line too long")
-                need = n - pos + 1
+                self._hold(data, pos, n - pos + 1)
                 break
-            size = _chunk_size(data[pos:eol])
-            if size == 0:  # the last chunk: trailers follow
+            line = data[pos:eol]
+            size = _CHUNK_SIZES.get(line)
+            if size is None:
+                size = _chunk_size(line)
+            if not size:  # the last chunk: trailers follow
                 if raw and pos > start:
                     events.append(RawChunks(data[start:pos]))
                 self._reader = ResponseParser._read_trailers
                 return self._read_trailers(data, eol + 2, events)
-            body = eol + 2
-            chunk_end = body + size + 2
+            chunk_end = eol + 4 + size
             if chunk_end > n:
                 if size > self.max_chunk:
                     raise ProtocolError(f"chunk of {size} bytes is larger than {self.max_chunk}")
-                need = chunk_end - pos
+                self._hold(data, pos, chunk_end - pos)
                 break
-            if not data.startswith(b"\r\n", chunk_end - 2):
+            if data[chunk_end - 2] != 13 or data[chunk_end - 1] != 10:  # CR LF; indexing is the cheapest test
                 raise ProtocolError("chunk data not followed by CRLF")
             if not raw:
-                events.append(Data(data[body : chunk_end - 2]))
+                events.append(Data(data[eol + 2 : chunk_end - 2]))
             pos = chunk_end
         if raw and pos > start:
             events.append(RawChunks(data if not start and pos == n else data[start:pos]))
-        if pos < n:
-            self._hold(data, pos, need)
         return events
 
     def _read_trailers(self, data: bytes, pos: int, events: list[Event]) -> list[Event]:
@@ -473,10 +508,9 @@ class ResponseParser:
             return events
         block = data[pos:end]
         lines = block.split(b"\r\n")
-        breaks = len(lines) - 1
-        if block.count(b"\n") != breaks or block.count(b"\r") != breaks:
+        if _bare_cr_or_lf(block, lines):
             raise ProtocolError("bare CR or LF in the trailer section")
-        return self._done(data, end + 4, events, EndOfMessage(tuple(_fields(lines, block))))
+        return self._done(data, end + 4, events, EndOfMessage(tuple(_fields(lines))))
 
     def _done(self, data: bytes, pos: int, events: list[Event], end: EndOfMessage) -> list[Event]:
         self.state = DONE
