@@ -125,7 +125,7 @@ class Exchange:
 
     `await wait_head()` gives `status`, `raw_headers` (all of them) and `headers` (the end-to-end ones,
     ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()` for the whole
-    body, or `relay_chunks(sink)` + `await wait_done()` for a chunked response whose raw chunks go to `sink`,
+    body, or `relay_chunks(sink)` + `await wait_relay()` until `complete` for a chunked response whose raw chunks go to `sink`,
     or `stream()` for decoded body pieces (any framing). `release()` always, in a finally.
 
     The bytes are parsed by the sans-I/O `ResponseParser` (proxy/wire/http1.py); this class turns its events
@@ -165,6 +165,7 @@ class Exchange:
 
     def feed(self, data: bytes) -> None:
         if self._complete or self._error is not None:
+            self.keep_alive = False  # bytes after the end: the backend is out of step, do not reuse
             return
         try:
             events = self._parser.feed(data)

@@ -158,7 +158,6 @@ _END = EndOfMessage()  # shared: the common end carries no trailers and is immut
 Event = Union[Informational, Response, Data, RawChunks, EndOfMessage]
 _Reader = Callable[["ResponseParser", bytes, int, list[Event]], list[Event]]
 
-
 _CHUNK_SIZES: dict[bytes, int] = {}  # a memo of chunk-size lines: a stream repeats a few sizes
 _CHUNK_SIZES_MAX = 4096
 
@@ -269,6 +268,8 @@ class ResponseParser:
         """The events that `data` (the next bytes from the connection) completes."""
         events: list[Event] = []
         state = self.state
+        if not data and state is not ERROR:
+            return events
         try:
             if state is BODY:
                 if self._held_len:
@@ -297,7 +298,7 @@ class ResponseParser:
             exc.events = events
             raise self._fail(exc) from None
         if state is DONE:
-            if data and len(self._leftover) < 1024:
+            if len(self._leftover) < 1024:
                 self._leftover += data[:1024]  # only ever tested for emptiness
             return events
         assert self._error is not None
