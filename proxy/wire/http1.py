@@ -19,10 +19,16 @@ States are named (`AWAIT_HEAD`, `BODY`, `DONE`, `ERROR`); in `BODY` the reader i
 the framing the head decided (RFC 9112 section 6.3): no body for a HEAD request and 204/304, chunked when
 the final transfer coding is chunked, Content-Length, else until the connection closes.
 
-Cost matters: this runs for every proxied request. No per-byte Python loops; the common cases touch the
-input with a handful of `bytes.find`/slice calls, a whole Content-Length response arriving in one read is
-parsed without copying the buffer first, and a read holding only complete chunks is passed on as it is
-(measured against the two parsers it replaced in tests/wire/bench_http1.py).
+After the end, `reusable` says whether the connection may carry the next exchange: the response allowed
+keep-alive (HTTP/1.1 unless `Connection: close`, HTTP/1.0 only with `keep-alive`, never a body delimited
+by the close) and no byte came after its end.
+
+Cost matters: this runs for every proxied request and every streamed chunk. No per-byte Python loops:
+the common cases touch the input with a handful of `bytes.find`/slice calls; a whole Content-Length
+response arriving in one read is done in one step without copying the buffer first; a read holding only
+complete chunks is passed on as it is (no copy, no re-framing); status lines and chunk-size lines, which
+repeat, are validated once and remembered in bounded memos (pure functions of the line, so no state leaks
+between parsers). Measured against the two parsers it replaced: tests/wire/bench_http1.py.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ UNTIL_CLOSE = "until-close"
 # Parser states.
 AWAIT_HEAD = "await-head"  # reading a status line and headers (again after each 1xx)
 BODY = "body"  # reading the body with the reader its framing chose
-DONE = "done"  # the response is complete; later bytes are held and make the connection not reusable
+DONE = "done"  # the response is complete; bytes after it make the connection not reusable
 ERROR = "error"  # a ProtocolError was raised; every later call raises it again
 
 _HEXDIGITS = b"0123456789abcdefABCDEF"
@@ -237,13 +243,15 @@ class ResponseParser:
     """Parses one HTTP/1.1 response; see the module docstring. `head_request`: the request was HEAD, so
     the response has no body whatever its headers say."""
 
-    __slots__ = ("state", "raw_chunks", "response", "max_head", "max_chunk", "_head_request", "_reader",
-                 "_remaining", "_held", "_held_len", "_need", "_head_buf", "_leftover", "_error")
+    __slots__ = ("state", "raw_chunks", "response", "reusable", "max_head", "max_chunk", "_head_request", "_reader",
+                 "_remaining", "_held", "_held_len", "_need", "_head_buf", "_error")
 
     def __init__(self, head_request: bool = False, *, max_head: int = MAX_HEAD, max_chunk: int = MAX_CHUNK) -> None:
         self.state = AWAIT_HEAD
         self.raw_chunks = False  # chunked bodies as RawChunks (framed) instead of Data (decoded)
         self.response: Response | None = None
+        # The response is complete, the connection may be kept alive, and nothing came after the end.
+        self.reusable = False
         self.max_head = max_head
         self.max_chunk = max_chunk
         self._head_request = head_request
@@ -253,16 +261,9 @@ class ResponseParser:
         self._held_len = 0
         self._need = 0
         self._head_buf: bytearray | None = None  # a head that did not arrive in one read
-        self._leftover = b""  # bytes after the end of the response
         self._error: ProtocolError | None = None
 
     # ------------------------------------------------------------------------------------------ public
-
-    @property
-    def reusable(self) -> bool:
-        """The response is complete, the connection may be kept alive, and nothing came after the end."""
-        r = self.response
-        return self.state is DONE and r is not None and r.keep_alive and not self._leftover
 
     def feed(self, data: bytes) -> list[Event]:
         """The events that `data` (the next bytes from the connection) completes."""
@@ -298,8 +299,7 @@ class ResponseParser:
             exc.events = events
             raise self._fail(exc) from None
         if state is DONE:
-            if len(self._leftover) < 1024:
-                self._leftover += data[:1024]  # only ever tested for emptiness
+            self.reusable = False  # the server is out of step with the requests
             return events
         assert self._error is not None
         raise self._error
@@ -311,7 +311,7 @@ class ResponseParser:
         if state is DONE:
             return []
         if state is BODY and self._reader is ResponseParser._read_until_close:
-            self.state = DONE
+            self.state = DONE  # not reusable: the close delimited the body
             return [_END]
         if state is ERROR:
             assert self._error is not None
@@ -430,8 +430,7 @@ class ResponseParser:
                 if length:
                     events.append(Data(data[pos:end]))
                 self.state = DONE
-                if end < len(data):
-                    self._leftover = data[end : end + 1024]
+                self.reusable = keep_alive and end == len(data)
                 events.append(_END)
                 return events
         elif framing is NO_BODY:
@@ -516,8 +515,7 @@ class ResponseParser:
     def _done(self, data: bytes, pos: int, events: list[Event], end: EndOfMessage) -> list[Event]:
         self.state = DONE
         self._reader = None
-        if pos < len(data):
-            self._leftover = data[pos : pos + 1024]
+        self.reusable = pos == len(data) and self.response is not None and self.response.keep_alive
         events.append(end)
         return events
 

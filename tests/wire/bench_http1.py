@@ -12,6 +12,10 @@ would: the relay pool's `Exchange` (a fresh one per response, as per request) an
   scrape  a ~4 KB Prometheus text answer with Content-Length in one read (the scrape client)
 Rounds alternate old and new so that load on the machine hits both alike; the ratio new/old per round
 is printed with the range over rounds (below 1.0: the new code is cheaper). Not collected by pytest.
+
+`--e2e` measures instead the CPU time (process_time, so the backend's own work is not counted) of the
+proxy's process per request through the real relay pool, old and new, over loopback to a backend in a
+subprocess: the parser's share of a real exchange (event loop, socket reads and writes included).
 """
 
 from __future__ import annotations
@@ -121,11 +125,105 @@ def scrape_case(mod: Any, loop: asyncio.AbstractEventLoop) -> Callable[[], None]
     return scrape
 
 
+BACKEND = r"""
+import asyncio, sys
+JSON_RESPONSE, SSE_HEAD, SSE_READS = eval(sys.stdin.read())
+
+async def serve(r, w):
+    try:
+        while True:
+            head = await r.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await r.readexactly(n)
+            if head.startswith(b"POST /sse"):
+                w.write(SSE_HEAD)
+                for piece in SSE_READS:
+                    w.write(piece)
+                    await w.drain()
+                    await asyncio.sleep(0)
+            else:
+                w.write(JSON_RESPONSE)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def e2e_round(pool_mod: Any, url: str, case: str, n: int) -> float:
+    import time
+
+    from proxy.metrics import UpstreamCounters
+
+    pool = pool_mod.UpstreamPool(UpstreamCounters(), connections_per_backend=1, keepalive_s=60.0,
+                                 connect_timeout_s=5.0, request_timeout_s=30.0)
+    head = b"POST /%s HTTP/1.1\r\nHost: b\r\nContent-Length: 2\r\n\r\n" % case.encode()
+    sink = FakeTransport()
+
+    async def one() -> None:
+        ex = await pool.request(url, head, b"{}")
+        try:
+            if ex.chunked:
+                ex.relay_chunks(sink)
+                while not ex.complete:
+                    await ex.wait_relay()
+            else:
+                await ex.read()
+        finally:
+            ex.release()
+
+    await one()  # connect and warm
+    t0 = time.process_time()
+    for _ in range(n):
+        await one()
+    spent = time.process_time() - t0
+    await pool.close()
+    return spent / n * 1e6
+
+
+def e2e(args: argparse.Namespace, old_pool: Any, new_pool: Any) -> None:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    backend = subprocess.Popen([sys.executable, "-c", BACKEND], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert backend.stdin is not None and backend.stdout is not None
+    backend.stdin.write(repr((JSON_RESPONSE, SSE_HEAD, SSE_READS)).encode())
+    backend.stdin.close()
+    url = f"http://127.0.0.1:{int(backend.stdout.readline())}"
+    try:
+        ratios: dict[str, list[float]] = {"json": [], "sse": []}
+        print(f"{'round':>5} {'case':>8} {'old us':>9} {'new us':>9} {'new/old':>8}   (CPU of the proxy side per request)")
+        for r in range(args.rounds):
+            for case in ratios:
+                n = args.number // 20 if case == "sse" else args.number // 2
+                sides = [("old", old_pool), ("new", new_pool)]
+                if r % 2:
+                    sides.reverse()
+                t = {side: asyncio.run(e2e_round(mod, url, case, n)) for side, mod in sides}
+                ratios[case].append(t["new"] / t["old"])
+                print(f"{r:>5} {case:>8} {t['old']:>9.1f} {t['new']:>9.1f} {t['new'] / t['old']:>8.2f}")
+        print("\nnew/old per case over rounds: min .. max (median)")
+        for case, rs in ratios.items():
+            rs.sort()
+            print(f"  {case:>8}: {rs[0]:.2f} .. {rs[-1]:.2f} ({rs[len(rs) // 2]:.2f})")
+    finally:
+        backend.kill()
+        backend.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old-rev", default="327c407", help="the commit holding the parsers that were replaced")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--number", type=int, default=2000, help="calls per timing (sse: /10)")
+    ap.add_argument("--e2e", action="store_true", help="CPU per request through the real pool over loopback")
     args = ap.parse_args()
 
     import proxy.control.httpget as new_httpget
@@ -133,6 +231,9 @@ def main() -> None:
 
     old_pool = load_old(args.old_rev, "proxy/upstream/http1.py", "_old_upstream_http1")
     old_httpget = load_old(args.old_rev, "proxy/control/httpget.py", "_old_control_httpget")
+    if args.e2e:
+        e2e(args, old_pool, new_pool)
+        return
     loop = asyncio.new_event_loop()
     old = pool_cases(old_pool, loop) | {"scrape": scrape_case(old_httpget, loop)}
     new = pool_cases(new_pool, loop) | {"scrape": scrape_case(new_httpget, loop)}
