@@ -45,10 +45,10 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future[bytes] | None = None
         self.closed = False
         self.reusable = True
+        self.parser = ResponseParser()
         self._reset()
 
     def _reset(self) -> None:
-        self.parser = ResponseParser()
         self.received = False  # any byte of this response yet
         self.status = 0
         self.gzip = False
@@ -146,6 +146,7 @@ class _Conn(asyncio.Protocol):
 
     def request(self, raw: bytes) -> asyncio.Future[bytes]:
         assert self.transport is not None and self.waiter is None
+        self.parser = ResponseParser()  # one per response
         self._reset()
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(raw)

@@ -115,10 +115,10 @@ def pool_cases(mod: Any, loop: asyncio.AbstractEventLoop) -> dict[str, Callable[
 def scrape_case(mod: Any, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
     conn = mod._Conn()
     conn.connection_made(FakeTransport())
+    get = b"GET /metrics HTTP/1.1\r\nHost: b\r\n\r\n"
 
     def scrape() -> None:
-        conn._reset()
-        waiter = conn.waiter = loop.create_future()
+        waiter = conn.request(get)  # needs a running loop for its future: main() marks `loop` as running
         conn.data_received(SCRAPE_RESPONSE)
         assert waiter.result() == METRICS
 
@@ -235,6 +235,7 @@ def main() -> None:
         e2e(args, old_pool, new_pool)
         return
     loop = asyncio.new_event_loop()
+    asyncio.events._set_running_loop(loop)  # the scrape client's request() asks for the running loop
     old = pool_cases(old_pool, loop) | {"scrape": scrape_case(old_httpget, loop)}
     new = pool_cases(new_pool, loop) | {"scrape": scrape_case(new_httpget, loop)}
 
@@ -256,6 +257,7 @@ def main() -> None:
     for case, rs in ratios.items():
         rs.sort()
         print(f"  {case:>8}: {rs[0]:.2f} .. {rs[-1]:.2f} ({rs[len(rs) // 2]:.2f})")
+    asyncio.events._set_running_loop(None)
     loop.close()
 
 
