@@ -27,11 +27,11 @@ from multidict import CIMultiDict
 
 from proxy.metrics import UpstreamCounters
 from proxy.upstream.headers import HOP_BY_HOP
+# Its MAX_HEAD (64 KiB) is the most status line + headers accepted from a backend.
 from proxy.wire.http1 import (
     CHUNKED, CONTENT_LENGTH, Data, EndOfMessage, Event, ProtocolError, RawChunks, Response, ResponseParser,
 )
 
-_MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
 _WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has this much unsent
 # Response fields that stop at the proxy (RFC 9110 7.6.1) or that it re-computes (framing).
 _NOT_FORWARDED = frozenset(n.encode() for n in HOP_BY_HOP) | {b"content-length"}
@@ -148,7 +148,7 @@ class Exchange:
         self.chunked = False
         self.content_length: int | None = None
         self.keep_alive = True
-        self._parser = ResponseParser(head_only, max_head=_MAX_HEAD)
+        self._parser = ResponseParser(head_only)
         self._parts: list[bytes] = []
         self._raw_sink: Callable[[bytes], None] | None = None
         self._sink_transport: asyncio.Transport | None = None

@@ -348,7 +348,8 @@ class ResponseParser:
             head = data[pos:end]
             pos = end + 4
             lines = head.split(b"\r\n")
-            if _bare_cr_or_lf(head, lines):
+            # Any CR or LF left after splitting at CRLF is a bare one (each CRLF removed one of each).
+            if len(head) - len(head.translate(None, b"\r\n")) != 2 * len(lines) - 2:
                 raise ProtocolError("bare CR or LF in the response head")
             status_line = lines[0]
             known = _STATUS_LINES.get(status_line)
