@@ -8,6 +8,8 @@ re-chunk. Here a request is one pre-serialised `transport.write`, the response h
 body is collected into one bytes object, and a stream of chunks goes from the upstream protocol's
 `data_received` straight to the client's transport: complete chunks only (so a backend dying mid-chunk
 never leaves the client with a torn chunk), no task switch per event, with back-pressure both ways.
+The bytes are parsed by the sans-I/O codec in proxy/wire/http1.py (shared with the control plane's
+scrape client); this module holds the connections, futures and writes around it.
 
 The pool: per backend (scheme://host:port) a LIFO of idle connections, at most `connections_per_backend`
 open, waiters queued FIFO. An idle connection is reused only within `keepalive_s` (kept below the
@@ -124,9 +126,10 @@ class Exchange:
     """One request/response on one connection. Created and driven by `UpstreamPool.request`.
 
     `await wait_head()` gives `status`, `raw_headers` (all of them) and `headers` (the end-to-end ones,
-    ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()` for the whole
-    body, or `relay_chunks(sink)` + `await wait_relay()` until `complete` for a chunked response whose raw chunks go to `sink`,
-    or `stream()` for decoded body pieces (any framing). `release()` always, in a finally.
+    ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()`
+    for the whole body, or `relay_chunks(sink)` + `await wait_relay()` until `complete` for a chunked
+    response whose raw chunks go to `sink`, or `stream()` for decoded body pieces (any framing).
+    `release()` always, in a finally.
 
     The bytes are parsed by the sans-I/O `ResponseParser` (proxy/wire/http1.py); this class turns its events
     into futures, the pieces a reader waits for, and writes to the client's transport.

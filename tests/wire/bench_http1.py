@@ -199,7 +199,8 @@ def e2e(args: argparse.Namespace, old_pool: Any, new_pool: Any) -> None:
     url = f"http://127.0.0.1:{int(backend.stdout.readline())}"
     try:
         ratios: dict[str, list[float]] = {"json": [], "sse": []}
-        print(f"{'round':>5} {'case':>8} {'old us':>9} {'new us':>9} {'new/old':>8}   (CPU of the proxy side per request)")
+        print("CPU time of the proxy's side per request")
+        print(f"{'round':>5} {'case':>8} {'old us':>9} {'new us':>9} {'new/old':>8}")
         for r in range(args.rounds):
             for case in ratios:
                 n = args.number // 20 if case == "sse" else args.number // 2

@@ -239,7 +239,8 @@ def test_repeated_identical_content_length_is_one_value() -> None:
 
 
 def test_folded_lines_and_space_before_colon_are_normalised() -> None:
-    events, _ = feed_all([b"HTTP/1.1 200 OK\r\nX-Long: one\r\n  two\r\n\tthree\r\nX-Sp : v\r\nContent-Length: 0\r\n\r\n"])
+    events, _ = feed_all([b"HTTP/1.1 200 OK\r\nX-Long: one\r\n  two\r\n\tthree\r\nX-Sp : v\r\n"
+                          b"Content-Length: 0\r\n\r\n"])
     r = events[0]
     assert isinstance(r, Response)
     assert r.headers == [(b"X-Long", b"one two three"), (b"X-Sp", b"v"), (b"Content-Length", b"0")]
