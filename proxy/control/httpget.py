@@ -18,6 +18,11 @@ import asyncio
 import zlib
 from urllib.parse import urlsplit
 
+# ProtocolError is the codec's own: "the server's answer is not HTTP/1.x we can read" (re-exported for callers).
+from proxy.wire.http1 import Data, EndOfMessage, Event, IncompleteResponse, ProtocolError, Response, ResponseParser
+
+__all__ = ["HttpStatusError", "MetricsHttpClient", "ProtocolError"]
+
 
 class HttpStatusError(Exception):
     def __init__(self, status: int) -> None:
@@ -25,36 +30,30 @@ class HttpStatusError(Exception):
         self.status = status
 
 
-class ProtocolError(Exception):
-    """The server's answer is not HTTP/1.x we can read."""
-
-
 class _StaleConnection(Exception):
     """The connection ended before any byte of the response: the server closed it while idle."""
 
 
-_MAX_HEADER = 64 * 1024
 _MAX_BODY = 32 * 1024 * 1024
 
 
 class _Conn(asyncio.Protocol):
+    """One connection; the response bytes are parsed by the sans-I/O ResponseParser (proxy/wire/http1.py)."""
+
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future[bytes] | None = None
-        self.buf = bytearray()
         self.closed = False
         self.reusable = True
+        self.parser = ResponseParser()
         self._reset()
 
     def _reset(self) -> None:
-        self.buf.clear()
-        self.head_end = -1
+        self.received = False  # any byte of this response yet
         self.status = 0
-        self.length: int | None = None
-        self.chunked = False
         self.gzip = False
         self.chunks: list[bytes] = []
-        self.pos = 0  # chunked: where the next chunk size line starts
+        self.size = 0
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -64,14 +63,11 @@ class _Conn(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():
             self.reusable = False  # bytes nobody asked for: the connection is out of step
             return
-        self.buf += data
+        self.received = True
         try:
-            body = self._parse(eof=False)
-        except Exception as exc:
+            self._on_events(self.parser.feed(data))
+        except ProtocolError as exc:
             self._fail(exc)
-            return
-        if body is not None:
-            self._done(body)
 
     def eof_received(self) -> bool:
         self._finish_at_eof()
@@ -85,80 +81,43 @@ class _Conn(asyncio.Protocol):
         self.reusable = False
         if self.waiter is None or self.waiter.done():
             return
-        if not self.buf:
+        if not self.received:
             self._fail(_StaleConnection())
             return
         try:
-            body = self._parse(eof=True)
-        except Exception as exc:
-            self._fail(exc)
-            return
-        if body is None:
+            self._on_events(self.parser.feed_eof())
+        except IncompleteResponse:
             self._fail(ProtocolError("connection closed in the middle of the response"))
-        else:
-            self._done(body)
+        except ProtocolError as exc:
+            self._fail(exc)
 
-    # response parsing
-    def _parse(self, eof: bool) -> bytes | None:
-        buf = self.buf
-        if self.head_end < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > _MAX_HEADER:
-                    raise ProtocolError("response headers too large")
-                return None
-            self.head_end = end + 4
-            lines = bytes(buf[:end]).split(b"\r\n")
-            parts = lines[0].split(b" ", 2)
-            if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-                raise ProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-            self.status = int(parts[1])
-            keep_alive = parts[0] == b"HTTP/1.1"
-            for line in lines[1:]:
-                name, _, value = line.partition(b":")
-                name = name.strip().lower()
-                value = value.strip().lower()
-                if name == b"content-length":
-                    self.length = int(value)
-                elif name == b"transfer-encoding":
-                    self.chunked = b"chunked" in value
-                elif name == b"connection":
-                    keep_alive = b"close" not in value and (keep_alive or b"keep-alive" in value)
-                elif name == b"content-encoding":
-                    self.gzip = value in (b"gzip", b"deflate")
-            if not keep_alive:
-                self.reusable = False
-            if self.length is not None and self.length > _MAX_BODY:
-                raise ProtocolError("response body too large")
-            if self.chunked:
-                self.pos = self.head_end
-        start = self.head_end
-        if self.chunked:
-            return self._parse_chunked()
-        if self.length is not None:
-            if len(buf) - start < self.length:
-                return None
-            return bytes(buf[start : start + self.length])
-        if len(buf) - start > _MAX_BODY:
+    def _on_events(self, events: list[Event]) -> None:
+        for ev in events:
+            kind = type(ev)
+            if kind is Data:
+                data = ev.data  # type: ignore[union-attr]  # kind says which event it is
+                self.size += len(data)
+                if self.size > _MAX_BODY:
+                    raise ProtocolError("response body too large")
+                self.chunks.append(data)
+            elif kind is Response:
+                self._on_head(ev)  # type: ignore[arg-type]
+            elif kind is EndOfMessage:
+                if not self.parser.reusable:
+                    self.reusable = False
+                chunks = self.chunks
+                self._done(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            # Informational (1xx): skipped, the final answer follows.
+
+    def _on_head(self, response: Response) -> None:
+        self.status = response.status
+        if not response.keep_alive:
+            self.reusable = False
+        if response.content_length is not None and response.content_length > _MAX_BODY:
             raise ProtocolError("response body too large")
-        self.reusable = False  # delimited by the end of the connection
-        return bytes(buf[start:]) if eof else None
-
-    def _parse_chunked(self) -> bytes | None:
-        buf = self.buf
-        while True:
-            eol = buf.find(b"\r\n", self.pos)
-            if eol < 0:
-                return None
-            size = int(bytes(buf[self.pos : eol]).split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:  # the last chunk, then optional trailers, then an empty line
-                return b"".join(self.chunks) if buf.find(b"\r\n\r\n", eol) >= 0 else None
-            if len(buf) < eol + 2 + size + 2:
-                return None
-            self.chunks.append(bytes(buf[eol + 2 : eol + 2 + size]))
-            self.pos = eol + 2 + size + 2
-            if sum(len(c) for c in self.chunks) > _MAX_BODY:
-                raise ProtocolError("response body too large")
+        for name, value in response.headers:
+            if len(name) == 16 and name.lower() == b"content-encoding":
+                self.gzip = value.lower() in (b"gzip", b"deflate")
 
     def _done(self, body: bytes) -> None:
         waiter, self.waiter = self.waiter, None
@@ -187,6 +146,7 @@ class _Conn(asyncio.Protocol):
 
     def request(self, raw: bytes) -> asyncio.Future[bytes]:
         assert self.transport is not None and self.waiter is None
+        self.parser = ResponseParser()  # one per response
         self._reset()
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(raw)

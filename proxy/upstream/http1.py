@@ -8,6 +8,8 @@ re-chunk. Here a request is one pre-serialised `transport.write`, the response h
 body is collected into one bytes object, and a stream of chunks goes from the upstream protocol's
 `data_received` straight to the client's transport: complete chunks only (so a backend dying mid-chunk
 never leaves the client with a torn chunk), no task switch per event, with back-pressure both ways.
+The bytes are parsed by the sans-I/O codec in proxy/wire/http1.py (shared with the control plane's
+scrape client); this module holds the connections, futures and writes around it.
 
 The pool: per backend (scheme://host:port) a LIFO of idle connections, at most `connections_per_backend`
 open, waiters queued FIFO. An idle connection is reused only within `keepalive_s` (kept below the
@@ -25,13 +27,17 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from proxy.upstream.headers import HOP_BY_HOP
 from proxy.metrics import UpstreamCounters
+from proxy.upstream.headers import HOP_BY_HOP
+# Its MAX_HEAD (64 KiB) is the most status line + headers accepted from a backend.
+from proxy.wire.http1 import (
+    CHUNKED, CONTENT_LENGTH, Data, EndOfMessage, Event, ProtocolError, RawChunks, Response, ResponseParser,
+)
 
-_MAX_HEAD = 65536  # bytes of status line + headers we accept from a backend
 _WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has this much unsent
 # Response fields that stop at the proxy (RFC 9110 7.6.1) or that it re-computes (framing).
 _NOT_FORWARDED = frozenset(n.encode() for n in HOP_BY_HOP) | {b"content-length"}
+_NOT_FORWARDED_LENGTHS = frozenset(map(len, _NOT_FORWARDED))  # most names need no lower() to be let through
 
 
 class UpstreamError(ConnectionError):
@@ -120,14 +126,18 @@ class Exchange:
     """One request/response on one connection. Created and driven by `UpstreamPool.request`.
 
     `await wait_head()` gives `status`, `raw_headers` (all of them) and `headers` (the end-to-end ones,
-    ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()` for the whole
-    body, or `relay_chunks(sink)` + `await wait_done()` for a chunked response whose raw chunks go to `sink`,
-    or `stream()` for decoded body pieces (any framing). `release()` always, in a finally.
+    ready to forward: hop-by-hop, Connection-named and framing fields removed); then either `await read()`
+    for the whole body, or `relay_chunks(sink)` + `await wait_relay()` until `complete` for a chunked
+    response whose raw chunks go to `sink`, or `stream()` for decoded body pieces (any framing).
+    `release()` always, in a finally.
+
+    The bytes are parsed by the sans-I/O `ResponseParser` (proxy/wire/http1.py); this class turns its events
+    into futures, the pieces a reader waits for, and writes to the client's transport.
     """
 
     __slots__ = (
         "conn", "method_head", "status", "reason", "headers", "raw_headers", "chunked", "content_length",
-        "keep_alive", "_buf", "_head_done", "_mode", "_remaining", "_parts", "_raw_sink", "_piece_waiter",
+        "keep_alive", "_parser", "_parts", "_raw_sink", "_piece_waiter",
         "_done", "_head_fut", "_error", "_timer", "_complete", "_sink_transport", "_paused", "_pieces",
     )
 
@@ -141,10 +151,7 @@ class Exchange:
         self.chunked = False
         self.content_length: int | None = None
         self.keep_alive = True
-        self._buf = b""
-        self._head_done = False
-        self._mode = 0  # 0 none, 1 length, 2 chunked, 3 until EOF
-        self._remaining = 0
+        self._parser = ResponseParser(head_only)
         self._parts: list[bytes] = []
         self._raw_sink: Callable[[bytes], None] | None = None
         self._sink_transport: asyncio.Transport | None = None
@@ -161,145 +168,63 @@ class Exchange:
 
     def feed(self, data: bytes) -> None:
         if self._complete or self._error is not None:
+            self.keep_alive = False  # bytes after the end: the backend is out of step, do not reuse
             return
-        buf = self._buf + data if self._buf else data
-        if not self._head_done:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > _MAX_HEAD:
-                    self._fail(UpstreamProtocolError("response head too large"))
-                else:
-                    self._buf = buf
+        try:
+            events = self._parser.feed(data)
+        except ProtocolError as exc:
+            self._on_events(exc.events)  # what came before the bad bytes still counts (e.g. earlier chunks)
+            self._fail(UpstreamProtocolError(f"malformed response: {exc}"))
+            return
+        if len(events) == 1:  # the usual read in a stream: one run of chunks, or one piece of body
+            ev = events[0]
+            kind = type(ev)
+            if kind is RawChunks:
+                self._raw_sink(ev.data)  # type: ignore[misc,union-attr]  # set with raw_chunks; kind says which
                 return
-            try:
-                self._parse_head(buf[:end])
-            except (ValueError, IndexError) as exc:
-                self._fail(UpstreamProtocolError(f"malformed response head: {exc}"))
+            if kind is Data:
+                self._emit(ev.data)  # type: ignore[union-attr]
                 return
-            buf = buf[end + 4 :]
-            self._buf = b""
-            if not self._head_done:  # an interim 1xx answer: the real head follows
-                if buf:
-                    self.feed(buf)
-                return
-            if not self._head_fut.done():
-                self._head_fut.set_result(None)
-            if self._mode == 0:
-                self._finish()
-                return
-            if not buf:
-                return
-        mode = self._mode
-        if mode == 2:
-            self._feed_chunked(buf)
-        elif mode == 1:
-            n = len(buf)
-            if n >= self._remaining:
-                extra = n - self._remaining
-                piece = buf[: self._remaining] if extra else buf
-                self._remaining = 0
-                self._buf = b""
-                if piece:
-                    self._emit(piece)
-                self._finish()
-            else:
-                self._remaining -= n
-                self._buf = b""
-                self._emit(buf)
-        else:  # until EOF
-            self._buf = b""
-            if buf:
-                self._emit(buf)
+        self._on_events(events)
 
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, _, rest = lines[0].partition(b" ")
-        if not version.startswith(b"HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        code, _, reason = rest.partition(b" ")
-        status = int(code)
-        if 100 <= status < 200 and status != 101:
-            return  # 100 Continue and friends: skip
-        self.status = status
-        self.reason = reason.decode("latin-1")
-        raw = self.raw_headers
+    def _on_events(self, events: list[Event]) -> None:
+        for ev in events:
+            kind = type(ev)
+            if kind is Data:
+                self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
+            elif kind is Response:
+                self._on_head(ev)  # type: ignore[arg-type]
+            elif kind is EndOfMessage:
+                self.keep_alive = self.keep_alive and self._parser.reusable  # nothing may follow the end
+                self._finish()
+            elif kind is RawChunks:
+                sink = self._raw_sink
+                assert sink is not None
+                sink(ev.data)  # type: ignore[union-attr]
+            # Informational (100 Continue, 103 Early Hints): skipped, the final answer follows.
+
+    def _on_head(self, response: Response) -> None:
+        self.status = response.status
+        self.reason = response.reason.decode("latin-1")
+        raw = self.raw_headers = response.headers
         headers = self.headers
-        chunked = False
-        length: int | None = None
-        named: set[bytes] = set()
-        conn_close = version == b"HTTP/1.0"
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            value = value.strip()
-            raw.append((name, value))
-            lname = name.lower()
-            if lname == b"transfer-encoding":
-                chunked = value.lower().endswith(b"chunked")
-            elif lname == b"content-length":
-                length = int(value)
-            elif lname == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
-                if b"close" in tokens:
-                    conn_close = True
-                elif b"keep-alive" in tokens:
-                    conn_close = False
-                named = tokens - {b"close", b"keep-alive", b""}
-            if lname not in _NOT_FORWARDED:
-                headers.add(name.decode("latin-1"), value.decode("latin-1"))
+        add = headers.add
+        for name, value in raw:
+            if len(name) not in _NOT_FORWARDED_LENGTHS or name.lower() not in _NOT_FORWARDED:
+                add(name.decode("latin-1"), value.decode("latin-1"))
+        named = response.connection
         if named:  # fields the Connection header names are hop-by-hop too
             for token in named:
-                headers.popall(token.decode("latin-1"), None)
-        self.keep_alive = not conn_close
-        self._head_done = True
-        if self.method_head or status in (204, 304):
-            self._mode = 0
-        elif chunked:
-            self._mode = 2
+                if token and token != b"close" and token != b"keep-alive":
+                    headers.popall(token.decode("latin-1"), None)
+        self.keep_alive = response.keep_alive
+        framing = response.framing
+        if framing is CHUNKED:
             self.chunked = True
-        elif length is not None:
-            self.content_length = length
-            self._remaining = length
-            self._mode = 1 if length else 0
-        else:
-            self._mode = 3
-            self.keep_alive = False
-
-    def _feed_chunked(self, buf: bytes) -> None:
-        """Consume complete chunks from `buf`; keep a partial one for the next read."""
-        pos = 0
-        n = len(buf)
-        start = 0  # start of the run of complete raw chunks not yet emitted
-        raw_sink = self._raw_sink
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            try:
-                size = int(buf[pos:eol].split(b";", 1)[0], 16)
-            except ValueError:
-                self._fail(UpstreamProtocolError("malformed chunk size"))
-                return
-            if size == 0:
-                # Last chunk: optional trailers, then an empty line.
-                end = buf.find(b"\r\n\r\n", eol) if buf[eol + 2 : eol + 4] != b"\r\n" else eol
-                if end < 0:
-                    break
-                if raw_sink is not None and pos > start:
-                    raw_sink(buf[start:pos])
-                self._buf = b""
-                self._finish()
-                return
-            chunk_end = eol + 2 + size + 2
-            if chunk_end > n:
-                break
-            if raw_sink is None:
-                self._emit(buf[eol + 2 : eol + 2 + size])
-            pos = chunk_end
-        if raw_sink is not None and pos > start:
-            raw_sink(buf if pos == n and start == 0 else buf[start:pos])  # the usual case: no copy
-        self._buf = buf[pos:] if pos < n else b""
-        if len(self._buf) > 16 * 1024 * 1024:
-            self._fail(UpstreamProtocolError("chunk too large"))
+        elif framing is CONTENT_LENGTH:
+            self.content_length = response.content_length
+        if not self._head_fut.done():
+            self._head_fut.set_result(None)
 
     def _emit(self, piece: bytes) -> None:
         pieces = self._pieces
@@ -339,9 +264,12 @@ class Exchange:
         self.conn.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._mode == 3 and self._head_done and not self._complete:
-            self._finish()  # body delimited by the close
+        if self._complete or self._error is not None:
             return
+        try:
+            self._on_events(self._parser.feed_eof())  # the end of a body delimited by the close
+        except ProtocolError:
+            pass
         if not self._complete:
             self._fail(UpstreamReset(f"backend closed the connection{': ' + str(exc) if exc else ''}"))
 
@@ -377,9 +305,8 @@ class Exchange:
             for part in self._parts:
                 transport.write(b"%x\r\n%s\r\n" % (len(part), part))
             self._parts = []
-        if self._buf and not self._complete and self._error is None:
-            pending, self._buf = self._buf, b""
-            self._feed_chunked(pending)
+        # From now on the parser hands over complete chunks as framed; a partial one it holds comes that way.
+        self._parser.raw_chunks = True
 
     def _write_down(self, raw: bytes) -> None:
         t = self._sink_transport

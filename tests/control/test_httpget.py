@@ -166,6 +166,32 @@ async def test_garbage_is_a_protocol_error(serve) -> None:  # type: ignore[no-un
         await client.get(srv.url)
 
 
+async def test_empty_chunk_size_line_is_a_protocol_error(serve) -> None:  # type: ignore[no-untyped-def]
+    """This client used to read an empty chunk-size line as the last chunk and return a truncated body;
+    RFC 9112 7.1 says chunk-size = 1*HEXDIG, so it is malformed framing (decided in tests/wire/test_http1.py)."""
+    srv = await serve(lambda n: [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n\r\n"
+                                 b"5\r\nworld\r\n0\r\n\r\n"] if n == 1 else ok(b"after"))
+    client = MetricsHttpClient(2.0)
+    try:
+        with pytest.raises(ProtocolError, match="chunk size"):
+            await client.get(srv.url)
+        assert await client.get(srv.url) == b"after"  # on a new connection: the broken one was dropped
+    finally:
+        client.close()
+    assert srv.connections == 2
+
+
+async def test_interim_100_continue_is_skipped(serve) -> None:  # type: ignore[no-untyped-def]
+    srv = await serve(lambda n: [b"HTTP/1.1 100 Continue\r\n\r\n", *ok(b"final")])
+    client = MetricsHttpClient(2.0)
+    try:
+        assert await client.get(srv.url) == b"final"
+        assert await client.get(srv.url) == b"final"
+    finally:
+        client.close()
+    assert srv.connections == 1
+
+
 def test_only_plain_http() -> None:
     client = MetricsHttpClient(1.0)
     with pytest.raises(ValueError):

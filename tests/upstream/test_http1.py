@@ -7,7 +7,9 @@ from typing import Awaitable, Callable
 
 import pytest
 
-from proxy.upstream.http1 import UpstreamConnectError, UpstreamPool, UpstreamReset, UpstreamTimeout
+from proxy.upstream.http1 import (
+    UpstreamConnectError, UpstreamPool, UpstreamProtocolError, UpstreamReset, UpstreamTimeout,
+)
 from proxy.metrics import UpstreamCounters
 from tests.support import until
 
@@ -285,4 +287,66 @@ async def test_headers_are_end_to_end_only() -> None:
         assert len(ex.raw_headers) == 7
         assert await ex.read() == b"{}"
         ex.release()
+        await pool.close()
+
+
+async def test_empty_chunk_size_line_is_a_protocol_error() -> None:
+    """Malformed framing (RFC 9112 7.1: chunk-size = 1*HEXDIG; decided in tests/wire/test_http1.py): the
+    chunks before it are delivered, then the stream fails and the connection is not reused."""
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await w.drain()
+            await asyncio.sleep(0.01)
+            w.write(b"5\r\nhello\r\n\r\n5\r\nworld\r\n0\r\n\r\n")
+
+    backend = RawBackend(script)
+    async with backend as url:
+        pool, counters = make_pool()
+        ex = await pool.request(url, HEAD, b"{}")
+        got: list[bytes] = []
+        with pytest.raises(UpstreamProtocolError, match="chunk size"):
+            async for piece in ex.stream():
+                got.append(piece)
+        assert got == [b"hello"]
+        ex.release()
+        ex = await pool.request(url, HEAD, b"{}")
+        ex.release()
+        assert counters.new_connections == 2
+        await pool.close()
+
+
+async def test_bytes_after_the_end_of_a_response_are_not_trusted() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(json_answer(b"{}") + b"HTTP/1.1 200 OK\r\n")  # out of turn: nobody asked for a second one
+
+    backend = RawBackend(script)
+    async with backend as url:
+        pool, counters = make_pool()
+        for _ in range(2):
+            ex = await pool.request(url, HEAD, b"{}")
+            assert await ex.read() == b"{}" and not ex.keep_alive
+            ex.release()
+        assert counters.new_connections == 2 and pool.idle_connections(url) == 0
+        await pool.close()
+
+
+async def test_head_request_has_no_body_whatever_the_length_says() -> None:
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")
+
+    backend = RawBackend(script)
+    async with backend as url:
+        pool, counters = make_pool()
+        for _ in range(2):
+            ex = await pool.request(url, HEAD, b"{}", head_only=True)
+            assert ex.complete and ex.content_length is None and await ex.read() == b""
+            assert ("Content-Length" not in ex.headers) and ex.raw_headers == [(b"Content-Length", b"1234")]
+            ex.release()
+        assert counters.new_connections == 1
         await pool.close()
