@@ -92,7 +92,7 @@ def demo_config(
     )
 
 
-def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, ...]], policy: str, model: str,
+def demo_banner(proxy_url: str, admin_url: str, backends: Sequence[tuple[str, str, str | None]], policy: str, model: str,
                 grpc_address: str | None = None) -> str:
     lines = [
         f"affinity-proxy demo: {len(backends)} simulated backends, policy {policy}",

@@ -229,7 +229,7 @@ class Config:
     def _port_clashes(self) -> Iterable[tuple[str, str]]:
         """Two listeners on one port: the second bind would fail at start (or, with SO_REUSEPORT, the two
         would share connections). A port of 0 picks a free one and never clashes."""
-        listeners = [("listen", self.listen), ("admin", self.admin)]
+        listeners: list[tuple[str, ListenConfig | AdminConfig]] = [("listen", self.listen), ("admin", self.admin)]
         if self.grpc_listen is not None:
             listeners.append(("grpc_listen", self.grpc_listen))
         for i, (name, cfg) in enumerate(listeners):
@@ -282,7 +282,7 @@ class _Parser:
             if len(non_none) == 1:
                 return self.parse(non_none[0], node, path)
             raise TypeError(f"config field {path}: unions other than Optional are not supported ({tp})")
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             return self.parse_dataclass(tp, node, path)
         if origin is Literal:
             value = self.scalar(node, path)
@@ -484,7 +484,9 @@ def parse_section(cls: type, text: str, source: str = "<config>") -> Any:
         # file caught between truncate and rewrite, and serving it would empty the fleet.
         raise ConfigError(["<top>: the file is empty (a configuration needs at least `backends`)"], source)
     if node is None:
-        node = MappingNode("tag:yaml.org,2002:map", [], yaml.Mark(source, 0, 0, 0, None, None), None)
+        # PyYAML's stubs type the buffer as str; None is what yaml itself passes for a node without one.
+        mark = yaml.Mark(source, 0, 0, 0, None, None)  # type: ignore[arg-type]  # see the line above
+        node = MappingNode("tag:yaml.org,2002:map", [], mark, None)
     parser = _Parser()
     result = parser.parse(cls, node, "")
     if parser.errors or result is _MISSING:

@@ -48,7 +48,7 @@ class _Hist:
         self.total += value
 
     def cumulative(self) -> list[tuple[str, float]]:
-        out = []
+        out: list[tuple[str, float]] = []
         running = 0
         for bound, n in zip((*_DURATION_BUCKETS, float("inf")), self.counts, strict=True):
             running += n

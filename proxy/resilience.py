@@ -202,7 +202,7 @@ class Resilience:
                 snap = self.membership.drain(name)
             except KeyError:
                 return _error(404, f"no backend named {name!r}", "not_found")
-            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]
+            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]  # membership just returned a snapshot that holds it
                                       "version": snap.version})
 
         async def restore(request: web.Request) -> web.Response:
@@ -213,7 +213,7 @@ class Resilience:
                 return _error(404, f"no backend named {name!r}", "not_found")
             except ValueError as exc:
                 return _error(409, str(exc), "conflict")
-            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]
+            return web.json_response({"backend": name, "health": snap.get(name).health.value,  # type: ignore[union-attr]  # membership just returned a snapshot that holds it
                                       "version": snap.version})
 
         async def weight(request: web.Request) -> web.Response:
@@ -233,7 +233,7 @@ class Resilience:
             except (ValueError, OverflowError) as exc:  # set_weight applies the shared bound (core/bounds.py)
                 return _error(400, str(exc), "invalid_value", "weight")
             b = snap.get(name)
-            return web.json_response({"backend": name, "weight": b.effective_weight,  # type: ignore[union-attr]
+            return web.json_response({"backend": name, "weight": b.effective_weight,  # type: ignore[union-attr]  # membership just returned a snapshot that holds it
                                       "version": snap.version})
 
         async def reload(request: web.Request) -> web.Response:

@@ -286,7 +286,7 @@ class MetricsReader:
         cached = self._names.get(engine)
         if cached is None:
             wanted = set(DESIGN_NAMES) | {e.name for e in self.metric_map}
-            if engine in ADAPTERS:
+            if engine is not None and engine in ADAPTERS:
                 wanted |= ADAPTERS[engine].names
             cached = self._names[engine] = tuple(sorted(wanted))
         return cached
@@ -295,7 +295,7 @@ class MetricsReader:
         engine = detect_engine(text) if self.engine == "auto" else self.engine
         samples = scan(text, self.names_for(engine))
         r = Reading(engine=engine)
-        if engine in ADAPTERS:
+        if engine is not None and engine in ADAPTERS:
             ADAPTERS[engine].extract(samples, r)
         _design(samples, r)
         for entry in self.metric_map:

@@ -47,7 +47,8 @@ def url_host_port(url: str) -> tuple[str | None, int]:
 
 def split_services(specs: Sequence[BackendSpec]) -> tuple[list[BackendSpec], list[BackendSpec]]:
     """(static backends, DNS-named services)."""
-    static, services = [], []
+    static: list[BackendSpec] = []
+    services: list[BackendSpec] = []
     for s in specs:
         (services if is_dns_name(url_host_port(s.url)[0]) else static).append(s)
     return static, services

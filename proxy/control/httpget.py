@@ -57,7 +57,7 @@ class _Conn(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # create_connection gives a Transport; the protocol API types it BaseTransport
 
     def data_received(self, data: bytes) -> None:
         if self.waiter is None or self.waiter.done():
@@ -101,7 +101,7 @@ class _Conn(asyncio.Protocol):
                     raise ProtocolError("response body too large")
                 self.chunks.append(data)
             elif kind is Response:
-                self._on_head(ev)  # type: ignore[arg-type]
+                self._on_head(ev)  # type: ignore[arg-type]  # `kind is Response` narrows what isinstance would, without its cost
             elif kind is EndOfMessage:
                 if not self.parser.reusable:
                     self.reusable = False

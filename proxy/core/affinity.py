@@ -394,7 +394,7 @@ class AffinityPolicy:
                 if chain is None:
                     chain = get_blocks()
                     idxs = self._ring_indexes(ring)
-                m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]
+                m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]  # idxs is set on the first iteration that needs it
                 c = (queued + uw * max(0.0, prompt_tokens - m * block_tokens) + adapter_cost(name)) / w
                 if c < best_c or (c == best_c and scores[i] > best_s):
                     best_i, best_m, best_c, best_s = i, m, c, scores[i]

@@ -115,7 +115,7 @@ def quantile(counts: list[int], q: float) -> float | None:
             hi = BUCKET_BOUNDS_S[i]
             lo = BUCKET_BOUNDS_S[i - 1] if i else hi / 2 ** 0.5
             frac = (rank - seen) / c
-            return lo * (hi / lo) ** frac
+            return float(lo * (hi / lo) ** frac)
         seen += c
     return BUCKET_BOUNDS_S[-1]
 

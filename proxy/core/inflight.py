@@ -61,7 +61,7 @@ def newest_sum(entries: deque[float] | None, live: int, tokens: int) -> float:
     if live <= 0:
         return 0.0
     known = 0 if entries is None else min(live, len(entries))
-    total = sum(islice(reversed(entries), known)) if known else 0.0  # type: ignore[arg-type]
+    total = sum(islice(reversed(entries), known)) if known else 0.0  # type: ignore[arg-type]  # known > 0 means entries is not None
     return with_unrecorded(total, known, live, tokens)
 
 
@@ -204,7 +204,7 @@ class SharedInflightTable(InflightTable):
 
     # -- reading
 
-    @property  # type: ignore[override]  # summed over the rows, not an attribute
+    @property  # summed over the rows, not an attribute
     def total_requests(self) -> int:
         at = self._total_at
         return sum(self._ints[at:at + self.layout.rows]) + self._local_total

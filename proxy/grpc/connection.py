@@ -119,7 +119,7 @@ def quiet_hpack_logging() -> bool:
     for module in (hpack.hpack, hpack.table):
         logger = getattr(module, "log", None)
         if isinstance(logger, logging.Logger) and not logger.isEnabledFor(logging.DEBUG):
-            module.log = h2.config.DummyLogger()  # type: ignore[attr-defined]
+            module.log = h2.config.DummyLogger()  # type: ignore[attr-defined]  # hpack's module-level logger, found by getattr above
             swapped = True
     return swapped
 

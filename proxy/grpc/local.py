@@ -12,7 +12,8 @@ next call, on every connection.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import asyncio
+from typing import Any, Mapping, cast
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -142,7 +143,8 @@ class LocalServices:
     async def start(self) -> None:
         await self._server.start("127.0.0.1", 0)
         assert self._server._server is not None  # noqa: SLF001 - grpclib exposes no bound-address accessor
-        self.port = self._server._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        server = cast("asyncio.Server", self._server._server)  # noqa: SLF001 - grpclib types it AbstractServer; loop.create_server made a Server
+        self.port = server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
         self._server.close()

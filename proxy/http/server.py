@@ -155,7 +155,7 @@ class _AiohttpResponder:
         if request.method != "HEAD" and answer.status >= 200 and answer.status not in (204, 304) and \
                 request.version == HttpVersion11:
             # Duck-typed: aiohttp's handler needs only prepare, write_eof and keep_alive (see _RawResponse).
-            return _RawResponse(  # type: ignore[return-value]
+            return _RawResponse(  # type: ignore[return-value]  # duck-typed StreamResponse, see the line above
                 answer.status, answer.reason, answer.headers, answer.body, request.keep_alive)
         return web.Response(status=answer.status, reason=answer.reason, body=answer.body, headers=answer.headers)
 

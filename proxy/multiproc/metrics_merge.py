@@ -157,5 +157,5 @@ class _ListCollector:
 
 def render(metrics: list[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ListCollector(metrics))  # type: ignore[arg-type]
+    registry.register(_ListCollector(metrics))
     return generate_latest(registry)

@@ -53,6 +53,9 @@ class LoggingConfig:
     format: Literal["json", "text"] = "json"
     access_log: AccessLogConfig = AccessLogConfig()
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
 
 @dataclass(frozen=True)
 class TracingConfig:
@@ -82,9 +85,6 @@ class TracingConfig:
     max_queue: int = field(default=2048, metadata={"ge": 1})
     batch_delay_ms: int = field(default=1000, metadata={"ge": 1})
     export_timeout_s: float = field(default=10.0, metadata={"gt": 0})
-
-    def __post_init__(self) -> None:
-        check_config(self)
 
     def __post_init__(self) -> None:
         check_config(self)

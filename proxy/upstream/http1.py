@@ -91,7 +91,7 @@ class _Connection(asyncio.Protocol):
         self.forgotten = False  # its pool slot was given back
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # create_connection gives a Transport; the protocol API types it BaseTransport
 
     def data_received(self, data: bytes) -> None:
         ex = self.exchange
@@ -183,7 +183,7 @@ class Exchange:
                 self._raw_sink(ev.data)  # type: ignore[misc,union-attr]  # set with raw_chunks; kind says which
                 return
             if kind is Data:
-                self._emit(ev.data)  # type: ignore[union-attr]
+                self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
                 return
         self._on_events(events)
 
@@ -193,14 +193,14 @@ class Exchange:
             if kind is Data:
                 self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
             elif kind is Response:
-                self._on_head(ev)  # type: ignore[arg-type]
+                self._on_head(ev)  # type: ignore[arg-type]  # kind says which event it is
             elif kind is EndOfMessage:
                 self.keep_alive = self.keep_alive and self._parser.reusable  # nothing may follow the end
                 self._finish()
             elif kind is RawChunks:
                 sink = self._raw_sink
                 assert sink is not None
-                sink(ev.data)  # type: ignore[union-attr]
+                sink(ev.data)  # type: ignore[union-attr]  # kind says which event it is
             # Informational (100 Continue, 103 Early Hints): skipped, the final answer follows.
 
     def _on_head(self, response: Response) -> None:
