@@ -1,0 +1,215 @@
+"""Prompts to token ids with the model's own tokenizer, for the precise KV index (`proxy.core.kv_index`).
+
+A model folder (the one vLLM loads, or the simulator's `sim/tokenizer/`) holds `tokenizer.json`, read by
+Hugging Face `tokenizers`, and `tokenizer_config.json`, whose `chat_template` is rendered with jinja2 in the
+environment `transformers.apply_chat_template` uses (sandboxed, trim_blocks, lstrip_blocks,
+`raise_exception`, `tojson`, the special tokens as variables). Nothing is downloaded; the path comes from
+the configuration (`telemetry.kv_events.tokenizers`).
+
+Cost, and how it is kept off the request path:
+
+- Cut points are content-defined: text is split into chunks of at least `chunk_chars` characters, each cut
+  at the first "non-space, space, non-space" position after that length. A chunk's ids are cached (LRU,
+  `cache_chunks` entries) by its text, so a repeated prompt, or a conversation that grows by one turn,
+  re-tokenises only its new tail: the cut points of a shared prefix do not depend on what follows it.
+- Tokenising chunks separately is exact only for tokenizers whose pre-tokenizer never merges across such a
+  cut (whitespace, GPT-2/Llama-3 byte-level regexes, Metaspace); a normalizer that prepends to every input
+  (Llama-2's `Prepend("▁")`) is not. `ModelTokenizer` checks this on load with probe texts and falls back
+  to whole-prompt caching when a split would change the ids (`chunked` says which).
+- `encode_async` / `encode_chat_async` run a tokenisation whose uncached part exceeds `offload_chars` in
+  an executor (HF tokenizers release the GIL while encoding), so a 64k-token prompt does not stall the
+  event loop; cached or short prompts are answered inline, cheaper than a thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ModelTokenizer", "TokenizerError", "cut_points"]
+
+_PROBES = (
+    "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
+    "user\nhello there\nassistant\nGeneral Kenobi!  You are a bold one.\n",
+    "def f(x):\n    return x + 1  # comment\n\n\nprint(f(2))",
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer folder or the chat template cannot be used (or the template raised)."""
+
+
+def cut_points(text: str, chunk_chars: int) -> list[int]:
+    """Chunk ends: each the first i >= start + chunk_chars with text[i-1] non-space, text[i] == " " and
+    text[i+1] non-space (the chunk ends before the space); the last end is len(text)."""
+    ends: list[int] = []
+    start = 0
+    n = len(text)
+    while start + chunk_chars < n:
+        i = text.find(" ", start + chunk_chars)
+        while i != -1 and i + 1 < n and (text[i - 1].isspace() or text[i + 1].isspace()):
+            i = text.find(" ", i + 1)
+        if i == -1 or i + 1 >= n:
+            break
+        ends.append(i)
+        start = i
+    ends.append(n)
+    return ends
+
+
+class ModelTokenizer:
+    """One model's tokenizer + chat template, with a chunk cache. Not thread-safe for `encode*` calls on
+    one instance from several threads at once except through `*_async` (one executor job at a time per
+    call; the cache tolerates races: an entry computed twice is stored twice)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: Mapping[str, Any] | None = None,
+        *,
+        chunk_chars: int = 2048,
+        cache_chunks: int = 16384,
+        offload_chars: int = 32768,
+        executor: Executor | None = None,
+    ) -> None:
+        if chunk_chars < 16:
+            raise ValueError("chunk_chars must be >= 16")
+        self._tok = tokenizer
+        self.config = dict(config or {})
+        self.chunk_chars = chunk_chars
+        self.cache_chunks = cache_chunks
+        self.offload_chars = offload_chars
+        self._executor = executor
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # several named templates: use "default"
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        self._template: jinja2.Template | None = None
+        if isinstance(template, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            try:
+                self._template = env.from_string(template)
+            except jinja2.TemplateError as exc:
+                raise TokenizerError(f"chat_template does not compile: {exc}") from None
+        self._specials = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.chunked = self._split_is_exact()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> ModelTokenizer:
+        folder = Path(path)
+        try:
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a plain Exception for unreadable files
+            raise TokenizerError(f"{folder / 'tokenizer.json'}: {exc}") from None
+        config: dict[str, Any] = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{cfg_path}: {exc}") from None
+        return cls(tok, config, **kwargs)
+
+    # ---- text -----------------------------------------------------------------------------------------
+    def _raw(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _split_is_exact(self) -> bool:
+        for probe in _PROBES:
+            whole = self._raw(probe)
+            parts: list[int] = []
+            start = 0
+            for end in cut_points(probe, 16):
+                parts += self._raw(probe[start:end])
+                start = end
+            if parts != whole:
+                return False
+        return True
+
+    def _chunks(self, text: str) -> list[str]:
+        if not self.chunked:
+            return [text]
+        out: list[str] = []
+        start = 0
+        for end in cut_points(text, self.chunk_chars):
+            out.append(text[start:end])
+            start = end
+        return out
+
+    def uncached_chars(self, text: str) -> int:
+        cache = self._cache
+        return sum(len(c) for c in self._chunks(text) if c not in cache)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added: chat templates and engines add their own)."""
+        ids: list[int] = []
+        cache = self._cache
+        for chunk in self._chunks(text):
+            got = cache.get(chunk)
+            if got is None:
+                self.misses += 1
+                got = self._raw(chunk)
+                cache[chunk] = got
+                if len(cache) > self.cache_chunks:
+                    cache.popitem(last=False)
+            else:
+                self.hits += 1
+                cache.move_to_end(chunk)
+            ids += got
+        return ids
+
+    # ---- chat -----------------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    **extra: Any) -> str:
+        if self._template is None:
+            raise TokenizerError("this tokenizer has no chat_template")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self._specials, **extra)
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat_template failed: {exc}") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+    # ---- off the event loop ---------------------------------------------------------------------------
+    async def encode_async(self, text: str) -> list[int]:
+        if self.uncached_chars(text) <= self.offload_chars:
+            return self.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode, text)
+
+    async def encode_chat_async(self, messages: Sequence[Mapping[str, Any]], *,
+                                add_generation_prompt: bool = True) -> list[int]:
+        return await self.encode_async(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, Mapping):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
