@@ -1,0 +1,317 @@
+"""KV-event subscriber: every backend's ZeroMQ event stream into the precise index (`proxy.core.kv_index`).
+
+One SUB socket per configured backend (`telemetry.kv_events.backends`), one asyncio task each. Every worker
+process and every replica runs its own subscriber and so holds the same index: what the engines report,
+not what one process routed.
+
+Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
+
+- first batch seen at seq s > 0, with a replay endpoint: ask the ROUTER for 0..s-1 (what its buffer still
+  holds) so blocks cached before we connected are known; without one, start at s (older blocks stay
+  unknown: the index under-reports, never over-reports).
+- seq > expected: a gap (the PUB socket dropped messages). The backend is stale until a replay of
+  expected..seq-1 succeeds; if the replay is missing, incomplete or times out, the index of that backend is
+  cleared (removals may have been lost, so what it holds could be wrong) and rebuilt from here on.
+- seq < expected: the publisher restarted (engine killed and started again): its cache is new, so the
+  index is cleared, then filled as for a first batch.
+- no batch for `stale_after_s`: stale (routing falls back to the learned index) until the next batch,
+  which makes it fresh again if it continues the sequence. An idle engine publishes nothing, so a quiet
+  backend is "unknown", never "empty".
+
+Only events for the GPU medium (or none) are indexed: CPU-offload tiers (`medium: "CPU"`) do not decide
+prefill reuse the same way. Metrics (on the registry passed in): batches and events received, decode
+errors, gaps, replays by outcome, restarts, lag (our wall clock minus the batch's `ts`), events/s over the
+last 10 s, index blocks and freshness per backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from proxy.control.telemetry_config import KVEventsEndpoint
+from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
+from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message, decode_replay, encode_replay_request
+
+__all__ = ["KVEventMetrics", "KVEventSubscriber"]
+
+_log = logging.getLogger(__name__)
+_RATE_WINDOW_S = 10.0
+_INDEXED_MEDIA = (None, "GPU")
+
+
+class KVEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Counter("affinity_proxy_kv_event_batches", "KV-event batches received, by backend.",
+                               ["backend"], registry=registry)
+        self.events = Counter("affinity_proxy_kv_events", "KV-cache events applied to the precise index, by backend.",
+                              ["backend"], registry=registry)
+        self.decode_errors = Counter("affinity_proxy_kv_event_decode_errors",
+                                     "KV-event messages that could not be decoded or applied, by backend.",
+                                     ["backend"], registry=registry)
+        self.gaps = Counter("affinity_proxy_kv_event_gaps", "Sequence gaps in a backend's KV-event stream.",
+                            ["backend"], registry=registry)
+        self.replays = Counter("affinity_proxy_kv_event_replays",
+                               "Replay requests to a backend's KV-event ROUTER, by outcome (complete, incomplete, "
+                               "timeout).", ["backend", "outcome"], registry=registry)
+        self.restarts = Counter("affinity_proxy_kv_event_restarts",
+                                "KV-event sequence resets (the engine restarted): the backend's index was cleared.",
+                                ["backend"], registry=registry)
+
+
+@dataclass
+class _Feed:
+    name: str
+    config: KVEventsEndpoint
+    expected: int | None = None
+    last_ts: float | None = None
+    lag_s: float | None = None
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, events)
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        index: KVIndex,
+        backends: Mapping[str, KVEventsEndpoint],
+        *,
+        models: Mapping[str, str],
+        registry: CollectorRegistry | None = None,
+        stale_after_s: float = 30.0,
+        replay_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`models`: base model name per backend (seeds the keys of blocks without a LoRA name); a backend's
+        own `model:` in the configuration wins."""
+        self.index = index
+        self._feeds: dict[str, _Feed] = {}
+        for name, ep in backends.items():
+            model = ep.model or models.get(name)
+            if not model:
+                raise ValueError(f"telemetry.kv_events.backends.{name}: no model known to seed its block keys "
+                                 "(set `model:` or list the backend's models)")
+            index.track(name, model=model)
+            self._feeds[name] = _Feed(name, ep)
+        self.stale_after_s = stale_after_s
+        self.replay_timeout_s = replay_timeout_s
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._clock = clock
+        self._wall = wall_clock
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self.metrics = KVEventMetrics(registry) if registry is not None else None
+        if registry is not None:
+            registry.register(_IndexCollector(self))
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for feed in self._feeds.values():
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
+            sub.connect(feed.config.endpoint)
+            self._sockets.append(sub)
+            self._tasks.append(loop.create_task(self._run(feed, sub), name=f"kv-events-{feed.name}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        for s in self._sockets:
+            s.close(linger=0)
+        self._sockets.clear()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Per backend: freshness, next expected sequence, lag, index counts (for admin/debug pages)."""
+        out: dict[str, dict[str, object]] = {}
+        for name, feed in self._feeds.items():
+            out[name] = {"state": self.index.state(name), "expected_seq": feed.expected, "lag_s": feed.lag_s,
+                         "events_per_s": self.events_per_s(name), **self.index.stats(name)}
+        return out
+
+    def events_per_s(self, name: str) -> float:
+        feed = self._feeds[name]
+        cutoff = self._clock() - _RATE_WINDOW_S
+        while feed.recent and feed.recent[0][0] < cutoff:
+            feed.recent.popleft()
+        return sum(n for _, n in feed.recent) / _RATE_WINDOW_S
+
+    # ---- one backend ----------------------------------------------------------------------------------
+    async def _run(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
+        name = feed.name
+        while True:
+            timeout_ms = None
+            if self.stale_after_s > 0 and self.index.is_fresh(name):
+                timeout_ms = int(self.stale_after_s * 1000)
+            if not await sub.poll(timeout_ms):
+                _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the learned index",
+                          name, self.stale_after_s)
+                self.index.mark_stale(name)
+                continue
+            frames = await sub.recv_multipart()
+            try:
+                batch = decode_message(frames)
+            except KVEventDecodeError as exc:
+                self._decode_error(name, exc)
+                continue
+            try:
+                await self.handle(feed, batch)
+            except Exception:  # a bug here must not end the subscription
+                _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
+                self.index.mark_stale(name)
+
+    async def handle(self, feed: _Feed, batch: EventBatch) -> None:
+        """Sequence logic for one live batch (replays as needed), then apply it and mark the backend fresh."""
+        name, seq, expected = feed.name, batch.seq, feed.expected
+        if expected is not None and seq < expected:
+            _log.warning("KV events from %s restarted at seq %d (expected %d): index cleared", name, seq, expected)
+            self._count(self.metrics and self.metrics.restarts, name)
+            self.index.clear(name)
+            self.index.mark_stale(name)
+            expected = None
+        if expected is None:
+            if seq > 0 and feed.config.replay_endpoint:
+                await self._replay(feed, 0, seq, initial=True)
+        elif seq > expected:
+            _log.warning("KV events from %s: gap %d..%d", name, expected, seq - 1)
+            self._count(self.metrics and self.metrics.gaps, name)
+            self.index.mark_stale(name)
+            if feed.config.replay_endpoint:
+                await self._replay(feed, expected, seq, initial=False)  # clears the index itself if incomplete
+            else:
+                self.index.clear(name)  # removals may be lost: start from scratch
+        self._apply(feed, batch)
+        feed.expected = seq + 1
+        self.index.mark_fresh(name)
+
+    async def _replay(self, feed: _Feed, start: int, until: int, *, initial: bool) -> bool:
+        """Apply the publisher's buffered batches start..until-1; True if all of them came back."""
+        name = feed.name
+        endpoint = feed.config.replay_endpoint
+        assert endpoint is not None
+        got: list[EventBatch] = []
+        outcome = "timeout"
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(endpoint)
+            await dealer.send_multipart(encode_replay_request(start))
+            deadline = self._clock() + self.replay_timeout_s
+            while True:
+                left = deadline - self._clock()
+                if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
+                    break
+                frames = await dealer.recv_multipart()
+                try:
+                    batch = decode_replay(frames)
+                except KVEventDecodeError as exc:
+                    self._decode_error(name, exc)
+                    continue
+                if batch is None:
+                    outcome = "complete"
+                    break
+                if start <= batch.seq < until:
+                    got.append(batch)
+        finally:
+            dealer.close(linger=0)
+        got.sort(key=lambda b: b.seq)
+        seqs = [b.seq for b in got]
+        complete = outcome == "complete" and seqs == list(range(start, until))
+        if outcome == "complete" and not complete:
+            outcome = "incomplete"
+        self._count(self.metrics and self.metrics.replays, name, outcome)
+        if not complete and not initial:
+            # Something between start and until is lost for good (removals included): start from scratch.
+            self.index.clear(name)
+        previous = None
+        for b in got:
+            if b.seq != previous:
+                self._apply(feed, b)
+                previous = b.seq
+        _log.info("KV events from %s: replay %d..%d %s (%d batches)", name, start, until - 1, outcome, len(got))
+        return complete
+
+    def _apply(self, feed: _Feed, batch: EventBatch) -> None:
+        name = feed.name
+        applied = 0
+        for ev in batch.events:
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium not in _INDEXED_MEDIA:
+                continue
+            try:
+                self.index.apply(name, ev)
+            except ValueError as exc:
+                self._decode_error(name, exc)
+                continue
+            applied += 1
+            if isinstance(ev, AllBlocksCleared):
+                _log.info("KV events from %s: all blocks cleared", name)
+        now = self._clock()
+        feed.recent.append((now, applied))
+        feed.last_ts = batch.ts
+        feed.lag_s = max(0.0, self._wall() - batch.ts)
+        if self.metrics is not None:
+            self.metrics.batches.labels(name).inc()
+            self.metrics.events.labels(name).inc(applied)
+
+    def _decode_error(self, name: str, exc: Exception) -> None:
+        _log.warning("KV events from %s: %s", name, exc)
+        self._count(self.metrics and self.metrics.decode_errors, name)
+
+    @staticmethod
+    def _count(counter: Counter | None, *labels: str) -> None:
+        if counter is not None:
+            counter.labels(*labels).inc()
+
+    def feeds(self) -> Iterable[str]:
+        return self._feeds.keys()
+
+
+class _IndexCollector:
+    """Gauges read from the index at scrape time (blocks, freshness, lag, events/s per backend)."""
+
+    def __init__(self, sub: KVEventSubscriber) -> None:
+        self._sub = sub
+
+    def collect(self) -> Iterable[Metric]:
+        sub = self._sub
+        blocks = GaugeMetricFamily("affinity_proxy_kv_index_blocks",
+                                   "Blocks the backend's engine holds according to its KV events.", labels=["backend"])
+        fresh = GaugeMetricFamily("affinity_proxy_kv_index_fresh",
+                                  "1 if the backend's KV-event view is trusted for routing, 0 if stale (learned index "
+                                  "used).", labels=["backend"])
+        lag = GaugeMetricFamily("affinity_proxy_kv_events_lag_seconds",
+                                "Receipt time minus the last batch's engine timestamp (includes clock skew).",
+                                labels=["backend"])
+        rate = GaugeMetricFamily("affinity_proxy_kv_events_per_second",
+                                 "KV-cache events applied per second over the last 10 s.", labels=["backend"])
+        for name in sub.feeds():
+            blocks.add_metric([name], sub.index.num_blocks(name))
+            fresh.add_metric([name], 1.0 if sub.index.is_fresh(name) else 0.0)
+            feed = sub._feeds[name]
+            if feed.lag_s is not None:
+                lag.add_metric([name], feed.lag_s)
+            rate.add_metric([name], sub.events_per_s(name))
+        return [blocks, fresh, lag, rate]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
