@@ -153,14 +153,18 @@ class KVEventPublisher:
         pub = self._ctx.socket(zmq.PUB)
         pub.set_hwm(self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(_bindable(self.config.endpoint))
+        try:
+            pub.bind(_bindable(self.config.endpoint))
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
         self._pub = pub
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.replay_endpoint:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            self._router = router  # closed by stop() if the bind fails
             router.bind(_bindable(self.config.replay_endpoint))
-            self._router = router
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay(), name="sim-kv-replay")
 

@@ -174,7 +174,13 @@ async def test_a_restarted_engine_clears_its_index(rig) -> None:
     await _until(lambda: r.index.num_blocks("b0") == 4)
     await r.pub.stop()  # engine killed ...
     r.pub = r.new_publisher()  # ... and started again: empty cache, sequence from 0
-    r.pub.start()
+    for _ in range(50):
+        try:
+            r.pub.start()  # the old sockets close in ZeroMQ's I/O thread: the port may still be taken
+            break
+        except zmq.ZMQError:
+            await r.pub.stop()
+            await asyncio.sleep(0.05)
     for _ in range(50):  # the SUB reconnects by itself; what it misses meanwhile comes back by replay
         await asyncio.sleep(0.1)
         if r.metric("affinity_proxy_kv_event_restarts_total"):
