@@ -28,6 +28,7 @@ API (stable; the offline replay on the `scaleout` branch uses it):
     index.match_keys(keys, 16)   -> {"b0": 1}         # leading cached blocks, FRESH backends of that block size
     index.match(token_ids, "llama-3-8b") -> {"b0": 16}  # the same in tokens, every fresh backend
     index.state("b0") -> "fresh" | "stale"; index.num_blocks("b0"); index.block_sizes(); index.untrack("b0")
+    PreciseMatch(prompt_tokens, cached={"b0": 16})   # what routing receives (proxy/core/affinity.py)
 
 Freshness: a tracked backend starts stale and is stale whenever its event stream cannot be trusted (a
 sequence gap not yet replayed, a restart, silence); `match*` leaves stale backends out of the answer
@@ -59,6 +60,7 @@ __all__ = [
     "FRESH",
     "KVEvent",
     "KVIndex",
+    "PreciseMatch",
     "STALE",
     "block_keys",
     "chain_seed",
@@ -98,6 +100,15 @@ class AllBlocksCleared:
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseMatch:
+    """What the precise index says about one prompt: its length in tokens and, per FRESH backend, how many
+    of its leading tokens that backend's engine holds (stale backends absent: use the learned index)."""
+
+    prompt_tokens: int
+    cached: Mapping[str, int]
 
 
 def chain_seed(model: str) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import OrderedDict
 from concurrent.futures import Executor
 from pathlib import Path
@@ -35,7 +36,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ModelTokenizer", "TokenizerError", "cut_points"]
+__all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points"]
 
 _PROBES = (
     "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
@@ -67,9 +68,8 @@ def cut_points(text: str, chunk_chars: int) -> list[int]:
 
 
 class ModelTokenizer:
-    """One model's tokenizer + chat template, with a chunk cache. Not thread-safe for `encode*` calls on
-    one instance from several threads at once except through `*_async` (one executor job at a time per
-    call; the cache tolerates races: an entry computed twice is stored twice)."""
+    """One model's tokenizer + chat template, with a chunk cache (safe to share between the event loop and
+    executor threads: a chunk tokenised twice at once is simply stored twice)."""
 
     def __init__(
         self,
@@ -90,6 +90,7 @@ class ModelTokenizer:
         self.offload_chars = offload_chars
         self._executor = executor
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         template = self.config.get("chat_template")
@@ -156,18 +157,21 @@ class ModelTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS/EOS added: chat templates and engines add their own)."""
         ids: list[int] = []
-        cache = self._cache
+        cache, lock = self._cache, self._lock
         for chunk in self._chunks(text):
-            got = cache.get(chunk)
+            with lock:  # the executor thread and the event loop share the cache
+                got = cache.get(chunk)
+                if got is not None:
+                    cache.move_to_end(chunk)
             if got is None:
                 self.misses += 1
                 got = self._raw(chunk)
-                cache[chunk] = got
-                if len(cache) > self.cache_chunks:
-                    cache.popitem(last=False)
+                with lock:
+                    cache[chunk] = got
+                    if len(cache) > self.cache_chunks:
+                        cache.popitem(last=False)
             else:
                 self.hits += 1
-                cache.move_to_end(chunk)
             ids += got
         return ids
 
@@ -213,3 +217,100 @@ def _raise(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class PreciseMatcher:
+    """The affinity policy's `precise` lookup (`proxy.core.affinity.PreciseLookup`): a request summary in,
+    the KV index's `PreciseMatch` out, tokenising with the model's tokenizer.
+
+    It runs inside `pick`, on the event loop, so it never tokenises much there: a prompt whose uncached
+    part exceeds the tokenizer's `offload_chars` is handed to the executor to warm the chunk cache and
+    answered None this time (the learned index decides; the next sighting, or the continuation, is
+    precise). Chat requests: the summary carries the flattened messages (`role\\ncontent\\n` per message,
+    proxy/core/request.py), which is what the engine tokenises only when the model's chat template renders
+    that same form (the simulator's does; checked once per tokenizer, plus the generation prompt it
+    appends); for other templates chat requests get None until the summary carries the messages.
+    """
+
+    def __init__(
+        self,
+        index: Any,  # proxy.core.kv_index.KVIndex
+        tokenizers: Mapping[str, ModelTokenizer],
+        *,
+        default_model: str | None = None,
+        executor: Executor | None = None,
+        max_warming: int = 4,
+    ) -> None:
+        from proxy.core.kv_index import block_keys, chain_seed
+
+        self._block_keys = block_keys
+        self._chain_seed = chain_seed
+        self.index = index
+        self.tokenizers = dict(tokenizers)
+        self.default_model = default_model if default_model is not None else next(iter(self.tokenizers), None)
+        self._executor = executor
+        self._warming: set[int] = set()
+        self._max_warming = max_warming
+        self._chat_suffix: dict[int, str | None] = {}
+        self.deferred = 0  # requests answered None because their prompt was being tokenised off the loop
+
+    def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
+        tok = self.tokenizers.get(model) if model is not None else None
+        if tok is None and self.default_model is not None:
+            tok = self.tokenizers.get(self.default_model)
+        return tok
+
+    def _suffix(self, tok: ModelTokenizer) -> str | None:
+        """The generation prompt the template appends to the flattened form, or None if it renders
+        messages some other way (then a flattened prompt is not what the engine tokenises)."""
+        key = id(tok)
+        if key not in self._chat_suffix:
+            probe = [{"role": "system", "content": "s s"}, {"role": "user", "content": "u u"}]
+            flat = "system\ns s\nuser\nu u\n"
+            suffix: str | None = None
+            if tok.has_chat_template:
+                try:
+                    rendered = tok.render_chat(probe)
+                except TokenizerError:
+                    rendered = ""
+                if rendered.startswith(flat):
+                    suffix = rendered[len(flat):]
+            self._chat_suffix[key] = suffix
+        return self._chat_suffix[key]
+
+    def __call__(self, req: Any) -> Any:
+        from proxy.core.kv_index import PreciseMatch
+
+        sizes = self.index.block_sizes()
+        if not sizes or not req.prompt:
+            return None
+        tok = self._tokenizer(req.model)
+        if tok is None:
+            return None
+        text = req.prompt
+        if req.endpoint.endswith("/chat/completions"):
+            suffix = self._suffix(tok)
+            if suffix is None:
+                return None
+            text += suffix
+        if tok.uncached_chars(text) > tok.offload_chars:
+            self._warm(tok, text)
+            self.deferred += 1
+            return None
+        ids = tok.encode(text)
+        model = req.adapter or req.model or self.default_model or ""
+        seed = self._chain_seed(model)
+        keys = {size: self._block_keys(ids, size, seed) for size in sizes}
+        return PreciseMatch(len(ids), self.index.match(ids, model, keys))
+
+    def _warm(self, tok: ModelTokenizer, text: str) -> None:
+        key = hash(text)
+        if key in self._warming or len(self._warming) >= self._max_warming:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._warming.add(key)
+        fut = loop.run_in_executor(self._executor, tok.encode, text)
+        fut.add_done_callback(lambda f: (self._warming.discard(key), f.cancelled() or f.exception()))

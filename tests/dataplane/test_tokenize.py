@@ -10,7 +10,7 @@ import threading
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from proxy.dataplane.tokenize import ModelTokenizer, TokenizerError, cut_points
+from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher, TokenizerError, cut_points
 from sim.server import SimHttpApp
 from sim.tokenizer import LOADTEST_WORDS, ROLE_TOKENS, TOKENIZER_DIR, token_ids
 from sim.tokens import VOCAB
@@ -124,3 +124,31 @@ async def test_big_uncached_prompts_are_tokenised_off_the_event_loop() -> None:
     assert await tok.encode_chat_async([{"role": "user", "content": small}]) == token_ids("user\nba be\nassistant\n")
     assert threads == [threading.get_ident()]
     await asyncio.sleep(0)
+
+
+async def test_precise_matcher_tokenises_small_prompts_inline_and_defers_big_ones() -> None:
+    from proxy.core.kv_index import BlockStored, KVIndex
+    from proxy.core.request import RequestSummary
+
+    index = KVIndex()
+    index.track("b0", model="m")
+    text = _text(random.Random(4), 64)
+    ids = token_ids(text)
+    index.stored("b0", (1, 2), None, ids[:32], 16)
+    tok = ModelTokenizer.from_dir(TOKENIZER_DIR, offload_chars=5000)
+    matcher = PreciseMatcher(index, {"m": tok})
+    req = RequestSummary(prompt=text, model="m", endpoint="/v1/completions")
+    assert matcher(req) is None  # no fresh backend: nothing to ask, nothing tokenised
+    index.mark_fresh("b0")
+    got = matcher(req)
+    assert got is not None and got.prompt_tokens == len(ids) and got.cached == {"b0": 32}
+    chat_req = RequestSummary(prompt="user\n" + text + "\n", model="m", endpoint="/v1/chat/completions")
+    assert matcher(chat_req).prompt_tokens == len(ids) + 2  # role + generation prompt
+    big = RequestSummary(prompt=_text(random.Random(5), 3000), model="m", endpoint="/v1/completions")
+    assert matcher(big) is None and matcher.deferred == 1  # tokenised in the executor meanwhile
+    for _ in range(200):
+        if tok.uncached_chars(big.prompt) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert matcher(big) is not None
+    assert matcher(RequestSummary(prompt=text, model="unknown", endpoint="/v1/completions")) is not None  # default
