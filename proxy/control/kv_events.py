@@ -315,3 +315,44 @@ class _IndexCollector:
 
     def describe(self) -> Iterable[Metric]:
         return []
+
+
+@dataclass
+class PreciseRouting:
+    """What `telemetry.kv_events` wires into one data-plane process: the index, the policy's lookup, and
+    (built once the process has its metrics registry) the subscriber that keeps the index in step."""
+
+    index: KVIndex
+    matcher: object  # proxy.dataplane.tokenize.PreciseMatcher: AffinityPolicy(cfg, precise=matcher)
+    endpoints: Mapping[str, KVEventsEndpoint]
+    models: Mapping[str, str]
+    stale_after_s: float
+    replay_timeout_s: float
+
+    def subscriber(self, registry: CollectorRegistry | None) -> KVEventSubscriber:
+        return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
+                                 stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
+
+
+def build_precise_routing(config: object) -> PreciseRouting | None:
+    """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
+    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
+    from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
+
+    ke = config.telemetry.kv_events  # type: ignore[attr-defined]
+    if not ke.enabled:
+        return None
+    backend_models = {b.name: b.models[0] for b in config.backends if b.models}  # type: ignore[attr-defined]
+    models: dict[str, str] = {}
+    for name, ep in ke.backends.items():
+        model = ep.model or backend_models.get(name)
+        if not model:
+            raise ValueError(f"telemetry.kv_events.backends.{name}: set `model:` or the backend's `models:` "
+                             "(the model name seeds its block keys)")
+        models[name] = model
+    if not ke.tokenizers:
+        raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
+    tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
+    index = KVIndex()
+    return PreciseRouting(index, PreciseMatcher(index, tokenizers), dict(ke.backends), models, ke.stale_after_s,
+                          ke.replay_timeout_ms / 1000.0)

@@ -170,7 +170,8 @@ async def test_a_restarted_engine_clears_its_index(rig) -> None:
     await r.sub.start()
     await r.connected()
     r.pub.publish(_chain(3))
-    r.pub.publish([_stored(3, 102)])
+    for _ in range(9):  # seq 1..9 (the same block again): the restarted engine's numbers stay below
+        r.pub.publish([_stored(3, 102)])
     await _until(lambda: r.index.num_blocks("b0") == 4)
     await r.pub.stop()  # engine killed ...
     r.pub = r.new_publisher()  # ... and started again: empty cache, sequence from 0
@@ -185,7 +186,7 @@ async def test_a_restarted_engine_clears_its_index(rig) -> None:
         await asyncio.sleep(0.1)
         if r.metric("affinity_proxy_kv_event_restarts_total"):
             break
-        if r.pub.next_seq == 0:
+        if r.pub.next_seq < 5:  # until the SUB has reconnected, batches are lost: send a few
             r.pub.publish([_stored(0)])
     await _until(lambda: r.metric("affinity_proxy_kv_event_restarts_total") == 1 and r.index.is_fresh("b0"))
     assert r.index.num_blocks("b0") == 1 and r.index.match(_prompt(4), MODEL) == {"b0": 4}
@@ -225,3 +226,24 @@ async def test_garbage_is_counted_and_the_stream_goes_on(rig) -> None:
 def test_a_backend_without_a_model_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="model"):
         KVEventSubscriber(KVIndex(), {"x": KVEventsEndpoint(endpoint="tcp://127.0.0.1:1")}, models={})
+
+
+async def test_build_precise_routing_from_the_config(tmp_path) -> None:
+    from proxy.config import parse_config
+    from proxy.control.kv_events import build_precise_routing
+    from proxy.dataplane.tokenize import TokenizerError
+    from sim.tokenizer import TOKENIZER_DIR
+
+    base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2'}\n"
+    assert build_precise_routing(parse_config(base)) is None
+    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n      a: {endpoint: 'tcp://127.0.0.1:5557'}\n"
+    built = build_precise_routing(parse_config(base + kv % TOKENIZER_DIR))
+    assert built is not None and built.models == {"a": "m"} and built.index.tracked() == []
+    sub = built.subscriber(CollectorRegistry())
+    assert built.index.tracked() == ["a"] and built.index.state("a") == "stale"
+    assert list(sub.feeds()) == ["a"]
+    await sub.stop()
+    with pytest.raises(ValueError, match="model"):
+        build_precise_routing(parse_config(base + (kv % TOKENIZER_DIR).replace("a: {", "b: {")))
+    with pytest.raises(TokenizerError):
+        build_precise_routing(parse_config(base + kv % tmp_path))

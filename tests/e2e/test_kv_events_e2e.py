@@ -16,14 +16,9 @@ from typing import AsyncIterator, Callable
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry
 
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
-from proxy.control.kv_events import KVEventSubscriber
-from proxy.core.affinity import AffinityPolicy
-from proxy.core.kv_index import KVIndex
-from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
 from sim.fleet import Fleet, start_fleet
 from sim.kv_events import KVEventsConfig
 from sim.tokenizer import LOADTEST_WORDS, TOKENIZER_DIR, token_ids
@@ -72,24 +67,19 @@ class Replica:
             "telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n"
             f"    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
         )
-        cfg = parse_config(yaml)
-        ke = cfg.telemetry.kv_events
-        self.index = KVIndex()
-        self.registry = CollectorRegistry()
-        self.sub = KVEventSubscriber(self.index, ke.backends, models={s.name: model for s in fleet.servers},
-                                     registry=self.registry, stale_after_s=ke.stale_after_s,
-                                     replay_timeout_s=ke.replay_timeout_ms / 1000)
-        tokenizers = {m: ModelTokenizer.from_dir(p) for m, p in ke.tokenizers.items()}
-        self.matcher = PreciseMatcher(self.index, tokenizers, default_model=model)
-        self.proxy = AffinityProxy(cfg, policy=AffinityPolicy(cfg.routing, precise=self.matcher))
+        # The real wiring: AffinityProxy builds the index, the policy's precise lookup and the subscriber
+        # (a data-plane service) from telemetry.kv_events.
+        self.proxy = AffinityProxy(parse_config(yaml))
+        assert self.proxy.precise is not None
+        self.index = self.proxy.precise.index
+        self.matcher = self.proxy.precise.matcher
+        self.registry = self.proxy.metrics.registry
 
     async def start(self) -> None:
-        await self.sub.start()
         await self.proxy.start()
 
     async def stop(self) -> None:
         await self.proxy.stop()
-        await self.sub.stop()
 
     async def complete(self, s: aiohttp.ClientSession, prompt: str) -> tuple[str, int]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": 1}
