@@ -3,6 +3,7 @@
 - a prompt computed on a backend (sent there directly, so no proxy learned it) has its continuation routed
   to that backend by two independent proxy replicas, in both of vLLM's event encodings, and the engine
   reports the prefix as cached;
+- the same through `affinity-proxy run --workers 2`: continuations landing on either worker process;
 - a gap in a backend's sequence triggers a replay that restores the index;
 - a backend whose events never arrive is stale: the proxy routes it by the learned index.
 """
@@ -172,3 +173,54 @@ async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fl
         for _ in range(3):  # repeats: the learned index keeps it where it was computed
             backend, cached = await rep.complete(s, p)
             assert backend == QUIET and cached > 0
+
+
+async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_path, fleet: Fleet) -> None:
+    """`affinity-proxy run --workers 2`: each worker subscribes and holds the index, so a continuation that
+    the kernel hands to either worker goes to the engine that computed its prefix."""
+    import json
+
+    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+
+    model = fleet.servers[0].backend.engine.model_name
+    lines, kv = [], []
+    for s in fleet.servers:
+        pub = s.backend.kv_publisher
+        assert pub is not None
+        lines.append(f"  - {{name: {s.name}, url: '{s.url}', models: ['{model}']}}")
+        kv.append(f"      {s.name}: {{endpoint: '{pub.endpoint}', replay_endpoint: '{pub.replay_endpoint}'}}")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
+        "health_checks: {enabled: false}\nrouting: {policy: affinity}\n"
+        f"backends:\n{chr(10).join(lines)}\n"
+        f"telemetry:\n  kv_events:\n    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
+    )
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        workers = proxy.workers()
+        assert len(workers) == 2
+        async with aiohttp.ClientSession() as s:
+            prompts = {}
+            for i in range(4):
+                for j in range(3):
+                    prompts[(i, j)] = p = _words(500 + 10 * i + j, 320)
+                    await _direct(s, fleet, i, p)
+        await asyncio.sleep(1.5)  # the workers' subscriptions have seen the events (or replayed them)
+        served_by: set[int] = set()
+        for (i, j), p in prompts.items():
+            for n in range(4):  # a fresh connection each: the kernel spreads them over both workers
+                owner: list[int | None] = []
+                reply = await post_json(
+                    proxy.port, "/v1/completions",
+                    {"model": model, "prompt": p + " " + _words(9000 + n + 10 * j + 100 * i, 20), "max_tokens": 1},
+                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
+                )
+                assert reply.status == 200, reply.body
+                assert reply.headers["x-affinity-backend"] == f"sim-{i}", (i, j, n, owner)
+                assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
+                if owner[0] is not None:
+                    served_by.add(owner[0])
+        assert served_by == set(workers)
+    finally:
+        await proxy.terminate()
