@@ -72,7 +72,7 @@ class Rig:
     def new_publisher(self) -> KVEventPublisher:
         return KVEventPublisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{self.pub_port}", topic="kv",
                                                replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}" if self.replay else None,
-                                               encoding="array"), block_size=BS, model_name=MODEL, context=self.ctx)
+                                               encoding="array"), block_size=BS, context=self.ctx)
 
     async def connected(self) -> None:
         await asyncio.sleep(0.6)  # PUB drops messages until the SUB's subscription reached it
@@ -216,7 +216,7 @@ async def test_garbage_is_counted_and_the_stream_goes_on(rig) -> None:
         await raw.send_multipart([b"kv", b"\x01"])
         from sim.kv_events import encode_batch
 
-        await raw.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(_chain(1), 1.0, "map", BS, MODEL)])
+        await raw.send_multipart([b"kv", (0).to_bytes(8, "big"), encode_batch(_chain(1), 1.0, "map", BS)])
         await _until(lambda: r.index.num_blocks("b0") == 1)
         assert r.metric("affinity_proxy_kv_event_decode_errors_total") == 2
     finally:

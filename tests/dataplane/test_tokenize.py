@@ -127,7 +127,7 @@ async def test_big_uncached_prompts_are_tokenised_off_the_event_loop() -> None:
 
 
 async def test_precise_matcher_tokenises_small_prompts_inline_and_defers_big_ones() -> None:
-    from proxy.core.kv_index import BlockStored, KVIndex
+    from proxy.core.kv_index import KVIndex
     from proxy.core.request import RequestSummary
 
     index = KVIndex()

@@ -82,11 +82,11 @@ def test_no_events_are_kept_unless_asked() -> None:
 
 def test_both_encodings_lay_out_vllm_structs() -> None:
     ev = [Stored((11, 12), None, tuple(VOCAB[:8]), None), Removed((11,)), Cleared()]
-    arr = msgpack.unpackb(encode_batch(ev, 1.5, "array", 4, "m"))
+    arr = msgpack.unpackb(encode_batch(ev, 1.5, "array", 4))
     assert arr[0] == 1.5 and arr[2] == 0
     assert arr[1][0] == ["BlockStored", [11, 12], None, token_ids(" ".join(VOCAB[:8])), 4, None, "GPU", None]
     assert arr[1][1] == ["BlockRemoved", [11], "GPU"] and arr[1][2] == ["AllBlocksCleared"]
-    m = msgpack.unpackb(encode_batch([Stored((7,), 6, tuple(VOCAB[:4]), "sql")], 2.0, "map", 4, "m"))
+    m = msgpack.unpackb(encode_batch([Stored((7,), 6, tuple(VOCAB[:4]), "sql")], 2.0, "map", 4))
     assert set(m) == {"ts", "events", "data_parallel_rank"}
     e = m["events"][0]
     assert e["type"] == "BlockStored" and e["parent_block_hash"] == 6 and e["lora_name"] == "sql"

@@ -26,7 +26,7 @@ SIM_EVENTS = [Stored((11, 12), None, tuple(VOCAB[:8]), None), Stored((13,), 12, 
 
 @pytest.mark.parametrize("encoding", ["array", "map"])
 def test_both_encodings_decode_to_the_same_events(encoding: str) -> None:
-    payload = encode_batch(SIM_EVENTS, 3.25, encoding, 4, "m")  # type: ignore[arg-type]
+    payload = encode_batch(SIM_EVENTS, 3.25, encoding, 4)  # type: ignore[arg-type]
     batch = decode_message([b"topic", (7).to_bytes(8, "big"), payload])
     assert batch.seq == 7 and batch.topic == b"topic" and batch.ts == 3.25 and batch.data_parallel_rank == 0
     a, b, c, d = batch.events
@@ -61,7 +61,7 @@ def test_replay_frames_and_end_marker() -> None:
     assert encode_replay_request(5) == [b"", (5).to_bytes(8, "big")]
     with pytest.raises(ValueError):
         encode_replay_request(-1)
-    payload = encode_batch([Cleared()], 1.0, "map", 4, "m")
+    payload = encode_batch([Cleared()], 1.0, "map", 4)
     got = decode_replay([b"", (3).to_bytes(8, "big"), payload])
     assert got is not None and got.seq == 3 and got.events == (AllBlocksCleared(),)
     assert decode_replay([(3).to_bytes(8, "big"), payload]) == got  # delimiter already stripped
@@ -98,7 +98,7 @@ def test_malformed_messages_raise_a_clear_error(bad: list[bytes]) -> None:
 
 
 def test_every_truncation_of_a_real_payload_is_an_error_not_a_crash() -> None:
-    payload = encode_batch(SIM_EVENTS, 3.25, "array", 4, "m")
+    payload = encode_batch(SIM_EVENTS, 3.25, "array", 4)
     for cut in range(len(payload)):
         with pytest.raises(KVEventDecodeError):
             decode_payload(payload[:cut])
