@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Executor
@@ -37,6 +38,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 __all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points"]
+
+log = logging.getLogger(__name__)
 
 _PROBES = (
     "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
@@ -256,6 +259,7 @@ class PreciseMatcher:
         # (model, text) -> (token count, keys per block size): a repeat costs a dict lookup, not re-keying.
         self._memo: OrderedDict[tuple[str, str], tuple[int, dict[int, list[int]]]] = OrderedDict()
         self._memo_entries = memo_entries
+        self.errors = 0  # requests the lookup could not tokenise (answered None)
         self.deferred = 0  # requests answered None because their prompt was being tokenised off the loop
 
     def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
@@ -283,6 +287,14 @@ class PreciseMatcher:
         return self._chat_suffix[key]
 
     def __call__(self, req: Any) -> Any:
+        try:
+            return self._lookup(req)
+        except Exception:  # e.g. a lone surrogate the Rust tokenizer rejects: route by the learned index
+            self.errors += 1
+            log.debug("precise lookup failed; the learned index decides", exc_info=True)
+            return None
+
+    def _lookup(self, req: Any) -> Any:
         from proxy.core.kv_index import PreciseMatch
 
         sizes = self.index.block_sizes()

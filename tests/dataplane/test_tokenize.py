@@ -152,3 +152,6 @@ async def test_precise_matcher_tokenises_small_prompts_inline_and_defers_big_one
         await asyncio.sleep(0.01)
     assert matcher(big) is not None
     assert matcher(RequestSummary(prompt=text, model="unknown", endpoint="/v1/completions")) is not None  # default
+    # text the Rust tokenizer rejects (a lone surrogate from a JSON escape): no answer, never an exception
+    assert matcher(RequestSummary(prompt="ba \ud800 be", model="m", endpoint="/v1/completions")) is None
+    assert matcher.errors == 1
