@@ -121,6 +121,7 @@ class KVEventSubscriber:
         for feed in self._feeds.values():
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark: a busy loop queues, not drops
             sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
             sub.connect(feed.config.endpoint)
             self._sockets.append(sub)
