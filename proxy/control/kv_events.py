@@ -14,6 +14,10 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
   cleared (removals may have been lost, so what it holds could be wrong) and rebuilt from here on.
 - seq < expected: the publisher restarted (engine killed and started again): its cache is new, so the
   index is cleared, then filled as for a first batch.
+- a restarted engine can also number past where the old one stopped before we reconnect, so after a gap
+  or a disconnect (ZeroMQ socket monitor) the replay starts one batch early, at the last batch applied
+  here, whose payload digest must match: a different batch there means a new engine (index cleared,
+  history replayed from 0). Without a replay endpoint such a stream cannot be verified: cleared.
 - no batch for `stale_after_s`: stale (routing falls back to the learned index) until the next batch,
   which makes it fresh again if it continues the sequence. An idle engine publishes nothing, so a quiet
   backend is "unknown", never "empty".
@@ -33,10 +37,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
+import xxhash
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
+from zmq.utils.monitor import parse_monitor_message
 
 from proxy.control.telemetry_config import KVEventsEndpoint
 from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
@@ -47,6 +53,10 @@ __all__ = ["KVEventMetrics", "KVEventSubscriber"]
 _log = logging.getLogger(__name__)
 _RATE_WINDOW_S = 10.0
 _INDEXED_MEDIA = (None, "GPU")
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 class KVEventMetrics:
@@ -62,7 +72,7 @@ class KVEventMetrics:
                             ["backend"], registry=registry)
         self.replays = Counter("affinity_proxy_kv_event_replays",
                                "Replay requests to a backend's KV-event ROUTER, by outcome (complete, incomplete, "
-                               "timeout).", ["backend", "outcome"], registry=registry)
+                               "timeout, restarted).", ["backend", "outcome"], registry=registry)
         self.restarts = Counter("affinity_proxy_kv_event_restarts",
                                 "KV-event sequence resets (the engine restarted): the backend's index was cleared.",
                                 ["backend"], registry=registry)
@@ -73,6 +83,8 @@ class _Feed:
     name: str
     config: KVEventsEndpoint
     expected: int | None = None
+    last_digest: int | None = None  # xxh3 of the payload of batch expected-1
+    reconnected: bool = False  # the PUB socket disconnected since the last batch
     last_ts: float | None = None
     lag_s: float | None = None
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, events)
@@ -137,7 +149,7 @@ class KVEventSubscriber:
                 pass
         self._tasks.clear()
         for s in self._sockets:
-            s.close(linger=0)
+            s.close(linger=0)  # monitor sockets too (listed after their SUB)
         self._sockets.clear()
         if self._own_ctx:
             self._ctx.destroy(linger=0)
@@ -160,14 +172,30 @@ class KVEventSubscriber:
     # ---- one backend ----------------------------------------------------------------------------------
     async def _run(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
         name = feed.name
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.append(monitor)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             timeout_ms = None
             if self.stale_after_s > 0 and self.index.is_fresh(name):
                 timeout_ms = int(self.stale_after_s * 1000)
-            if not await sub.poll(timeout_ms):
+            ready = dict(await poller.poll(timeout_ms))
+            if not ready:
                 _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the learned index",
                           name, self.stale_after_s)
                 self.index.mark_stale(name)
+                continue
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # The engine went away (killed, restarting, network): unknown until it speaks again and
+                    # its stream is shown to continue ours.
+                    _log.info("KV events from %s: publisher disconnected: stale", name)
+                    feed.reconnected = True
+                    self.index.mark_stale(name)
+            if sub not in ready:
                 continue
             frames = await sub.recv_multipart()
             try:
@@ -176,41 +204,61 @@ class KVEventSubscriber:
                 self._decode_error(name, exc)
                 continue
             try:
-                await self.handle(feed, batch)
+                await self.handle(feed, batch, _digest(frames[2]))
             except Exception:  # a bug here must not end the subscription
                 _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
                 self.index.mark_stale(name)
 
-    async def handle(self, feed: _Feed, batch: EventBatch) -> None:
-        """Sequence logic for one live batch (replays as needed), then apply it and mark the backend fresh."""
+    async def handle(self, feed: _Feed, batch: EventBatch, digest: int | None = None) -> None:
+        """Sequence logic for one live batch (replays as needed), then apply it and mark the backend fresh.
+
+        `digest` (xxh3 of the payload) lets a later replay prove that the publisher's stream still contains
+        the last batch applied here: after a disconnect or a gap, a restarted engine can be numbering new
+        batches past where the old one stopped, which sequence numbers alone cannot tell apart.
+        """
         name, seq, expected = feed.name, batch.seq, feed.expected
+        check = feed.reconnected or (expected is not None and seq > expected)
+        feed.reconnected = False
         if expected is not None and seq < expected:
-            _log.warning("KV events from %s restarted at seq %d (expected %d): index cleared", name, seq, expected)
-            self._count(self.metrics and self.metrics.restarts, name)
-            self.index.clear(name)
-            self.index.mark_stale(name)
+            self._restarted(feed, f"sequence went back to {seq} (expected {expected})")
             expected = None
-        if expected is None:
-            if seq > 0 and feed.config.replay_endpoint:
-                await self._replay(feed, 0, seq, initial=True)
-        elif seq > expected:
-            _log.warning("KV events from %s: gap %d..%d", name, expected, seq - 1)
-            self._count(self.metrics and self.metrics.gaps, name)
+        elif expected is not None and check:
+            if seq > expected:
+                _log.warning("KV events from %s: gap %d..%d", name, expected, seq - 1)
+                self._count(self.metrics and self.metrics.gaps, name)
             self.index.mark_stale(name)
-            if feed.config.replay_endpoint:
-                await self._replay(feed, expected, seq, initial=False)  # clears the index itself if incomplete
+            if not feed.config.replay_endpoint:
+                self.index.clear(name)  # removals may be lost (or a new engine): start from scratch
             else:
-                self.index.clear(name)  # removals may be lost: start from scratch
-        self._apply(feed, batch)
+                verify = (expected - 1, feed.last_digest) if feed.last_digest is not None else None
+                start = expected - 1 if verify is not None else expected
+                outcome = await self._replay(feed, start, seq, initial=False, verify=verify)
+                if outcome == "restarted":
+                    self._restarted(feed, f"its batch {expected - 1} is not the one applied here")
+                    expected = None
+        if expected is None and seq > 0 and feed.config.replay_endpoint:
+            await self._replay(feed, 0, seq, initial=True)
+        self._apply(feed, batch, digest)
         feed.expected = seq + 1
         self.index.mark_fresh(name)
 
-    async def _replay(self, feed: _Feed, start: int, until: int, *, initial: bool) -> bool:
-        """Apply the publisher's buffered batches start..until-1; True if all of them came back."""
+    def _restarted(self, feed: _Feed, why: str) -> None:
+        _log.warning("KV events from %s: the engine restarted (%s): index cleared", feed.name, why)
+        self._count(self.metrics and self.metrics.restarts, feed.name)
+        self.index.clear(feed.name)
+        self.index.mark_stale(feed.name)
+        feed.last_digest = None
+
+    async def _replay(self, feed: _Feed, start: int, until: int, *, initial: bool,
+                      verify: tuple[int, int] | None = None) -> str:
+        """Apply the publisher's buffered batches start..until-1. With `verify` = (seq, digest) the batch
+        `seq` (== start) must come back with that digest and is not applied again; a different one means a
+        new publisher ("restarted": nothing applied). Outcomes: complete, incomplete, timeout, restarted; an
+        incomplete or timed-out gap replay clears the index (what was lost may have removed blocks)."""
         name = feed.name
         endpoint = feed.config.replay_endpoint
         assert endpoint is not None
-        got: list[EventBatch] = []
+        got: dict[int, tuple[EventBatch, int]] = {}
         outcome = "timeout"
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -232,28 +280,34 @@ class KVEventSubscriber:
                     outcome = "complete"
                     break
                 if start <= batch.seq < until:
-                    got.append(batch)
+                    got[batch.seq] = (batch, _digest(frames[-1]))
         finally:
             dealer.close(linger=0)
-        got.sort(key=lambda b: b.seq)
-        seqs = [b.seq for b in got]
-        complete = outcome == "complete" and seqs == list(range(start, until))
-        if outcome == "complete" and not complete:
+        first = start
+        if verify is not None and outcome == "complete":
+            mine = got.pop(verify[0], None)
+            if mine is None:
+                outcome = "incomplete"  # rolled out of its buffer: continuity cannot be shown
+            elif mine[1] != verify[1]:
+                outcome = "restarted"
+            first = verify[0] + 1
+        if outcome == "complete" and sorted(got) != list(range(first, until)):
             outcome = "incomplete"
         self._count(self.metrics and self.metrics.replays, name, outcome)
-        if not complete and not initial:
+        _log.info("KV events from %s: replay %d..%d %s (%d batches)", name, start, until - 1, outcome, len(got))
+        if outcome == "restarted":
+            return outcome
+        if outcome != "complete" and not initial:
             # Something between start and until is lost for good (removals included): start from scratch.
             self.index.clear(name)
-        previous = None
-        for b in got:
-            if b.seq != previous:
-                self._apply(feed, b)
-                previous = b.seq
-        _log.info("KV events from %s: replay %d..%d %s (%d batches)", name, start, until - 1, outcome, len(got))
-        return complete
+        for seq in sorted(got):
+            batch, digest = got[seq]
+            self._apply(feed, batch, digest)
+        return outcome
 
-    def _apply(self, feed: _Feed, batch: EventBatch) -> None:
+    def _apply(self, feed: _Feed, batch: EventBatch, digest: int | None) -> None:
         name = feed.name
+        feed.last_digest = digest
         applied = 0
         for ev in batch.events:
             if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium not in _INDEXED_MEDIA:

@@ -247,3 +247,33 @@ async def test_build_precise_routing_from_the_config(tmp_path) -> None:
         build_precise_routing(parse_config(base + (kv % TOKENIZER_DIR).replace("a: {", "b: {")))
     with pytest.raises(TokenizerError):
         build_precise_routing(parse_config(base + kv % tmp_path))
+
+
+async def test_a_restarted_engine_numbering_past_ours_is_caught_by_the_digest(rig) -> None:
+    """The new engine has published past our sequence before the SUB reconnects (ZeroMQ waits 100 ms to
+    reconnect): the first batch we see looks like a gap, and only the replayed payload of our last batch,
+    which differs, shows that this is another stream."""
+    r = rig()
+    r.pub.start()
+    await r.sub.start()
+    await r.connected()
+    r.pub.publish(_chain(3))
+    await _until(lambda: r.index.num_blocks("b0") == 3)
+    await r.pub.stop()
+    r.pub = r.new_publisher()
+    for _ in range(50):
+        try:
+            r.pub.start()
+            break
+        except zmq.ZMQError:
+            await r.pub.stop()
+            await asyncio.sleep(0.05)
+    for _ in range(3):
+        r.pub.publish([_stored(0)])  # seq 0..2, before the SUB is back
+    for _ in range(50):
+        await asyncio.sleep(0.1)
+        if r.metric("affinity_proxy_kv_event_restarts_total"):
+            break
+        r.pub.publish([_stored(0)])
+    await _until(lambda: r.metric("affinity_proxy_kv_event_restarts_total") == 1 and r.index.is_fresh("b0"))
+    assert r.index.num_blocks("b0") == 1 and r.index.match(_prompt(3), MODEL) == {"b0": 4}

@@ -20,6 +20,7 @@ import pytest
 
 from proxy.app import AffinityProxy
 from proxy.config import parse_config
+from proxy.core.request import RequestSummary
 from sim.fleet import Fleet, start_fleet
 from sim.kv_events import KVEventsConfig
 from sim.tokenizer import LOADTEST_WORDS, TOKENIZER_DIR, token_ids
@@ -161,6 +162,8 @@ async def test_a_gap_is_replayed_and_the_index_restored(fleet: Fleet, replicas: 
 async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fleet, replicas: list[Replica]) -> None:
     rep = replicas[0]
     async with aiohttp.ClientSession() as s:
+        await _direct(s, fleet, 0, _words(5, 64))  # a publishing backend is fresh: the lookup answers
+        await _until(lambda: rep.index.is_fresh("sim-0"))
         for seed in range(200):
             p = _words(1000 + seed, 64)
             backend, _ = await rep.complete(s, p)
@@ -169,7 +172,8 @@ async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fl
         else:
             raise AssertionError("no prompt hashed to the quiet backend")
         assert rep.index.state(QUIET) == "stale"
-        assert rep.matcher(type("R", (), {"prompt": p, "model": rep.model, "adapter": None, "endpoint": "/v1/completions"})()).cached.get(QUIET) is None
+        answer = rep.matcher(RequestSummary(prompt=p, model=rep.model, endpoint="/v1/completions"))
+        assert answer is not None and QUIET not in answer.cached  # stale: no answer for it, not "empty"
         for _ in range(3):  # repeats: the learned index keeps it where it was computed
             backend, cached = await rep.complete(s, p)
             assert backend == QUIET and cached > 0
@@ -224,3 +228,41 @@ async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_pat
         assert served_by == set(workers)
     finally:
         await proxy.terminate()
+
+
+async def test_killing_and_restarting_a_backend_clears_its_index(fleet: Fleet, replicas: list[Replica]) -> None:
+    from sim.backend import SimBackend
+    from sim.fleet import SimServer
+
+    rep = replicas[0]
+    old = fleet.servers[2]
+    pub = old.backend.kv_publisher
+    assert pub is not None and pub.endpoint and pub.replay_endpoint
+    async with aiohttp.ClientSession() as s:
+        held = _words(77, 320)
+        await _direct(s, fleet, 2, held)
+        await _until(lambda: _cached_on(rep, held, "sim-2") >= 304)
+        await old.stop()  # killed ...
+        cfg = KVEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, encoding=pub.config.encoding)
+        new = None
+        for _ in range(100):  # ... and started again on the same ports (freed asynchronously)
+            backend = SimBackend(old.backend.profile, name="sim-2", seed=2, kv_events=cfg)
+            candidate = SimServer(backend, host=old.host, port=old.port, grpc_port=None, flavor=old.flavor, fleet=fleet)
+            try:
+                await candidate.start()
+                new = candidate
+                break
+            except Exception:
+                await candidate.stop()
+                await asyncio.sleep(0.05)
+        assert new is not None
+        fleet.servers[2] = new
+        for n in range(50):  # the subscriber reconnects by itself; the restart shows as a sequence reset
+            if rep.registry.get_sample_value("affinity_proxy_kv_event_restarts_total", {"backend": "sim-2"}):
+                break
+            await _direct(s, fleet, 2, _words(3000 + n, 40))
+            await asyncio.sleep(0.1)
+        await _until(lambda: rep.index.is_fresh("sim-2"))
+    assert rep.registry.get_sample_value("affinity_proxy_kv_event_restarts_total", {"backend": "sim-2"}) == 1
+    assert _cached_on(rep, held, "sim-2") == 0  # the old engine's blocks are gone from the index
+    assert rep.index.num_blocks("sim-2") > 0  # and the new engine's are there
