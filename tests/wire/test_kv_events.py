@@ -57,6 +57,13 @@ def test_older_and_newer_layouts() -> None:
     assert [type(e).__name__ for e in batch.events] == ["BlockStored"] and batch.unknown == 1
 
 
+def test_a_positional_batch_of_tagged_map_events_decodes() -> None:
+    """Some releases made EventBatch array_like while the events were already tagged maps."""
+    mixed = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}], 2])
+    batch = decode_payload(mixed)
+    assert batch.events == (BlockRemoved((9,), "GPU"),) and batch.data_parallel_rank == 2
+
+
 def test_replay_frames_and_end_marker() -> None:
     assert encode_replay_request(5) == [b"", (5).to_bytes(8, "big")]
     with pytest.raises(ValueError):
