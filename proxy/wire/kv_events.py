@@ -15,6 +15,7 @@ What vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py) sends, and `sim/
   * tagged maps (vLLM main): batch `{"ts", "events", "data_parallel_rank"?}`, events `{"type":
     "BlockStored", "block_hashes": ..., ...}` with the same field names; unknown keys are ignored.
   Block hashes are ints (64-bit hash algorithms) or bytes (sha256); both are kept as they are.
+  `extra_keys` (per block: multimodal ids, cache salt, LoRA name) is passed on when some entry is not nil.
 
 Events of other KV-cache groups than the first (`group_idx` > 0: the sliding-window layers of a hybrid
 model) are dropped: their blocks do not decide prefix reuse of the full-attention layers. Event types this
@@ -204,8 +205,12 @@ def _event(raw: Any) -> KVEvent | None:
             raise KVEventDecodeError(f"block_size must be a positive integer, got {size!r}")
         if len(ids) != len(hashes) * size:
             raise KVEventDecodeError(f"{len(ids)} token ids for {len(hashes)} blocks of {size} tokens")
+        extra = f.get("extra_keys")
+        if extra is not None and not isinstance(extra, list):
+            raise KVEventDecodeError(f"extra_keys must be an array or nil, got {type(extra).__name__}")
         return BlockStored(hashes, parent, tuple(ids), size, _opt(f.get("lora_id"), int, "lora_id"),
-                           _opt(f.get("medium"), str, "medium"), _opt(f.get("lora_name"), str, "lora_name"))
+                           _opt(f.get("medium"), str, "medium"), _opt(f.get("lora_name"), str, "lora_name"),
+                           tuple(extra) if extra and any(e is not None for e in extra) else None)
     if kind == "BlockRemoved":
         f = _fields(raw, _REMOVED, 1)
         if _opt(f.get("group_idx"), int, "group_idx"):

@@ -95,6 +95,18 @@ def test_lora_blocks_are_keyed_by_the_adapter_name() -> None:
     assert index.match(_ids(4), MODEL) == {"b0": 0} and index.num_blocks("b0") == 2
 
 
+def test_blocks_hashed_with_extra_inputs_never_match_plain_token_ids() -> None:
+    index = _fresh("b0")
+    # block 0: plain; block 1: an image's placeholder tokens (mm hash in extra_keys); block 2: after it
+    index.apply("b0", BlockStored((1, 2, 3), None, tuple(_ids(12)), BS, extra_keys=(None, (("img", 0),), None)))
+    assert index.match(_ids(12), MODEL) == {"b0": 4} and index.num_blocks("b0") == 3
+    index.apply("b0", BlockStored((4,), 3, tuple(_ids(4, 12)), BS))  # a child of the image chain
+    assert index.match(_ids(16), MODEL) == {"b0": 4}
+    # a LoRA name alone is no extra input: the seed carries it
+    index.apply("b0", BlockStored((5,), None, tuple(_ids(4, 50)), BS, lora_name="sql", extra_keys=(["sql"],)))
+    assert index.match(_ids(4, 50), "sql") == {"b0": 4}
+
+
 def test_unknown_parent_is_an_orphan_and_never_over_reports() -> None:
     index = _fresh("b0")
     assert index.stored("b0", (7,), 6, _ids(4, 4), BS) == 0

@@ -55,6 +55,9 @@ def test_older_and_newer_layouts() -> None:
     ]})
     batch = decode_payload(new)
     assert [type(e).__name__ for e in batch.events] == ["BlockStored"] and batch.unknown == 1
+    assert batch.events[0].extra_keys is None  # [None]: nothing extra
+    salted = msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 2, None, "GPU", None, [["salt"]]]]])
+    assert decode_payload(salted).events[0].extra_keys == (["salt"],)
 
 
 def test_a_positional_batch_of_tagged_map_events_decodes() -> None:
