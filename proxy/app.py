@@ -37,11 +37,11 @@ from aiohttp import web
 
 from proxy.admin import build_admin_app
 from proxy.config import Config
+from proxy.control.kv_events import build_precise_routing
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
-from proxy.control.kv_events import build_precise_routing
 from proxy.core.policies import build_policy
 from proxy.core.snapshot import Snapshot
 from proxy.dataplane.router import Router
