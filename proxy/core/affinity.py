@@ -333,7 +333,12 @@ class AffinityPolicy:
             share = min(1.0, (req.key_prefix_chars + 1) / len(req.prompt))  # past the first user turn
         else:
             share = a.min_prefix_ratio
-        need = max(1.0, a.min_prefix_blocks * self._block_tokens, share * found.prompt_tokens)
+        point = share * found.prompt_tokens
+        if found.block_size > 0:
+            # Engines cache whole blocks only: the block holding the end of the first user turn may not be
+            # full yet, so reaching its start is enough (it already differs from other conversations).
+            point = (point // found.block_size) * found.block_size
+        need = max(1.0, a.min_prefix_blocks * self._block_tokens, point)
         best_i, best_t, best_s = -1, 0, -1.0
         cached = found.cached
         for i, name in enumerate(ring.names):

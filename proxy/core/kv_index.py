@@ -116,6 +116,9 @@ class PreciseMatch:
 
     prompt_tokens: int
     cached: Mapping[str, int]
+    # The engines' block size: a prefix is cached in whole blocks only, so a match may stop up to one
+    # block short of any point in the prompt (0: unknown).
+    block_size: int = 0
 
 
 def chain_seed(model: str) -> int:

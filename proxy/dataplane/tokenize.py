@@ -229,10 +229,10 @@ class PreciseMatcher:
     It runs inside `pick`, on the event loop, so it never tokenises much there: a prompt whose uncached
     part exceeds the tokenizer's `offload_chars` is handed to the executor to warm the chunk cache and
     answered None this time (the learned index decides; the next sighting, or the continuation, is
-    precise). Chat requests: the summary carries the flattened messages (`role\\ncontent\\n` per message,
-    proxy/core/request.py), which is what the engine tokenises only when the model's chat template renders
-    that same form (the simulator's does; checked once per tokenizer, plus the generation prompt it
-    appends); for other templates chat requests get None until the summary carries the messages.
+    precise). Chat requests are rendered from `RequestSummary.messages` with the model's chat template,
+    as the engine does; a summary without messages (gRPC extractors) falls back to its flattened prompt
+    (`role\\ncontent\\n` per message) when the template renders that same form (the simulator's does:
+    checked once per tokenizer), else gets None.
     """
 
     def __init__(
@@ -305,17 +305,21 @@ class PreciseMatcher:
             return None
         text = req.prompt
         if req.endpoint.endswith("/chat/completions"):
-            suffix = self._suffix(tok)
-            if suffix is None:
-                return None
-            text += suffix
+            messages = getattr(req, "messages", None)
+            if messages and tok.has_chat_template:
+                text = tok.render_chat(messages)  # what the engine tokenises (add_generation_prompt: vLLM's default)
+            else:
+                suffix = self._suffix(tok)
+                if suffix is None:
+                    return None
+                text += suffix
         model = req.adapter or req.model or self.default_model or ""
         memo = self._memo
         hit = memo.get((model, text))
         if hit is not None and sizes <= hit[1].keys():
             memo.move_to_end((model, text))
             n, keys = hit
-            return PreciseMatch(n, self.index.match((), model, keys))
+            return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
         if tok.uncached_chars(text) > tok.offload_chars:
             self._warm(tok, text)
             self.deferred += 1
@@ -326,7 +330,7 @@ class PreciseMatcher:
         memo[(model, text)] = (len(ids), keys)
         if len(memo) > self._memo_entries:
             memo.popitem(last=False)
-        return PreciseMatch(len(ids), self.index.match(ids, model, keys))
+        return PreciseMatch(len(ids), self.index.match(ids, model, keys), max(sizes))
 
     def _warm(self, tok: ModelTokenizer, text: str) -> None:
         """Tokenise `text` in the executor so that its next sighting finds every chunk cached."""

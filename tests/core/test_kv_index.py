@@ -245,3 +245,6 @@ def test_a_short_or_absent_kv_match_falls_through_to_the_learned_steps() -> None
     other = next(b.name for b in snap.backends if b.name != home)
     assert _policy_with(PreciseMatch(310, {other: 290})).pick(req, snap, {}).backend == home
     assert _policy_with(PreciseMatch(310, {other: 310})).pick(req, snap, {}).backend == other
+    # in whole engine blocks: reaching the start of the block that ends the first turn is enough
+    assert _policy_with(PreciseMatch(310, {other: 288}, block_size=16)).pick(req, snap, {}).backend == home
+    assert _policy_with(PreciseMatch(310, {other: 304}, block_size=16)).pick(req, snap, {}).backend == other

@@ -10,6 +10,7 @@ import threading
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
+from proxy.core.request import RequestSummary
 from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher, TokenizerError, cut_points
 from sim.server import SimHttpApp
 from sim.tokenizer import LOADTEST_WORDS, ROLE_TOKENS, TOKENIZER_DIR, token_ids
@@ -143,7 +144,13 @@ async def test_precise_matcher_tokenises_small_prompts_inline_and_defers_big_one
     got = matcher(req)
     assert got is not None and got.prompt_tokens == len(ids) and got.cached == {"b0": 32}
     chat_req = RequestSummary(prompt="user\n" + text + "\n", model="m", endpoint="/v1/chat/completions")
-    assert matcher(chat_req).prompt_tokens == len(ids) + 2  # role + generation prompt
+    assert matcher(chat_req).prompt_tokens == len(ids) + 2  # no messages: flattened + generation prompt
+    from proxy.core.request import summary_from_openai
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": text}]}, {"role": "assistant", "content": "ba"}]
+    chat_msgs = summary_from_openai("/v1/chat/completions", {"model": "m", "messages": msgs})
+    assert chat_msgs.messages == tuple(msgs)
+    assert matcher(chat_msgs).prompt_tokens == len(token_ids(SimHttpApp._chat_prompt({"messages": msgs})))
     big = RequestSummary(prompt=_text(random.Random(5), 3000), model="m", endpoint="/v1/completions")
     assert matcher(big) is None and matcher.deferred == 1  # tokenised in the executor meanwhile
     for _ in range(200):
@@ -155,3 +162,21 @@ async def test_precise_matcher_tokenises_small_prompts_inline_and_defers_big_one
     # text the Rust tokenizer rejects (a lone surrogate from a JSON escape): no answer, never an exception
     assert matcher(RequestSummary(prompt="ba \ud800 be", model="m", endpoint="/v1/completions")) is None
     assert matcher.errors == 1
+
+
+def test_chat_requests_are_rendered_with_the_models_own_template() -> None:
+    from proxy.core.kv_index import KVIndex
+    from proxy.core.request import summary_from_openai
+
+    raw = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    template = "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    tok = ModelTokenizer(raw, {"chat_template": template})
+    index = KVIndex()
+    index.track("b0", model="m")
+    index.mark_fresh("b0")
+    index.stored("b0", (1,), None, list(range(16)), 16)
+    matcher = PreciseMatcher(index, {"m": tok})
+    req = summary_from_openai("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "ba be"}]})
+    assert matcher(req).prompt_tokens == len("<s> user ba be </s>".split())
+    # without the messages (a gRPC extractor's summary) this template cannot be reproduced: no answer
+    assert matcher(RequestSummary(prompt=req.prompt, model="m", endpoint="/v1/chat/completions")) is None

@@ -266,3 +266,24 @@ async def test_killing_and_restarting_a_backend_clears_its_index(fleet: Fleet, r
     assert rep.registry.get_sample_value("affinity_proxy_kv_event_restarts_total", {"backend": "sim-2"}) == 1
     assert _cached_on(rep, held, "sim-2") == 0  # the old engine's blocks are gone from the index
     assert rep.index.num_blocks("sim-2") > 0  # and the new engine's are there
+
+
+async def test_a_chats_next_turn_follows_the_engine_that_served_its_first(fleet: Fleet, replicas: list[Replica]) -> None:
+    rep = replicas[1]
+    system = {"role": "system", "content": _words(41, 200)}
+    async with aiohttp.ClientSession() as s:
+        homes = {}
+        for i in range(3):
+            first = [system, {"role": "user", "content": _words(50 + i, 200)}]
+            async with s.post(fleet.servers[i].url + "/v1/chat/completions",
+                              json={"messages": first, "max_tokens": 3, "ignore_eos": True}) as resp:
+                assert resp.status == 200
+                reply = (await resp.json())["choices"][0]["message"]["content"]
+            homes[i] = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": _words(60 + i, 30)}]
+        await _until(lambda: all(rep.index.num_blocks(f"sim-{i}") >= 25 for i in range(3)))
+        for i, messages in homes.items():
+            body = {"model": rep.model, "messages": messages, "max_tokens": 1}
+            async with s.post(rep.proxy.http_url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-affinity-backend"] == f"sim-{i}"
+                assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400
