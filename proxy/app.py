@@ -43,6 +43,7 @@ from aiohttp import web
 from proxy.admin import build_admin_app
 from proxy.config import Config
 from proxy.control.checks import HealthMonitor
+from proxy.control.kv_events import build_precise_routing
 from proxy.control.membership import close_idle_connections
 from proxy.control.poller import Poller
 from proxy.control.resilience_metrics import ResilienceMetrics
@@ -52,6 +53,7 @@ from proxy.core.decision import Policy
 from proxy.core.decision import Outcome
 from proxy.core.inflight import InflightTable
 from proxy.core.registry import build_policy
+from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
@@ -104,6 +106,8 @@ class AffinityProxy:
         self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
         # A worker of --workers N passes its row of the host-wide table (proxy/multiproc/shared_load.py).
         self.inflight = inflight if inflight is not None else InflightTable()
+        # Precise routing on the engines' KV events (telemetry.kv_events): every routing process holds the index.
+        self.precise = build_precise_routing(config) if role != "control" else None
         self.metrics = ProxyMetrics()
         self.metrics.watch(self.store, self.inflight)
         self.admin_token = config.admin.resolved_token()
@@ -158,12 +162,17 @@ class AffinityProxy:
         # Resilience's data-plane pieces go into the router: saturation thresholds, panic routing, the
         # overload queue and the passive outlier reports (proxy/resilience.py owns them on reload).
         resilience_metrics = ResilienceMetrics(self.metrics.registry)
+        matcher = self.precise.matcher if self.precise is not None else None
+
+        def make_policy(routing: RoutingConfig) -> Policy:  # at start and on every reload
+            return build_policy(routing, precise=matcher)
+
         monitor = HealthMonitor(self.store, config.health_checks, config.outlier_detection, metrics=resilience_metrics)
         queue = AdmissionQueue(config.overload, resilience_metrics)
         if on_outcome is None and self.role == "all":
             on_outcome = monitor.report
         self.router = Router(
-            self.store, policy if policy is not None else build_policy(config.routing), self.inflight, self.metrics,
+            self.store, policy if policy is not None else make_policy(config.routing), self.inflight, self.metrics,
             max_inflight_total=config.limits.max_inflight_total,
             overload=config.overload if data else None,
             panic=panic_view(config.overload, monitor) if data else None,
@@ -174,7 +183,7 @@ class AffinityProxy:
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
         self.resilience = Resilience(
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
-            metrics=resilience_metrics, build_policy=build_policy, close_idle=self._close_idle,
+            metrics=resilience_metrics, build_policy=make_policy, close_idle=self._close_idle,
             control=control, data=data, admin_app=self.admin_app if control else None,
             admin_token=self.admin_token, config_path=self.config_path,
         )
@@ -198,6 +207,8 @@ class AffinityProxy:
                 reuse_port=self.reuse_port,
             )
             self.add_service(self.grpc, data_plane=True)
+        if self.precise is not None:  # KV-event subscriber: a data-plane service, one per routing process
+            self.add_service(self.precise.subscriber(self.metrics.registry), data_plane=True)
         self.add_service(self.resilience, data_plane=self.role == "data")
 
     async def _close_idle(self, spec: BackendSpec) -> None:

@@ -4,6 +4,10 @@ One decision, in order:
 
 1. **Session** — with `session_affinity` on and a session key on the request, the key is placed by
    rendezvous hashing (reason SESSION); the learned indexes are not consulted.
+1b. **KV hit** (only with a `precise` lookup, i.e. `telemetry.kv_events`) — the backend whose engine
+   reports (KV-cache events, `proxy/core/kv_index.py`) the longest cached prefix of the prompt, if it is
+   long enough by the same rule as a prefix hit (step 3, in tokens); reason PREFIX_HIT. Only backends whose
+   event stream is fresh answer; with no such hit the learned steps below decide as before.
 2. **Exact hit** — the request's exact fingerprint was routed recently: its backend (EXACT_HIT).
 3. **Prefix hit** — the backend whose prefix index holds the longest run of the prompt's leading block
    hashes, if the run is long enough: at least `min_prefix_blocks`, and covering the first user turn (chat)
@@ -58,13 +62,14 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
 from proxy.core.eligibility import eligible
 from proxy.core.fingerprint import Fingerprinter
+from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
@@ -77,6 +82,9 @@ _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
 _BACKEND_DOMAIN = b"affinity-proxy/backend/v1\xff"
 _TWO_POW_M64 = 2.0**-64
 _NO_INFLIGHT = Inflight()
+
+# What the engines' KV events say about a request (None: no answer, e.g. not tokenised yet).
+PreciseLookup = Callable[[RequestSummary], Optional[PreciseMatch]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -137,8 +145,9 @@ def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[s
 class AffinityPolicy:
     name = "affinity"
 
-    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+    def __init__(self, cfg: RoutingConfig = RoutingConfig(), *, precise: PreciseLookup | None = None) -> None:
         self._cfg = cfg
+        self._precise = precise
         a = cfg.affinity
         self._a = a
         self._fp = Fingerprinter(a)
@@ -243,7 +252,11 @@ class AffinityPolicy:
             exact = self._exact.get(keys.fingerprint)
             scores = ring.scores(keys.hash_key)
             top = self._top(scores)
-            if exact is not None and exact in ring.members:
+            kv_hit = self._kv_hit(req, keys.structured, len(keys.data), ring, scores) if self._precise else None
+            if kv_hit is not None:
+                primary, matched = kv_hit
+                reason = Reason.PREFIX_HIT
+            elif exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
                 blocks = self._fp.blocks(keys)
@@ -299,6 +312,38 @@ class AffinityPolicy:
             if idx is not None and chain:
                 idx.add(chain)
         return Decision(chosen, reason, self.name, max(matched, 0))
+
+    def _kv_hit(
+        self, req: RequestSummary, structured: bool, prompt_bytes: int, ring: _Ring, scores: list[float]
+    ) -> tuple[str, int] | None:
+        """Step 1b: the ring member whose engine holds the longest long-enough prefix, as (name, matched
+        in learned-block units, as the cost check counts), or None."""
+        assert self._precise is not None
+        found = self._precise(req)
+        if found is None or not found.cached or found.prompt_tokens <= 0:
+            return None
+        a = self._a
+        if structured and req.key_prefix_chars is not None and req.prompt:
+            share = min(1.0, (req.key_prefix_chars + 1) / len(req.prompt))  # past the first user turn
+        else:
+            share = a.min_prefix_ratio
+        point = share * found.prompt_tokens
+        if found.block_size > 0:
+            # Engines cache whole blocks only: the block holding the end of the first user turn may not be
+            # full yet, so reaching its start is enough (it already differs from other conversations).
+            point = (point // found.block_size) * found.block_size
+        need = max(1.0, a.min_prefix_blocks * self._block_tokens, point)
+        best_i, best_t, best_s = -1, 0, -1.0
+        cached = found.cached
+        for i, name in enumerate(ring.names):
+            t = cached.get(name, 0)
+            if t >= need and (t > best_t or (t == best_t and scores[i] > best_s)):
+                best_i, best_t, best_s = i, t, scores[i]
+        if best_i < 0:
+            return None
+        # The share of the prompt cached there, in the learned index's blocks of `block_bytes` bytes.
+        blocks = best_t / found.prompt_tokens * prompt_bytes / a.block_bytes
+        return ring.names[best_i], max(1, int(blocks))
 
     # ------------------------------------------------------------------------------------ bounded load
 

@@ -9,26 +9,28 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Mapping
 
-from proxy.core.affinity import AffinityPolicy
+from proxy.core.affinity import AffinityPolicy, PreciseLookup
 from proxy.core.decision import Policy
 from proxy.core.policies import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin, WeightedRoundRobin
 from proxy.core.routing_config import RoutingConfig
 
 __all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
 
-# (routing config, instance) -> a fresh policy with its own state. `instance` (e.g. the worker process
-# index) gives the policies that draw random numbers their own seeded stream per worker; the others
+# (routing config, instance, precise) -> a fresh policy with its own state. `instance` (e.g. the worker
+# process index) gives the policies that draw random numbers their own seeded stream per worker; the others
 # ignore it, and so does the affinity mapping, which is the same in every worker and replica by design.
-PolicyFactory = Callable[[RoutingConfig, int], Policy]
+# `precise` is the KV-event lookup (proxy/control/kv_events.py), None without telemetry.kv_events; only the
+# policies that read a cache view take it.
+PolicyFactory = Callable[[RoutingConfig, int, "PreciseLookup | None"], Policy]
 
 POLICIES: Mapping[str, PolicyFactory] = {
-    AffinityPolicy.name: lambda cfg, instance: AffinityPolicy(cfg),
-    RoundRobin.name: lambda cfg, instance: RoundRobin(cfg),
-    WeightedRoundRobin.name: lambda cfg, instance: WeightedRoundRobin(cfg),
-    LeastRequest.name: lambda cfg, instance: LeastRequest(cfg),
-    RandomPolicy.name: RandomPolicy,
-    PowerOfTwo.name: PowerOfTwo,
-    LeastLoad.name: lambda cfg, instance: LeastLoad(cfg),
+    AffinityPolicy.name: lambda cfg, instance, precise: AffinityPolicy(cfg, precise=precise),
+    RoundRobin.name: lambda cfg, instance, precise: RoundRobin(cfg),
+    WeightedRoundRobin.name: lambda cfg, instance, precise: WeightedRoundRobin(cfg),
+    LeastRequest.name: lambda cfg, instance, precise: LeastRequest(cfg),
+    RandomPolicy.name: lambda cfg, instance, precise: RandomPolicy(cfg, instance),
+    PowerOfTwo.name: lambda cfg, instance, precise: PowerOfTwo(cfg, instance),
+    LeastLoad.name: lambda cfg, instance, precise: LeastLoad(cfg),
 }
 
 
@@ -41,9 +43,9 @@ def policy_name_error(name: str) -> str | None:
     return f"must be one of {', '.join(POLICIES)}, not {name!r}{hint}"
 
 
-def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
+def build_policy(cfg: RoutingConfig, *, instance: int = 0, precise: PreciseLookup | None = None) -> Policy:
     """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state)."""
     factory = POLICIES.get(cfg.policy)
     if factory is None:
         raise ValueError(f"policy: {policy_name_error(cfg.policy)}")
-    return factory(cfg, instance)
+    return factory(cfg, instance, precise)

@@ -8,7 +8,7 @@ arrived as OpenAI JSON or as a KServe v2 tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # A word-count heuristic would under-count code and CJK; 4 bytes per token is the usual rule of thumb for
@@ -47,6 +47,9 @@ class RequestSummary:
     # keys on it so a conversation's turns share a backend while conversations that only share a system
     # prompt spread (see proxy/core/fingerprint.py). None: no structure, the core decides.
     key_prefix_chars: int | None = None
+    # Chat requests: the messages as sent, for the precise KV index, which renders them with the model's own
+    # chat template (proxy/dataplane/tokenize.py). Not part of equality: `prompt` already is.
+    messages: tuple[Any, ...] | None = field(default=None, compare=False)
 
     @property
     def prompt_bytes(self) -> bytes:
@@ -183,4 +186,5 @@ def summary_from_openai(
         prompt_tokens_est=estimate_tokens(prompt),
         endpoint=endpoint,
         key_prefix_chars=key_prefix_chars,
+        messages=tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
     )
