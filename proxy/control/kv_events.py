@@ -35,7 +35,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import xxhash
 import zmq
@@ -45,8 +45,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from zmq.utils.monitor import parse_monitor_message
 
 from proxy.control.telemetry_config import KVEventsEndpoint
+from proxy.core.affinity import PreciseLookup
 from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
 from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message, decode_replay, encode_replay_request
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 __all__ = ["KVEventMetrics", "KVEventSubscriber"]
 
@@ -225,7 +229,7 @@ class KVEventSubscriber:
         elif expected is not None and check:
             if seq > expected:
                 _log.warning("KV events from %s: gap %d..%d", name, expected, seq - 1)
-                self._count(self.metrics and self.metrics.gaps, name)
+                self._count(self.metrics.gaps if self.metrics else None, name)
             self.index.mark_stale(name)
             if not feed.config.replay_endpoint:
                 self.index.clear(name)  # removals may be lost (or a new engine): start from scratch
@@ -244,7 +248,7 @@ class KVEventSubscriber:
 
     def _restarted(self, feed: _Feed, why: str) -> None:
         _log.warning("KV events from %s: the engine restarted (%s): index cleared", feed.name, why)
-        self._count(self.metrics and self.metrics.restarts, feed.name)
+        self._count(self.metrics.restarts if self.metrics else None, feed.name)
         self.index.clear(feed.name)
         self.index.mark_stale(feed.name)
         feed.last_digest = None
@@ -293,7 +297,7 @@ class KVEventSubscriber:
             first = verify[0] + 1
         if outcome == "complete" and sorted(got) != list(range(first, until)):
             outcome = "incomplete"
-        self._count(self.metrics and self.metrics.replays, name, outcome)
+        self._count(self.metrics.replays if self.metrics else None, name, outcome)
         _log.info("KV events from %s: replay %d..%d %s (%d batches)", name, start, until - 1, outcome, len(got))
         if outcome == "restarted":
             return outcome
@@ -330,7 +334,7 @@ class KVEventSubscriber:
 
     def _decode_error(self, name: str, exc: Exception) -> None:
         _log.warning("KV events from %s: %s", name, exc)
-        self._count(self.metrics and self.metrics.decode_errors, name)
+        self._count(self.metrics.decode_errors if self.metrics else None, name)
 
     @staticmethod
     def _count(counter: Counter | None, *labels: str) -> None:
@@ -378,7 +382,7 @@ class PreciseRouting:
     (built once the process has its metrics registry) the subscriber that keeps the index in step."""
 
     index: KVIndex
-    matcher: object  # proxy.dataplane.tokenize.PreciseMatcher: AffinityPolicy(cfg, precise=matcher)
+    matcher: PreciseLookup  # proxy.dataplane.tokenize.PreciseMatcher: AffinityPolicy(cfg, precise=matcher)
     endpoints: Mapping[str, KVEventsEndpoint]
     models: Mapping[str, str]
     stale_after_s: float
@@ -389,15 +393,15 @@ class PreciseRouting:
                                  stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
 
 
-def build_precise_routing(config: object) -> PreciseRouting | None:
+def build_precise_routing(config: Config) -> PreciseRouting | None:
     """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
     tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
     from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
 
-    ke = config.telemetry.kv_events  # type: ignore[attr-defined]
+    ke = config.telemetry.kv_events
     if not ke.enabled:
         return None
-    backend_models = {b.name: b.models[0] for b in config.backends if b.models}  # type: ignore[attr-defined]
+    backend_models = {b.name: b.models[0] for b in config.backends if b.models}
     models: dict[str, str] = {}
     for name, ep in ke.backends.items():
         model = ep.model or backend_models.get(name)

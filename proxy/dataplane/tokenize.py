@@ -24,6 +24,7 @@ Cost, and how it is kept off the request path:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -343,7 +344,12 @@ class PreciseMatcher:
             return
         self._warming.add(key)
         fut = loop.run_in_executor(self._executor, tok.encode, text)
-        fut.add_done_callback(lambda f: (self._warming.discard(key), f.cancelled() or f.exception()))
+        def done(f: asyncio.Future[Any]) -> None:
+            self._warming.discard(key)
+            if not f.cancelled():
+                f.exception()  # retrieved, so a failed warm-up is not logged as never retrieved
+
+        fut.add_done_callback(done)
 
 
 def _bench(argv: Sequence[str] | None = None) -> None:
@@ -379,7 +385,7 @@ def _bench(argv: Sequence[str] | None = None) -> None:
             # a repeat arrives as a new str (parsed from a new body): its hash is computed afresh
             again = [RequestSummary(prompt=text[:-1] + text[-1:], model="m", endpoint="/v1/completions")
                      for _ in range(20)]
-            repeats.append(min(timeit.timeit(lambda r=r: m(r), number=1) for r in again))
+            repeats.append(min(timeit.timeit(functools.partial(m, r), number=1) for r in again))
             longer = RequestSummary(prompt=text + " " + " ".join(LOADTEST_WORDS[:200]), model="m",
                                     endpoint="/v1/completions")
             cont.append(timeit.timeit(lambda: m(longer), number=1))

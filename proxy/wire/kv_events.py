@@ -76,7 +76,7 @@ def _seq(frame: bytes) -> int:
 
 def _len(frame: object) -> str:
     try:
-        return f"{len(frame)} bytes"  # type: ignore[arg-type]
+        return f"{len(frame)} bytes"  # type: ignore[arg-type]  # any sized frame; the except handles the rest
     except TypeError:
         return type(frame).__name__
 
@@ -135,12 +135,16 @@ def decode_payload(payload: bytes, *, seq: int = 0, topic: bytes = b"") -> Event
             raise KVEventDecodeError(f"events[{i}]: {exc}") from None
         if ev is None:
             unknown += 1
-        elif ev is not _SKIP:
-            out.append(ev)  # type: ignore[arg-type]
+        elif not isinstance(ev, _Skip):
+            out.append(ev)
     return EventBatch(seq, float(ts), tuple(out), rank, topic, unknown)
 
 
-_SKIP: Any = object()
+class _Skip:
+    """An event of another KV-cache group: valid, but not ours to index."""
+
+
+_SKIP = _Skip()
 _STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
            "extra_keys", "group_idx")
 _REMOVED = ("block_hashes", "medium", "group_idx")
@@ -178,15 +182,16 @@ def _opt(v: Any, kind: type, what: str) -> Any:
     return v
 
 
-def _event(raw: Any) -> KVEvent | None:
+def _event(raw: Any) -> KVEvent | _Skip | None:
     if isinstance(raw, list):
         if not raw or not isinstance(raw[0], str):
             raise KVEventDecodeError("a positional event starts with its type name")
         kind = raw[0]
     elif isinstance(raw, dict):
-        kind = raw.get("type")
-        if not isinstance(kind, str):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
             raise KVEventDecodeError("a tagged event needs a string 'type'")
+        kind = tag
     else:
         raise KVEventDecodeError(f"an event must be an array or a map, got {type(raw).__name__}")
     if kind == "BlockStored":
