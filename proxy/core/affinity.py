@@ -28,7 +28,13 @@ not hold (from its prefix index) plus `adapter_miss_tokens` when its fresh telem
 request's LoRA adapter, per unit of weight. An admissible primary is kept unless another admissible
 backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`), or, when the primary holds
 none of the prompt, less than cost - `new_prompt_slack_tokens`: a near-equal fleet keeps the deterministic
-placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). A
+placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). In that new-prompt
+comparison, when nothing is in flight anywhere (an idle fleet), a chat prompt's match that stops inside its
+first user turn (a shared system prompt) is costed as no match: the home lacks it only until this request
+has run there, and counting it sent every new conversation to the first GPU that saw the system prompt,
+since in an idle fleet no queue pushes back (20 prompts with a 600-word system prompt, sent one at a time,
+all went to one backend). Under load the
+holder's queued work pushes back, and following it was measured better, so there the match counts. A
 primary that fails the bound goes to the cheapest admissible backend (ties in rendezvous order); if none
 is admissible, to the least-loaded eligible backend. (Measured with loadtest.replay on the Mooncake
 sample, 4 backends, ~75% busy: see loadtest/results/affinity-tuning.md.)
@@ -45,8 +51,12 @@ The exact and prefix indexes and the work ledger are learned, per process: the i
 prompt at a backend that recently received it (or its prefix), and on a fresh process with a near-equal
 fleet a prompt lands on its hash home. Two workers therefore agree on every prompt placed by hashing, and
 on repeats of it; they can differ only after a fallback (bounded load or cost check, which read the live
-in-flight work) or a prefix hit one of them saw and the other did not. The exact index records the *primary*
-choice, not the fallback, so keys shed by an overloaded backend return to it as soon as it recovers.
+in-flight work) or a prefix hit one of them saw and the other did not. The exact index follows the KV: a
+first sighting records the backend it was actually sent to (its hash home, or wherever the bound or the
+cost check placed it, since that is where the engine computed its KV), so its repeats go there. A repeat
+shed off an overloaded holder does not move the entry, so keys shed by an overloaded backend return to it
+as soon as it recovers. (Recording the hash home instead, as before issue 13, sent 13 of 20 repeats away
+from the backend holding their KV after a cost-check placement.)
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
@@ -280,17 +290,25 @@ class AffinityPolicy:
             return blocks
 
         prompt_tokens = len(keys.data) / BYTES_PER_TOKEN_ESTIMATE
+        reason_was_exact = reason is Reason.EXACT_HIT
         if reason is Reason.EXACT_HIT:
             matched = -1  # the whole prompt is cached there
         elif reason is not Reason.PREFIX_HIT:
             matched = -2  # not looked up yet
+        # Chat prompts: a match that stops inside the first user turn is only a shared preamble (system
+        # prompt), a one-time cost wherever the prompt goes (see `_bounded`).
+        shared_blocks = keys.key_blocks if keys.structured else 0
         chosen, reason, matched = self._bounded(
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
-            get_blocks,
+            get_blocks, shared_blocks,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched))
         if record_exact:
-            self._exact.put(keys.fingerprint, primary)
+            # The exact index follows the KV: a first sighting is computed where it goes (its hash home,
+            # or wherever the bound or the cost check sent it), so that is where its repeats belong. A
+            # repeat shed off an overloaded holder leaves the entry alone (only refreshing it), so the
+            # key goes back to its holder as soon as that recovers.
+            self._exact.put(keys.fingerprint, primary if reason_was_exact else chosen)
         if reason is not Reason.EXACT_HIT:
             # An exact hit's chain was recorded when the prompt was first routed; any other decision
             # (fallbacks included: the KV is built where the request actually goes) teaches the index.
@@ -328,6 +346,7 @@ class AffinityPolicy:
         exclude: frozenset[str],
         req: RequestSummary,
         get_blocks: Callable[[], list[int]],
+        shared_blocks: int = 0,
     ) -> tuple[str, Reason, int]:
         """Apply the bounded-load rule and the cost check to `primary`.
 
@@ -382,10 +401,11 @@ class AffinityPolicy:
             have = loaded.get(name)
             return miss if have is not None and adapter not in have else 0.0
 
-        def cheapest(limit: float) -> tuple[int, int]:
+        def cheapest(limit: float, preamble: int = 0) -> tuple[int, int]:
             """The admissible backend other than `primary` with the lowest estimated cost (its queued
             prefill plus this prompt's uncached tokens there, per unit of weight) below `limit`; ties go
-            to the higher rendezvous rank. (-1, 0) if none."""
+            to the higher rendezvous rank. A match of at most `preamble` blocks is costed as no match
+            (the returned match is the real one, for the ledger). (-1, 0) if none."""
             nonlocal idxs
             best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
             chain: list[int] | None = None
@@ -401,7 +421,8 @@ class AffinityPolicy:
                     chain = get_blocks()
                     idxs = self._ring_indexes(ring)
                 m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]
-                c = (queued + uw * max(0.0, prompt_tokens - m * block_tokens) + adapter_cost(name)) / w
+                held = m if m > preamble else 0
+                c = (queued + uw * max(0.0, prompt_tokens - held * block_tokens) + adapter_cost(name)) / w
                 if c < best_c or (c == best_c and scores[i] > best_s):
                     best_i, best_m, best_c, best_s = i, m, c, scores[i]
             return best_i, best_m
@@ -415,20 +436,27 @@ class AffinityPolicy:
                     m = self._indexes[primary].match(chain, 1) if chain else 0
                     matched = m
                 w = info[primary][1]
-                cost = (
-                    pending(primary, get(primary)) + uw * self._uncached(prompt_tokens, matched)
-                    + adapter_cost(primary)
-                ) / w
+                queued_here = pending(primary, get(primary))
+                cost = (queued_here + uw * self._uncached(prompt_tokens, matched) + adapter_cost(primary)) / w
                 if matched > 0 or matched == -1:
                     # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
                     # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
                     limit = (cost - a.cost_slack_tokens) / self._cost_factor
+                    preamble = 0
                 else:
                     # New content: the hash home is only the deterministic tie-break (a near-equal fleet
                     # keeps it); any backend cheaper by new_prompt_slack_tokens takes the prompt instead.
+                    # In an idle fleet (nothing in flight anywhere), a chat prompt's shared system prompt
+                    # does not count towards "cheaper": the home lacks it only until this request has run
+                    # there, and counting it sent every new conversation to whichever GPU saw the system
+                    # prompt first, since with no queue anywhere nothing ever pushes back. Under load the
+                    # holder's queue does push back, and following it saves prefill and KV (sysprompt
+                    # workload: hit 90.9% vs 88.3%, TTFT p99 111 vs 144 ms when discounted always;
+                    # loadtest/results/scaleout.md), so there the match counts.
                     limit = cost - a.new_prompt_slack_tokens
+                    preamble = shared_blocks if total_req == 0 else 0
                 if limit > 0:
-                    best_i, best_m = cheapest(limit)
+                    best_i, best_m = cheapest(limit, preamble)
                     if best_i >= 0:
                         return names[best_i], Reason.OVERLOAD_FALLBACK, best_m
                 return primary, reason, matched

@@ -388,3 +388,60 @@ def test_rendezvous_is_pinned_across_releases():
 
 
 PINNED_HOMES = ["gpu-3", "gpu-1", "gpu-2", "gpu-1", "gpu-0"]
+
+
+# ------------------------------------------------------------------------------ the learned index follows the KV
+
+LONG_SYSTEM = " ".join(f"rule{i % 37} applies to every shipment" for i in range(120))  # 600 words
+
+
+def _sightings(pol: AffinityPolicy, snap: Snapshot, order: list[int]) -> tuple[dict[int, list[str]], collections.Counter]:
+    """Send chat prompts one at a time (each finishes before the next starts: an idle fleet)."""
+    seen: dict[int, list[str]] = collections.defaultdict(list)
+    reasons: collections.Counter = collections.Counter()
+    for i in order:
+        d = pol.pick(chat([("system", LONG_SYSTEM), ("user", f"Where is shipment {i}?")]), snap, {})
+        seen[i].append(d.backend)
+        reasons[d.reason] += 1
+    return seen, reasons
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["prompt-by-prompt", "interleaved"])
+@pytest.mark.parametrize("telemetry", [False, True], ids=["no-telemetry", "fresh-telemetry"])
+def test_twenty_prompts_sharing_a_long_system_prompt_stay_put_and_spread(interleaved, telemetry):
+    assert len(LONG_SYSTEM.split()) == 600
+    snap = fleet(4)
+    if telemetry:
+        snap = fresh(snap, {n: 0.0 for n in snap.names}, kv_capacity_tokens=500_000)
+    order = [i for _ in range(5) for i in range(20)] if interleaved else [i for i in range(20) for _ in range(5)]
+    seen, reasons = _sightings(policy(), snap, order)
+    assert all(len(set(b)) == 1 for b in seen.values()), seen
+    assert len({b[0] for b in seen.values()}) >= 3, seen
+    assert reasons[Reason.EXACT_HIT] == 80
+
+
+def test_repeat_goes_where_the_kv_was_computed_after_a_cost_fallback():
+    """A first sighting placed off its hash home by the cost check (the home has a long prefill queued)
+    is computed where it went: its repeat follows it there, even once the hash home is idle again."""
+    snap = fleet(4)
+    p = prompt("a new document " + "z" * 4000)
+    home = policy().pick(p, snap, {}).backend
+    big = next(q for j in range(500) if policy().pick(q := prompt(f"big {j} " + "w" * 200_000), snap, {}).backend == home)
+    pol = policy()
+    assert pol.pick(big, snap, {}).backend == home  # ~50k uncached tokens queued on the home
+    first = pol.pick(p, snap, {home: Inflight(requests=1, tokens=50_000)})
+    assert first.backend != home and first.reason is Reason.OVERLOAD_FALLBACK
+    again = pol.pick(p, snap, {})
+    assert again.backend == first.backend and again.reason is Reason.EXACT_HIT
+
+
+def test_repeat_shed_by_an_overloaded_holder_returns_to_it():
+    """Only a first sighting teaches the exact index where the KV is: a repeat shed while its holder is
+    overloaded does not move the entry, so the key goes back when the holder recovers."""
+    pol, snap = policy(), fleet(4)
+    p = prompt("keep me " + "k" * 3000)
+    holder = pol.pick(p, snap, {}).backend
+    shed = pol.pick(p, snap, {holder: Inflight(requests=50)})
+    assert shed.backend != holder and shed.reason is Reason.OVERLOAD_FALLBACK
+    back = pol.pick(p, snap, {})
+    assert back.backend == holder and back.reason is Reason.EXACT_HIT
