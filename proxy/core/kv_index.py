@@ -1,0 +1,377 @@
+"""The precise index: which KV blocks each engine really holds, rebuilt from the engines' own KV-cache events.
+
+The learned index (`prefix_index.py`) remembers what *this* process routed where; this one is fed by the
+engines (vLLM's `--kv-events-config`, decoded by `proxy/wire/kv_events.py`, delivered by
+`proxy/control/kv_events.py`), so every worker and every replica that subscribes holds the same view.
+
+Keys are OUR OWN, never the engine's: an engine's block hash depends on its hash algorithm
+(`--prefix-caching-hash-algo`), its `PYTHONHASHSEED`-derived `NONE_HASH`, its version and extra keys, none of
+which the proxy can reproduce for an incoming prompt. So every `BlockStored` is re-keyed from its token ids:
+block i's key is xxh3_64 of its `block_size` token ids (packed little-endian int64), seeded by block i-1's
+key, and block 0 is seeded by `chain_seed(model)`, where `model` is the name a client sends in "model" for
+those blocks (the LoRA adapter's name when the event names one, else the backend's base model). Equal keys
+therefore mean equal *prefixes* for the same model/adapter, exactly the engine's own prefix-cache semantics.
+The engine-hash -> own-key map is kept per backend so `BlockRemoved` (which carries engine hashes only) and
+the `parent_block_hash` of a later `BlockStored` can be resolved.
+
+API (stable; the offline replay on the `scaleout` branch uses it):
+
+    seed = chain_seed("llama-3-8b")                   # or the adapter's name
+    keys = block_keys(token_ids, 16, seed)            # full blocks only; `extend_block_keys` continues a list
+    index = KVIndex()
+    index.track("b0", model="llama-3-8b")             # a backend whose events we follow (starts STALE)
+    index.apply("b0", BlockStored(block_hashes=(h1, h2), parent_block_hash=None,
+                                  token_ids=(...32 ids...), block_size=16, lora_name=None))
+    index.apply("b0", BlockRemoved(block_hashes=(h2,)))
+    index.apply("b0", AllBlocksCleared())
+    index.mark_fresh("b0")                            # the subscriber decides freshness (sequence, liveness)
+    index.match_keys(keys, 16)   -> {"b0": 1}         # leading cached blocks, FRESH backends of that block size
+    index.match(token_ids, "llama-3-8b") -> {"b0": 16}  # the same in tokens, every fresh backend
+    index.state("b0") -> "fresh" | "stale"; index.num_blocks("b0"); index.block_sizes(); index.untrack("b0")
+
+Freshness: a tracked backend starts stale and is stale whenever its event stream cannot be trusted (a
+sequence gap not yet replayed, a restart, silence); `match*` leaves stale backends out of the answer
+entirely, so the caller falls back to the learned index for them and never reads "no events" as "empty
+cache". A backend that is fresh and answers 0 really holds nothing of that prompt (as far as events say).
+
+A `BlockStored` whose parent is unknown (stored before we subscribed, or lost in a gap) cannot be keyed,
+because its key names the whole prefix: such blocks are counted in `orphans` and skipped. The index then
+under-reports, never over-reports. Several engine hashes may map to one own key (the engine keys on extra
+inputs, e.g. a cache salt, that ours ignore); a reference count keeps the key until the last one is removed.
+
+Pure: no I/O, no clock, no asyncio. Cost: `match_keys` is one dict lookup per leading cached block per
+backend; keying is one C-level xxh3 call per block (~0.2 µs) plus packing the ids.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping, Sequence, Union
+
+import xxhash
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "FRESH",
+    "KVEvent",
+    "KVIndex",
+    "STALE",
+    "block_keys",
+    "chain_seed",
+    "extend_block_keys",
+]
+
+FRESH = "fresh"
+STALE = "stale"
+_SEP = b"\x1f"
+_SWAP = sys.byteorder != "little"  # keys must not depend on the host: pack little-endian everywhere
+
+EngineHash = Hashable  # vLLM sends int (64-bit) or bytes (sha256 hashes), depending on version and algorithm
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks an engine stored (vLLM `BlockStored`); `token_ids` covers all of them, in order."""
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def chain_seed(model: str) -> int:
+    """The key block 0 chains from: the name clients address those blocks by (base model or adapter)."""
+    return xxhash.xxh3_64_intdigest(_SEP + model.encode("utf-8", "surrogatepass"))
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    try:
+        packed = array("q", token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must fit in a signed 64-bit integer: {exc}") from None
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers: {exc}") from None
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _chain(out: list[int], token_ids: Sequence[int], block_size: int, parent: int) -> None:
+    """Append to `out` the keys of the full blocks of `token_ids`, chained from `parent`."""
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return
+    data = _pack(token_ids[: n_full * block_size] if len(token_ids) != n_full * block_size else token_ids)
+    width = 8 * block_size
+    digest = xxhash.xxh3_64_intdigest
+    mv = memoryview(data)
+    for off in range(0, len(data), width):
+        parent = digest(mv[off : off + width], seed=parent)
+        out.append(parent)
+
+
+def extend_block_keys(keys: list[int], token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """Append the keys of every full block of `token_ids` not keyed yet (keys[i] covers ids[:bs*(i+1)]).
+
+    `keys` must have been computed from a prefix of these same ids with the same block size and seed; a
+    continuation of a prompt therefore costs only its new blocks. Returns `keys`.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    start = len(keys)
+    if start >= len(token_ids) // block_size:
+        return keys
+    _chain(keys, token_ids[start * block_size :], block_size, keys[-1] if keys else seed)
+    return keys
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """Chained keys of the full blocks of `token_ids` (the partial tail is not keyed: engines cache full
+    blocks only)."""
+    return extend_block_keys([], token_ids, block_size, seed)
+
+
+class _Backend:
+    __slots__ = ("model", "state", "block_size", "own_by_engine", "refs", "orphans", "stores", "removes",
+                 "clears", "rejected")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.state = STALE
+        self.block_size: int | None = None
+        self.own_by_engine: dict[EngineHash, int] = {}
+        self.refs: dict[int, int] = {}  # own key -> how many engine hashes name it
+        self.orphans = 0  # blocks skipped: parent unknown
+        self.stores = 0
+        self.removes = 0
+        self.clears = 0
+        self.rejected = 0  # events that contradicted themselves (ValueError raised)
+
+    def clear(self) -> None:
+        self.own_by_engine = {}
+        self.refs = {}
+
+
+class KVIndex:
+    """Per backend: the own keys of the blocks its engine holds, and whether that view is fresh."""
+
+    __slots__ = ("_backends",)
+
+    def __init__(self) -> None:
+        self._backends: dict[str, _Backend] = {}
+
+    # ---- membership and freshness -------------------------------------------------------------------
+    def track(self, backend: str, *, model: str) -> None:
+        """Follow `backend`, whose base model is `model` (seeds keys of blocks without a LoRA name).
+        Starts stale and empty; tracking an already tracked backend only updates its model."""
+        b = self._backends.get(backend)
+        if b is None:
+            self._backends[backend] = _Backend(model)
+        elif b.model != model:
+            b.model = model
+            b.clear()  # its keys were seeded by the old name
+            b.state = STALE
+
+    def untrack(self, backend: str) -> None:
+        self._backends.pop(backend, None)
+
+    def tracked(self) -> list[str]:
+        return list(self._backends)
+
+    def __contains__(self, backend: str) -> bool:
+        return backend in self._backends
+
+    def _get(self, backend: str) -> _Backend:
+        try:
+            return self._backends[backend]
+        except KeyError:
+            raise KeyError(f"backend {backend!r} is not tracked by the KV index") from None
+
+    def mark_fresh(self, backend: str) -> None:
+        self._get(backend).state = FRESH
+
+    def mark_stale(self, backend: str) -> None:
+        self._get(backend).state = STALE
+
+    def state(self, backend: str) -> str:
+        return self._get(backend).state
+
+    def is_fresh(self, backend: str) -> bool:
+        b = self._backends.get(backend)
+        return b is not None and b.state == FRESH
+
+    def clear(self, backend: str) -> None:
+        """Forget every block of `backend` (engine restarted, or AllBlocksCleared); freshness unchanged."""
+        b = self._get(backend)
+        b.clear()
+        b.clears += 1
+
+    # ---- events ---------------------------------------------------------------------------------------
+    def apply(self, backend: str, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            self.stored(backend, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                        lora_name=event.lora_name, lora_id=event.lora_id)
+        elif isinstance(event, BlockRemoved):
+            self.removed(backend, event.block_hashes)
+        elif isinstance(event, AllBlocksCleared):
+            self.clear(backend)
+        else:
+            raise TypeError(f"not a KV event: {type(event).__name__}")
+
+    def apply_all(self, backend: str, events: Iterable[KVEvent]) -> None:
+        for event in events:
+            self.apply(backend, event)
+
+    def stored(
+        self,
+        backend: str,
+        block_hashes: Sequence[EngineHash],
+        parent_block_hash: EngineHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        lora_id: int | None = None,
+    ) -> int:
+        """Record stored blocks; returns how many were keyed (0 when the parent is unknown: orphans).
+
+        Raises ValueError (index unchanged) when the event contradicts itself: token ids that are not
+        exactly len(block_hashes) full blocks, a non-positive block size, non-integer ids.
+        """
+        b = self._get(backend)
+        n = len(block_hashes)
+        if block_size < 1 or len(token_ids) != n * block_size:
+            b.rejected += 1
+            raise ValueError(f"BlockStored: {len(token_ids)} token ids for {n} blocks of {block_size}")
+        resized = b.block_size is not None and block_size != b.block_size
+        if parent_block_hash is None:
+            if lora_name is not None:
+                model = lora_name
+            elif lora_id is not None:
+                model = f"{b.model}\x1flora#{lora_id}"  # no name: such blocks match no request by name
+            else:
+                model = b.model
+            parent = chain_seed(model)
+        else:
+            known = None if resized else b.own_by_engine.get(parent_block_hash)
+            if known is None:
+                b.orphans += n
+                b.stores += 1
+                return 0
+            parent = known
+        keys: list[int] = []
+        try:
+            _chain(keys, token_ids, block_size, parent)
+        except ValueError:
+            b.rejected += 1
+            raise
+        if resized:
+            # One engine, one block size: a change means a new engine configuration; its old keys are void.
+            b.clear()
+        b.block_size = block_size
+        b.stores += 1
+        own_by_engine, refs = b.own_by_engine, b.refs
+        for engine_hash, key in zip(block_hashes, keys):
+            old = own_by_engine.get(engine_hash)
+            if old == key:
+                continue  # stored again (replay overlap): idempotent
+            if old is not None:
+                self._unref(b, old)
+            own_by_engine[engine_hash] = key
+            refs[key] = refs.get(key, 0) + 1
+        return n
+
+    def removed(self, backend: str, block_hashes: Iterable[EngineHash]) -> int:
+        """Forget blocks by engine hash; returns how many were known."""
+        b = self._get(backend)
+        b.removes += 1
+        known = 0
+        own_by_engine = b.own_by_engine
+        for engine_hash in block_hashes:
+            key = own_by_engine.pop(engine_hash, None)
+            if key is not None:
+                known += 1
+                self._unref(b, key)
+        return known
+
+    @staticmethod
+    def _unref(b: _Backend, key: int) -> None:
+        left = b.refs.get(key, 0) - 1
+        if left > 0:
+            b.refs[key] = left
+        else:
+            b.refs.pop(key, None)
+
+    # ---- lookups --------------------------------------------------------------------------------------
+    def block_sizes(self) -> set[int]:
+        """Block sizes of the fresh backends (the caller keys a prompt once per size, usually one)."""
+        return {b.block_size for b in self._backends.values() if b.state == FRESH and b.block_size is not None}
+
+    def match_keys(self, keys: Sequence[int], block_size: int) -> dict[str, int]:
+        """Leading blocks of `keys` each FRESH backend of that block size holds (0 included)."""
+        out: dict[str, int] = {}
+        for name, b in self._backends.items():
+            if b.state != FRESH or (b.block_size is not None and b.block_size != block_size):
+                continue
+            refs = b.refs
+            n = 0
+            for key in keys:
+                if key not in refs:
+                    break
+                n += 1
+            out[name] = n
+        return out
+
+    def match(self, token_ids: Sequence[int], model: str,
+              keys_by_size: Mapping[int, Sequence[int]] | None = None) -> dict[str, int]:
+        """Cached prefix length in TOKENS per fresh backend, for `token_ids` addressed to `model`.
+
+        `keys_by_size` may hold precomputed `block_keys(token_ids, size, chain_seed(model))` per block size;
+        missing sizes are computed here. A fresh backend that has seen no event yet (block size unknown)
+        answers 0.
+        """
+        out: dict[str, int] = {}
+        seed: int | None = None
+        computed: dict[int, Sequence[int]] = dict(keys_by_size or {})
+        for size in self.block_sizes():
+            if size not in computed:
+                if seed is None:
+                    seed = chain_seed(model)
+                computed[size] = block_keys(token_ids, size, seed)
+            for name, blocks in self.match_keys(computed[size], size).items():
+                out[name] = blocks * size
+        for name, b in self._backends.items():
+            if b.state == FRESH and b.block_size is None:
+                out[name] = 0
+        return out
+
+    # ---- counts -----------------------------------------------------------------------------------------
+    def num_blocks(self, backend: str) -> int:
+        """Distinct blocks (own keys) the backend holds according to its events."""
+        return len(self._get(backend).refs)
+
+    def stats(self, backend: str) -> dict[str, int]:
+        b = self._get(backend)
+        return {"blocks": len(b.refs), "engine_hashes": len(b.own_by_engine), "orphans": b.orphans,
+                "stores": b.stores, "removes": b.removes, "clears": b.clears, "rejected": b.rejected}

@@ -1,0 +1,193 @@
+"""The precise KV index: own keys from token ids, removals by engine hash, freshness, matching."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from proxy.core.kv_index import (
+    FRESH,
+    STALE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVIndex,
+    block_keys,
+    chain_seed,
+    extend_block_keys,
+)
+
+BS = 4
+MODEL = "m"
+
+
+def _ids(n: int, base: int = 0) -> list[int]:
+    return [base + i for i in range(n)]
+
+
+def _fresh(*backends: str) -> KVIndex:
+    index = KVIndex()
+    for b in backends:
+        index.track(b, model=MODEL)
+        index.mark_fresh(b)
+    return index
+
+
+def test_keys_chain_the_whole_prefix_and_depend_on_the_seed() -> None:
+    a = block_keys(_ids(12), BS, chain_seed(MODEL))
+    assert len(a) == 3 and len(set(a)) == 3
+    b = block_keys(_ids(8) + [99, 9, 10, 11], BS, chain_seed(MODEL))
+    assert b[:2] == a[:2] and b[2] != a[2]
+    # the same third block behind a different second block is a different key
+    c = block_keys(_ids(4) + [77, 5, 6, 7] + _ids(4, 8), BS, chain_seed(MODEL))
+    assert c[0] == a[0] and c[1] != a[1] and c[2] != a[2]
+    assert block_keys(_ids(12), BS, chain_seed("lora-x")) != a
+    assert block_keys(_ids(11), BS, chain_seed(MODEL)) == a[:2]  # partial tail not keyed
+
+
+def test_extend_continues_a_prefix_without_rehashing() -> None:
+    seed = chain_seed(MODEL)
+    keys = block_keys(_ids(9), BS, seed)
+    assert extend_block_keys(keys, _ids(17), BS, seed) is keys
+    assert keys == block_keys(_ids(17), BS, seed)
+
+
+def test_bad_token_ids_raise_value_error() -> None:
+    with pytest.raises(ValueError):
+        block_keys([1, 2, 3, "x"], 2, 0)  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        block_keys([1, 2, 1 << 70, 4], 2, 0)
+    with pytest.raises(ValueError):
+        block_keys([1, 2], 0, 0)
+
+
+def test_stored_blocks_match_by_recomputed_keys_not_engine_hashes() -> None:
+    index = _fresh("b0", "b1")
+    # engine hashes are arbitrary (bytes here, as sha256 engines send): ours are recomputed
+    index.apply("b0", BlockStored((b"h1", b"h2"), None, tuple(_ids(8)), BS))
+    index.apply("b0", BlockStored((b"h3",), b"h2", tuple(_ids(4, 8)), BS))
+    assert index.num_blocks("b0") == 3
+    assert index.match(_ids(14), MODEL) == {"b0": 12, "b1": 0}
+    assert index.match(_ids(6) + [0] * 8, MODEL) == {"b0": 4, "b1": 0}
+    assert index.match(_ids(14), "other-model") == {"b0": 0, "b1": 0}
+    keys = block_keys(_ids(16), BS, chain_seed(MODEL))
+    assert index.match_keys(keys, BS) == {"b0": 3, "b1": 0}
+    assert index.match(_ids(16), MODEL, {BS: keys}) == {"b0": 12, "b1": 0}
+
+
+def test_removed_blocks_cut_the_match_and_cleared_empties() -> None:
+    index = _fresh("b0")
+    index.apply("b0", BlockStored((1, 2, 3), None, tuple(_ids(12)), BS))
+    assert index.removed("b0", [2, 42]) == 1
+    assert index.match(_ids(12), MODEL) == {"b0": 4}  # block 3 is still held, but the prefix stops at 2
+    index.apply("b0", BlockRemoved((1,)))
+    assert index.match(_ids(12), MODEL) == {"b0": 0} and index.num_blocks("b0") == 1
+    index.apply("b0", AllBlocksCleared())
+    assert index.num_blocks("b0") == 0 and index.stats("b0")["clears"] == 1
+
+
+def test_lora_blocks_are_keyed_by_the_adapter_name() -> None:
+    index = _fresh("b0")
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS, lora_id=3, lora_name="sql"))
+    assert index.match(_ids(4), "sql") == {"b0": 4}
+    assert index.match(_ids(4), MODEL) == {"b0": 0}
+    index.apply("b0", BlockStored((2,), None, tuple(_ids(4)), BS, lora_id=5))  # no name: matches nothing
+    assert index.match(_ids(4), MODEL) == {"b0": 0} and index.num_blocks("b0") == 2
+
+
+def test_unknown_parent_is_an_orphan_and_never_over_reports() -> None:
+    index = _fresh("b0")
+    assert index.stored("b0", (7,), 6, _ids(4, 4), BS) == 0
+    assert index.stats("b0")["orphans"] == 1 and index.num_blocks("b0") == 0
+    index.apply("b0", BlockStored((8,), 7, tuple(_ids(4, 8)), BS))  # child of an orphan: orphan too
+    assert index.stats("b0")["orphans"] == 2
+
+
+def test_inconsistent_event_raises_and_leaves_the_index_unchanged() -> None:
+    index = _fresh("b0")
+    with pytest.raises(ValueError):
+        index.stored("b0", (1, 2), None, _ids(7), BS)
+    assert index.num_blocks("b0") == 0 and index.stats("b0")["rejected"] == 1
+    with pytest.raises(KeyError):
+        index.stored("nope", (1,), None, _ids(4), BS)
+    with pytest.raises(TypeError):
+        index.apply("b0", "BlockStored")  # type: ignore[arg-type]
+
+
+def test_duplicate_engine_hashes_share_a_key_until_the_last_goes() -> None:
+    index = _fresh("b0")
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS))
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS))  # replay overlap: idempotent
+    index.apply("b0", BlockStored((9,), None, tuple(_ids(4)), BS))  # same tokens, other engine hash (salt)
+    assert index.num_blocks("b0") == 1
+    index.removed("b0", [1])
+    assert index.match(_ids(4), MODEL) == {"b0": 4}
+    index.removed("b0", [9])
+    assert index.match(_ids(4), MODEL) == {"b0": 0}
+
+
+def test_stale_backends_are_left_out_of_every_answer() -> None:
+    index = KVIndex()
+    index.track("b0", model=MODEL)
+    index.track("b1", model=MODEL)
+    assert index.state("b0") == STALE  # no events yet is not "empty cache"
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS))
+    assert index.match(_ids(4), MODEL) == {}
+    index.mark_fresh("b0")
+    index.mark_fresh("b1")
+    assert index.match(_ids(4), MODEL) == {"b0": 4, "b1": 0}
+    index.mark_stale("b0")
+    assert index.state("b0") == STALE and index.match(_ids(4), MODEL) == {"b1": 0}
+    assert index.block_sizes() == set()
+    index.mark_fresh("b0")
+    assert index.state("b0") == FRESH and index.block_sizes() == {BS}
+    index.untrack("b0")
+    assert "b0" not in index and index.tracked() == ["b1"]
+
+
+def test_block_size_change_voids_old_keys_and_sizes_match_separately() -> None:
+    index = _fresh("b0", "b1")
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS))
+    index.apply("b1", BlockStored((1,), None, tuple(_ids(8)), 8))
+    assert index.match(_ids(8), MODEL) == {"b0": 4, "b1": 8}
+    assert index.match_keys(block_keys(_ids(8), 8, chain_seed(MODEL)), 8) == {"b1": 1}
+    index.apply("b0", BlockStored((2,), None, tuple(_ids(8, 100)), 8))
+    assert index.num_blocks("b0") == 1 and index.match(_ids(8), MODEL) == {"b0": 0, "b1": 8}
+
+
+def test_retracking_with_another_model_clears() -> None:
+    index = _fresh("b0")
+    index.apply("b0", BlockStored((1,), None, tuple(_ids(4)), BS))
+    index.track("b0", model=MODEL)
+    assert index.num_blocks("b0") == 1 and index.is_fresh("b0")
+    index.track("b0", model="m2")
+    assert index.num_blocks("b0") == 0 and not index.is_fresh("b0")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.lists(st.integers(0, 9), max_size=30))
+def test_index_agrees_with_a_model_of_stored_prefixes(prompt_choices: list[int], removals: list[int]) -> None:
+    """Store chains of random prompts, remove random engine blocks: the match is the model's answer."""
+    prompts = [[(c * 7 + j) % 5 for j in range(BS * (1 + c % 3))] for c in prompt_choices]
+    index = _fresh("b")
+    held: dict[int, tuple[int, ...]] = {}  # engine hash -> prefix tokens it covers
+    engine: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        parent = None
+        for i in range(len(p) // BS):
+            prefix = tuple(p[: BS * (i + 1)])
+            h = engine.setdefault(prefix, len(engine))
+            if h not in held:
+                index.apply("b", BlockStored((h,), parent, prefix[-BS:], BS))
+                held[h] = prefix
+            parent = h
+    for r in removals:
+        if r in held:
+            index.apply("b", BlockRemoved((r,)))
+            del held[r]
+    cached = set(held.values())
+    for p in prompts:
+        want = 0
+        while want + BS <= len(p) and tuple(p[: want + BS]) in cached:
+            want += BS
+        assert index.match(p, MODEL) == {"b": want}
