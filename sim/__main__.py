@@ -18,6 +18,7 @@ import uvloop
 
 from .faults import Faults
 from .fleet import grpc_available, start_fleet
+from .kv_events import ENCODINGS, KVEventsConfig
 from .metrics import FLAVORS
 from .profiles import PROFILES
 
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=[], help="a LoRA adapter name the servers know (repeat)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV cache size in blocks")
     p.add_argument("--max-model-len", type=int, default=None, help="override the context length (e.g. 131072)")
+    k = p.add_argument_group("KV-cache events (vLLM's --kv-events-config: ZeroMQ PUB + replay ROUTER)")
+    k.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV events here, e.g. tcp://127.0.0.1:5557 (server i: port + i; :* = free port); off if absent")
+    k.add_argument("--kv-events-replay-endpoint", default=None, help="replay ROUTER endpoint (server i: port + i)")
+    k.add_argument("--kv-events-topic", default="", help="ZeroMQ topic (first frame)")
+    k.add_argument("--kv-events-encoding", default="map", choices=ENCODINGS,
+                   help="map: tagged maps keyed by 'type' (vLLM main); array: positional arrays (vLLM <= 0.10)")
+    k.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
     g = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     g.add_argument("--stall-ms", type=float, default=0.0, help="stall everything this long right after start")
     g.add_argument("--drop-after-chunks", type=int, default=None)
@@ -80,7 +89,18 @@ async def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    overrides = {"num_gpu_blocks_override": args.num_gpu_blocks} if args.num_gpu_blocks else None
+    overrides: dict[str, object] = {}
+    if args.num_gpu_blocks:
+        overrides["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.block_size:
+        overrides["block_size"] = args.block_size
+    kv_events = None
+    if args.kv_events_endpoint:
+        kv_events = KVEventsConfig(endpoint=args.kv_events_endpoint, topic=args.kv_events_topic,
+                                   replay_endpoint=args.kv_events_replay_endpoint, encoding=args.kv_events_encoding)
+    elif args.kv_events_replay_endpoint:
+        print("error: --kv-events-replay-endpoint needs --kv-events-endpoint", file=sys.stderr)
+        return 2
     try:
         fleet = await start_fleet(
             args.servers,
@@ -94,15 +114,20 @@ async def _run(args: argparse.Namespace) -> int:
             speed=args.speed,
             adapters=args.lora,
             model_name=args.model_name,
-            profile_overrides=overrides,
+            profile_overrides=overrides or None,
             max_model_len=args.max_model_len,
+            kv_events=kv_events,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for s in fleet.servers:
         grpc = f" grpc={s.grpc_address}" if s.grpc_address else ""
-        print(f"{s.name} {s.url}{grpc} profile={args.profile} flavor={s.flavor}", flush=True)
+        pub = s.backend.kv_publisher
+        kv = ""
+        if pub is not None:
+            kv = f" kv_events={pub.endpoint}" + (f" kv_replay={pub.replay_endpoint}" if pub.replay_endpoint else "")
+        print(f"{s.name} {s.url}{grpc}{kv} profile={args.profile} flavor={s.flavor}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,6 +22,7 @@ from typing import AsyncIterator
 from .api import ConnectionDropped, InjectedFailure, ServerStopping, SimError, SimRequest, TokenChunk
 from .engine import Engine, RequestOutput
 from .faults import Faults
+from .kv_events import KVEventPublisher, KVEventsConfig
 from .profiles import Profile
 from .tokens import VOCAB
 
@@ -64,6 +65,7 @@ class SimBackend:
         model_name: str | None = None,
         speed: float = 1.0,
         faults: Faults | None = None,
+        kv_events: KVEventsConfig | None = None,
     ) -> None:
         if speed <= 0:
             raise ValueError("speed must be > 0")
@@ -71,7 +73,13 @@ class SimBackend:
         self.name = name
         self.speed = speed
         self.faults = faults if faults is not None else Faults()
-        self.engine = Engine(profile, seed=seed, adapters=adapters, model_name=model_name)
+        self.engine = Engine(profile, seed=seed, adapters=adapters, model_name=model_name,
+                             kv_events=kv_events is not None)
+        # vLLM's --kv-events-config: one batch per engine step that cached or evicted blocks.
+        self.kv_publisher: KVEventPublisher | None = (
+            KVEventPublisher(kv_events, block_size=profile.block_size, model_name=self.engine.model_name)
+            if kv_events is not None else None
+        )
         self._rng = random.Random(seed * 7919 + 1)
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -93,6 +101,8 @@ class SimBackend:
             return
         loop = asyncio.get_running_loop()
         self._t0 = loop.time()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start()
         self._task = loop.create_task(self._drive(), name=f"sim-driver-{self.name}")
         if self.faults.stall_ms:
             self.stall(self.faults.stall_ms)
@@ -111,6 +121,8 @@ class SimBackend:
             stream.fail(ServerStopping("the server is shutting down"))
             self.engine.abort(rid, self.now())
         self._streams.clear()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.stop()
 
     # ---- clock ---------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -155,6 +167,13 @@ class SimBackend:
             self.engine.add_request(req, self.now())
             self._bg_ids.add(rid)
         self._wake.set()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block now (AllBlocksCleared goes out at once); False while blocks are in use."""
+        done = self.engine.reset_prefix_cache()
+        if done and self.kv_publisher is not None:
+            self.kv_publisher.publish(self.engine.take_kv_events())
+        return done
 
     # ---- the API front ends use ----------------------------------------------------------------------
     async def generate(self, req: SimRequest, *, default_max_tokens: int | None = None) -> AsyncIterator[TokenChunk]:
@@ -249,6 +268,9 @@ class SimBackend:
                     engine.abort(rid, self.now())
                 self._bg_ids.clear()
                 continue
+            if self.kv_publisher is not None:
+                # vLLM caches full blocks when it schedules them, so their events go out at the step's start.
+                self.kv_publisher.publish(engine.take_kv_events())
             recent = self._recent
             recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))
             while recent[0][0] < result.end - _RATE_WINDOW_S:

@@ -29,7 +29,10 @@ A replay merges `next_step_time()` with its own arrival times: whichever is earl
 Counters live in `engine.stats` (`EngineStats`: prefix_queries_tokens / prefix_hits_tokens, prompt and
 generation tokens, preemptions, lora_loads, busy_seconds, ttft / e2e histograms, ...) and the gauges are
 properties: `num_running`, `num_waiting`, `kv_usage`, `num_tokens_in_use`, `busy_time(now)`;
-`engine.pool` (kvcache.BlockPool) has num_blocks / num_free / num_cached / evictions.
+`engine.pool` (kvcache.BlockPool) has num_blocks / num_free / num_cached / evictions. With
+`Engine(..., kv_events=True)`, `engine.take_kv_events()` returns the KV-cache events (kvcache.Stored /
+Removed / Cleared) of the steps since the last call, in order: what vLLM publishes with `--kv-events-config`
+(`sim/kv_events.py` encodes and publishes them); `engine.reset_prefix_cache()` is vLLM's cache reset.
 
 Model (what each part stands for in vLLM V1):
 - Tokens are whitespace-separated words. A request holds `prompt + output` tokens; `num_computed` of them
@@ -176,12 +179,13 @@ class Engine:
         seed: int = 0,
         adapters: tuple[str, ...] | list[str] = (),
         model_name: str | None = None,
+        kv_events: bool = False,
     ) -> None:
         self.profile = profile
         self.model_name = model_name or profile.model.name
         self.seed = seed
         self.known_adapters: tuple[str, ...] = tuple(adapters)
-        self.pool = BlockPool(profile.num_gpu_blocks, profile.block_size)
+        self.pool = BlockPool(profile.num_gpu_blocks, profile.block_size, record_events=kv_events)
         self.stats = EngineStats()
         self.busy_until = float("-inf")
         self._ready_at = float("-inf")  # arrival that woke an idle engine
@@ -238,6 +242,14 @@ class Engine:
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._seqs
+
+    def take_kv_events(self) -> list:
+        """KV-cache events since the last call (empty unless built with kv_events=True)."""
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's POST /reset_prefix_cache); False while requests hold blocks."""
+        return self.pool.reset_cache()
 
     # ---- requests ------------------------------------------------------------------------------------
     def validate(self, req: SimRequest, default_max_tokens: int | None = None) -> tuple[str | None, list[str], int]:
@@ -499,9 +511,22 @@ class Engine:
         full = seq.num_computed // self.profile.block_size
         if full <= seq.num_committed:
             return
-        extend_block_keys(seq.block_keys, seq.tokens, self.profile.block_size, seq.key_seed)
-        for b in range(seq.num_committed, full):
-            self.pool.commit(seq.blocks[b], seq.block_keys[b])
+        bs = self.profile.block_size
+        extend_block_keys(seq.block_keys, seq.tokens, bs, seq.key_seed)
+        pool, keys = self.pool, seq.block_keys
+        if pool.events is None:
+            for b in range(seq.num_committed, full):
+                pool.commit(seq.blocks[b], keys[b])
+        else:
+            run_start = -1  # first block of the current run of newly cached keys (one BlockStored per run)
+            for b in range(seq.num_committed, full + 1):
+                new = b < full and pool.commit(seq.blocks[b], keys[b])
+                if new and run_start < 0:
+                    run_start = b
+                elif not new and run_start >= 0:
+                    pool.log_stored(keys[run_start:b], keys[run_start - 1] if run_start else None,
+                                    seq.tokens[run_start * bs : b * bs], seq.adapter)
+                    run_start = -1
         seq.num_committed = full
 
     def _free(self, seq: _Seq) -> None:

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from .backend import SimBackend
 from .faults import Faults
+from .kv_events import KVEventsConfig
 from .profiles import Profile, get_profile
 from .server import SimHttpApp
 
@@ -184,13 +185,16 @@ async def start_fleet(
     name_prefix: str = "sim",
     profile_overrides: Mapping[str, Any] | None = None,
     max_model_len: int | None = None,
+    kv_events: KVEventsConfig | None = None,
 ) -> Fleet:
     """Start `n` simulated servers; HTTP on `port`, `port+1`, ... (0 = free ports), gRPC likewise.
 
     `flavor` may be one name or one per server (a mixed fleet). `faults` (a `Faults` or its JSON keys)
     is copied into every server. `speed` > 1 runs simulated time faster than the wall clock. Server i is
     named f"{name_prefix}-{i}" and seeded with `seed + i`. `max_model_len` overrides the profile's
-    context length (same architecture, longer context).
+    context length (same architecture, longer context). `kv_events` turns on vLLM-style KV-cache event
+    publishing (`sim/kv_events.py`); server i publishes on `kv_events.for_server(i)` and
+    `server.backend.kv_publisher.endpoint` says where.
     """
     if n < 1:
         raise ValueError("a fleet needs at least one server")
@@ -214,7 +218,8 @@ async def start_fleet(
             elif faults:
                 f.update(faults)
             backend = SimBackend(prof, name=f"{name_prefix}-{i}", seed=seed + i, adapters=tuple(adapters),
-                                 model_name=model_name, speed=speed, faults=f)
+                                 model_name=model_name, speed=speed, faults=f,
+                                 kv_events=kv_events.for_server(i) if kv_events is not None else None)
             server = SimServer(
                 backend,
                 host=host,

@@ -104,6 +104,7 @@ class SimHttpApp:
         r.add_get("/get_load", self.get_load)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_post("/v1/completions/render", self.render_completions)
         r.add_post("/v1/chat/completions/render", self.render_chat_completions)
         r.add_get("/sim/faults", self.get_faults)
@@ -446,6 +447,13 @@ class SimHttpApp:
             "token_strs": text.split() if body.get("return_token_strs") else None,
         }
         return web.json_response(out)
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: 200 when the cache was dropped (AllBlocksCleared is published),
+        409 while requests hold blocks (vLLM answers 200 but logs that it failed; a status a test can read)."""
+        if self.backend.reset_prefix_cache():
+            return web.Response(status=200)
+        return web.json_response({"error": "requests are running; the prefix cache was not reset"}, status=409)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
