@@ -147,8 +147,19 @@ def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[s
 class AffinityPolicy:
     name = "affinity"
 
-    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+    def __init__(
+        self,
+        cfg: RoutingConfig = RoutingConfig(),
+        *,
+        precise: Callable[[RequestSummary], Mapping[str, float]] | None = None,
+        work: WorkLedger | None = None,
+    ) -> None:
+        """`precise`: the engines' own view of their KV caches (proxy/core/kv_index.py, fed by their KV
+        events): for a request, the share (0..1) of its prompt each backend with a trustworthy view holds.
+        Backends it leaves out (no events, or stale ones) use the learned prefix index. `work`: the ledger
+        of queued prefill, when several policies (workers of one host) share one."""
         self._cfg = cfg
+        self._precise = precise
         a = cfg.affinity
         self._a = a
         self._fp = Fingerprinter(a)
@@ -158,7 +169,9 @@ class AffinityPolicy:
         self._rings: dict[str | None, _Ring] = {}
         self._bound_factor = 1.0 + a.epsilon
         self._request_factor = 1.0 + a.request_epsilon
-        self._work = WorkLedger()
+        self._work = work if work is not None else WorkLedger()
+        # Replicas that agree without talking: each sees ~1/R of a random split, so R x its own load.
+        self._replicas = cfg.replicas
         self._cost_factor = 1.0 + a.cost_epsilon
         self._block_tokens = a.block_bytes / BYTES_PER_TOKEN_ESTIMATE
 
@@ -241,6 +254,7 @@ class AffinityPolicy:
         blocks: list[int] | None = None  # computed only when needed: the one cost that grows with the prompt
         matched = 0
         record_exact = True
+        held: dict[str, int] | None = None  # name -> leading blocks held, for backends the precise view covers
 
         if a.session_affinity and req.session_key is not None:
             key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
@@ -257,6 +271,13 @@ class AffinityPolicy:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
                 blocks = self._fp.blocks(keys)
+                if self._precise is not None:
+                    n_blocks = len(blocks)
+                    held = {
+                        n: min(n_blocks, int(f * n_blocks + 1e-9))
+                        for n, f in self._precise(req).items()
+                        if n in ring.members
+                    }
                 need = a.min_prefix_blocks
                 if keys.structured:
                     # The match must reach past the end of the first user turn, i.e. include the block
@@ -269,12 +290,19 @@ class AffinityPolicy:
                     idxs = self._ring_indexes(ring)
                     best_m, best_s = need, -1.0
                     for i in holding(idxs, blocks[need - 1]):
+                        if held is not None and ring.names[i] in held:
+                            continue  # the engine's own view of this backend replaces the guess
                         # Only a longer match, or an equal one ranked higher, can win: one lookup
                         # rejects the rest (most backends share the system prompt and nothing more).
                         tie_ok = scores[i] > best_s
                         m = idxs[i].match(blocks, best_m if tie_ok else best_m + 1)
                         if m:
                             best_i, best_m, best_s = i, m, scores[i]
+                    if held:
+                        for i, name in enumerate(ring.names):
+                            m = held.get(name, 0)
+                            if m > best_m or (m == best_m and m >= need and scores[i] > best_s):
+                                best_i, best_m, best_s = i, m, scores[i]
                     if best_i >= 0:
                         matched = best_m
                 if best_i >= 0:
@@ -300,7 +328,7 @@ class AffinityPolicy:
         shared_blocks = keys.key_blocks if keys.structured else 0
         chosen, reason, matched = self._bounded(
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
-            get_blocks, shared_blocks,
+            get_blocks, shared_blocks, held,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched))
         if record_exact:
@@ -347,6 +375,7 @@ class AffinityPolicy:
         req: RequestSummary,
         get_blocks: Callable[[], list[int]],
         shared_blocks: int = 0,
+        held: Mapping[str, int] | None = None,
     ) -> tuple[str, Reason, int]:
         """Apply the bounded-load rule and the cost check to `primary`.
 
@@ -368,7 +397,8 @@ class AffinityPolicy:
         if not names_now:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
-        total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
+        scale = self._replicas
+        total_req = scale * sum([get(n, _NO_INFLIGHT).requests for n in names_now])
         score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._request_factor * (total_req + 1) / total_w
         saturation = a.saturation
@@ -377,7 +407,7 @@ class AffinityPolicy:
             routable, w, s, mx = info[name]
             if not routable or name in exclude:
                 return False
-            r = get(name, _NO_INFLIGHT).requests
+            r = scale * get(name, _NO_INFLIGHT).requests
             if mx is not None and r >= mx:
                 return False
             if s is not None and (s >= saturation or s > score_limit):
@@ -385,7 +415,14 @@ class AffinityPolicy:
             return r + 1 <= math.ceil(share * w - 1e-9)
 
         names = ring.names
-        pending = self._work.pending
+        if scale == 1:
+            pending = self._work.pending
+        else:
+            own_pending = self._work.pending
+
+            def pending(name: str, live: Inflight | None) -> float:
+                return scale * own_pending(name, live)
+
         block_tokens = self._block_tokens
         idxs: list[PrefixIndex] | None = None
         uw = a.uncached_weight
@@ -420,9 +457,12 @@ class AffinityPolicy:
                 if chain is None:
                     chain = get_blocks()
                     idxs = self._ring_indexes(ring)
-                m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]
-                held = m if m > preamble else 0
-                c = (queued + uw * max(0.0, prompt_tokens - held * block_tokens) + adapter_cost(name)) / w
+                if held is not None and name in held:
+                    m = held[name]
+                else:
+                    m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]
+                counted = m if m > preamble else 0
+                c = (queued + uw * max(0.0, prompt_tokens - counted * block_tokens) + adapter_cost(name)) / w
                 if c < best_c or (c == best_c and scores[i] > best_s):
                     best_i, best_m, best_c, best_s = i, m, c, scores[i]
             return best_i, best_m
@@ -433,8 +473,10 @@ class AffinityPolicy:
                     return primary, reason, matched
                 if matched == -2:
                     chain = get_blocks()
-                    m = self._indexes[primary].match(chain, 1) if chain else 0
-                    matched = m
+                    if held is not None and primary in held:
+                        matched = held[primary]
+                    else:
+                        matched = self._indexes[primary].match(chain, 1) if chain else 0
                 w = info[primary][1]
                 queued_here = pending(primary, get(primary))
                 cost = (queued_here + uw * self._uncached(prompt_tokens, matched) + adapter_cost(primary)) / w

@@ -155,6 +155,11 @@ class RoutingConfig:
     seed: int = 0
     # Alternates carried by each Decision for retries on another backend.
     max_alternates: int = field(default=3, metadata={"ge": 0})
+    # Proxy replicas routing to the same backends, each seeing ~1/replicas of the traffic (a Service
+    # spreads requests at random): the affinity policy reads its own in-flight counts and queued prefill
+    # scaled by this factor as its estimate of the whole fleet's. Measured against the alternatives in
+    # loadtest/results/scaleout.md. 1: this proxy sees all the traffic.
+    replicas: int = field(default=1, metadata={"ge": 1})
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 
