@@ -103,7 +103,7 @@ class _Ring:
     """
 
     __slots__ = ("names", "seeds", "weights", "uniform", "members", "info", "routable", "routable_w",
-                 "score_sum", "score_n", "indexes", "adapters")
+                 "score_sum", "score_n", "indexes", "adapters", "queued")
 
     def __init__(self, states: list[BackendState]) -> None:
         self.names = [s.name for s in states]
@@ -121,6 +121,13 @@ class _Ring:
         self.score_sum = sum(fresh)
         self.score_n = len(fresh)
         self.indexes: list[PrefixIndex] | None = None  # filled by the policy that owns the indexes
+        # name -> requests the engine itself reports running + waiting (fresh telemetry only): what every
+        # replica sees alike, the load of the other replicas included
+        self.queued = {
+            s.name: s.signals.running + (s.signals.waiting or 0.0)
+            for s in states
+            if s.signals is not None and s.signals.running is not None and telemetry_score(s) is not None
+        }
         # name -> LoRA adapters its fresh telemetry reports loaded (absent: no fresh telemetry)
         self.adapters = {
             s.name: s.signals.loaded_adapters
@@ -398,7 +405,10 @@ class AffinityPolicy:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
         scale = self._replicas
-        total_req = scale * sum([get(n, _NO_INFLIGHT).requests for n in names_now])
+        pending = self._work.pending
+        if scale > 1:
+            get, pending = self._fleet_estimate(ring, inflight, prompt_tokens)
+        total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
         score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._request_factor * (total_req + 1) / total_w
         saturation = a.saturation
@@ -407,7 +417,7 @@ class AffinityPolicy:
             routable, w, s, mx = info[name]
             if not routable or name in exclude:
                 return False
-            r = scale * get(name, _NO_INFLIGHT).requests
+            r = get(name, _NO_INFLIGHT).requests
             if mx is not None and r >= mx:
                 return False
             if s is not None and (s >= saturation or s > score_limit):
@@ -415,13 +425,6 @@ class AffinityPolicy:
             return r + 1 <= math.ceil(share * w - 1e-9)
 
         names = ring.names
-        if scale == 1:
-            pending = self._work.pending
-        else:
-            own_pending = self._work.pending
-
-            def pending(name: str, live: Inflight | None) -> float:
-                return scale * own_pending(name, live)
 
         block_tokens = self._block_tokens
         idxs: list[PrefixIndex] | None = None
@@ -519,6 +522,49 @@ class AffinityPolicy:
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
         return best.name, fallback, 0
+
+    def _fleet_estimate(
+        self, ring: _Ring, inflight: Mapping[str, Inflight], prompt_tokens: float
+    ) -> tuple[Callable[[str, Inflight], Inflight], Callable[[str, Inflight | None], float]]:
+        """With `routing.replicas` R > 1, what the whole fleet of replicas has in flight on each backend.
+
+        This replica sees a random ~1/R of the traffic, so R x its own in-flight requests, or, when larger,
+        the running + waiting requests the engine itself reported in its last fresh scrape (shared by every
+        replica, other replicas' work included). The queued prefill is this replica's own (exact) plus,
+        for each request it did not send, the mean uncached prefill of its own in-flight requests there
+        (of all its in-flight requests when it has none there; this request's prompt when it has none at
+        all). Measured against R x own alone and telemetry alone: loadtest/results/scaleout.md.
+        """
+        scale = self._replicas
+        queued = ring.queued
+        own_pending = self._work.pending
+        own: dict[str, Inflight] = {}
+        own_work: dict[str, float] = {}
+        for n in ring.names:
+            live = inflight.get(n)
+            own[n] = live if live is not None else _NO_INFLIGHT
+            own_work[n] = own_pending(n, live)
+        own_total = sum(x.requests for x in own.values())
+        fleet_mean = sum(own_work.values()) / own_total if own_total else prompt_tokens
+        est: dict[str, Inflight] = {}
+        est_work: dict[str, float] = {}
+        for n, live in own.items():
+            mine = live.requests
+            count = scale * mine
+            seen = queued.get(n)
+            if seen is not None and seen > count:
+                count = int(math.ceil(seen))
+            per = own_work[n] / mine if mine > 0 else fleet_mean
+            est[n] = Inflight(count, live.tokens * count // mine if mine > 0 else 0)
+            est_work[n] = own_work[n] + (count - mine) * per
+
+        def get(name: str, default: Inflight = _NO_INFLIGHT) -> Inflight:
+            return est.get(name, default)
+
+        def pending(name: str, live: Inflight | None) -> float:
+            return est_work.get(name, 0.0)
+
+        return get, pending
 
     def _alternates(
         self, chosen: str, ring: _Ring, scores: list[float], top: list[int], exclude: frozenset[str]

@@ -445,3 +445,60 @@ def test_repeat_shed_by_an_overloaded_holder_returns_to_it():
     assert shed.backend != holder and shed.reason is Reason.OVERLOAD_FALLBACK
     back = pol.pick(p, snap, {})
     assert back.backend == holder and back.reason is Reason.EXACT_HIT
+
+
+# ------------------------------------------------------------------------- replicas and the engines' own view
+
+
+def _with_queue(snap: Snapshot, queues: dict[str, float]) -> Snapshot:
+    """Fresh telemetry, equal load scores, and the engines' own running + waiting counts."""
+    from proxy.core.snapshot import Signals
+
+    out = []
+    for b in snap.backends:
+        b = replace(b, health=Health.HEALTHY, load_score=0.2, stale=False,
+                    signals=Signals(scraped_at=0.0, running=queues.get(b.name, 0.0), waiting=0.0))
+        out.append(b)
+    return snap.evolve(out)
+
+
+def test_replica_reads_the_engines_queue_the_other_replicas_filled():
+    """With routing.replicas > 1, a backend whose engine reports requests this replica never sent is
+    loaded: a new prompt placed there by hashing goes elsewhere. One replica (the default) keeps reading
+    its own in-flight table only, as before."""
+    snap = fleet(4)
+    p = prompt("a fresh question " + "q" * 3000)
+    home = policy().pick(p, snap, {}).backend
+    loaded = _with_queue(snap, {home: 6.0})
+    alone = policy().pick(p, loaded, {})
+    assert alone.backend == home and alone.reason is Reason.HASH
+    four = AffinityPolicy(RoutingConfig(replicas=4))
+    d = four.pick(p, loaded, {})
+    assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+
+
+def test_replica_scales_its_own_share_of_the_load():
+    """Without telemetry, R x own in-flight is the estimate: a backend's max_inflight then limits the
+    whole fleet of replicas, not each of them (two of this replica's requests read as eight of four)."""
+    snap = fleet(4)
+    p = prompt("another fresh question " + "r" * 3000)
+    home = policy().pick(p, snap, {}).backend
+    snap = with_state(snap, home, spec=replace(snap.get(home).spec, max_inflight=4))
+    mine = {home: Inflight(requests=2, tokens=200), **{n: Inflight(requests=2, tokens=200) for n in snap.names}}
+    assert policy().pick(p, snap, mine).backend == home
+    d = AffinityPolicy(RoutingConfig(replicas=4)).pick(p, snap, mine)
+    assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+
+
+def test_precise_view_finds_a_prefix_this_process_never_routed():
+    snap = fleet(4)
+    doc = "".join(f"clause {i} of the shared contract\n" for i in range(150))
+    p = prompt(doc + "question A")
+    home = policy().pick(p, snap, {}).backend
+    holder = next(n for n in snap.names if n != home)
+    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: {holder: 1.0, home: 0.0})
+    d = pol.pick(p, snap, {})
+    assert d.backend == holder and d.reason is Reason.PREFIX_HIT and d.prefix_blocks_matched > 0
+    # A view that leaves every backend out (stale or no events): the learned index and hashing decide.
+    blind = AffinityPolicy(RoutingConfig(), precise=lambda req: {})
+    assert blind.pick(p, snap, {}).backend == home
