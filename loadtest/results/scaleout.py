@@ -75,6 +75,9 @@ def suite(name: str) -> list[ReplayConfig]:
                 for w in (1, 2):
                     cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, load_view="scaled"))
         cfgs.append(ReplayConfig(policy="affinity", workers=2, shared_worker_load=False))
+        # 4 processes with their own learned state but ONE load view: what sharing the in-flight table and
+        # ledger between replicas (e.g. through Redis) would give; the upper bound of any load estimate.
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
         cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", kv_event_delay_ms=500.0, load_view="scaled"))
     else:
         raise SystemExit(f"unknown suite {name!r}")

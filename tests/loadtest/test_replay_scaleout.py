@@ -89,3 +89,12 @@ def test_cli_rejects_bad_scale_out_flags(bad: list[str], capsys: pytest.CaptureF
         replay_main(["--workload", "chat", "--policies", "affinity", *bad])
     assert exc.value.code == 2
     assert "--" in capsys.readouterr().err
+
+
+async def test_kv_events_arrive_after_the_configured_delay() -> None:
+    """Events a minute late are a view a minute old: the replicas miss the caches built meanwhile."""
+    w = load_workload("mooncake", prefer_sample=True).window(0, 120, None)
+    base = replace(BASE, backends=4, max_model_len=131072, replicas=4, index="precise")
+    prompt = summarize(await replay(w, base), w)
+    late = summarize(await replay(w, replace(base, kv_event_delay_ms=60_000)), w)
+    assert late["hit_ratio"] < 0.8 * prompt["hit_ratio"]
