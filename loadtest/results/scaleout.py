@@ -36,6 +36,8 @@ AZURE = TRACES / "azure_llm_2023_code.csv"
 LOADS = [
     ("mooncake", MOONCAKE, (0.0, 300.0), 0.6, "~80% busy"),
     ("mooncake", MOONCAKE, (0.0, 300.0), 1.0, "~96% busy"),
+    ("mooncake", MOONCAKE, (900.0, 1200.0), 0.6, "~80% busy, multi-turn"),
+    ("mooncake", MOONCAKE, (900.0, 1200.0), 1.0, "~96% busy, multi-turn"),
     ("azure-code", AZURE, (0.0, 900.0), 4.0, "speed 4"),
     ("azure-code", AZURE, (0.0, 900.0), 6.5, "speed 6.5"),
 ]
@@ -123,24 +125,74 @@ def _rows() -> list[dict]:
     return [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
 
 
-def table() -> None:
-    rows = _rows()
-    loads = []
+def parse_flags(flags: str) -> dict:
+    """The configuration a row's flags name (defaults filled in)."""
+    words = flags.split()
+    out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
+           "delay": 50.0, "shared": True, "note": flags.partition("@")[2].strip()}
+    for i, w in enumerate(words):
+        if w == "--replicas":
+            out["replicas"] = int(words[i + 1])
+        elif w == "--workers":
+            out["workers"] = int(words[i + 1])
+        elif w == "--index":
+            out["index"] = words[i + 1]
+        elif w == "--load-view":
+            out["load_view"] = words[i + 1]
+        elif w == "--kv-event-delay-ms":
+            out["delay"] = float(words[i + 1])
+        elif w == "--no-shared-worker-load":
+            out["shared"] = False
+    if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
+        out["load_view"] = "own"  # one load view: routing.replicas = 1, the single-process policy
+    return out
+
+
+def _loads(rows: list[dict]) -> list[tuple]:
+    loads: list[tuple] = []
     for r in rows:
         lk = (r["load"], tuple(r["window"]), r["speed"], r["busy"])
         if lk not in loads:
             loads.append(lk)
-    for lk in loads:
+    return loads
+
+
+def _cells(r: dict) -> str:
+    return (f"{100 * (r['hit_ratio'] or 0):.2f}% ({100 * (r['hit_vs_bound'] or 0):.0f}%) | {1000 * r['ttft_mean']:,.0f} | "
+            f"{1000 * r['ttft_p90']:,.0f} | {1000 * r['ttft_p99']:,.0f} | {100 * r['gpu_util_mean']:.0f}%")
+
+
+def table() -> None:
+    rows = _rows()
+    for lk in _loads(rows):
         name, window, speed, busy = lk
-        print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy})\n")
-        print("| configuration (`python -m loadtest.replay` flags) | hit ratio (of LRU bound) | TTFT mean | p90 | p99 | GPU busy |")
-        print("|---|---|---|---|---|---|")
+        sel, seen = [], set()
         for r in rows:
-            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) != lk:
-                continue
-            print(f"| `{r['flags']}` | {100 * (r['hit_ratio'] or 0):.2f}% ({100 * (r['hit_vs_bound'] or 0):.0f}%) | "
-                  f"{1000 * r['ttft_mean']:,.0f} ms | {1000 * r['ttft_p90']:,.0f} | {1000 * r['ttft_p99']:,.0f} | "
-                  f"{100 * r['gpu_util_mean']:.0f}% |")
+            f = parse_flags(r["flags"])
+            ident = tuple(sorted(f.items()))
+            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk and ident not in seen:
+                seen.add(ident)  # the same configuration reached by two suites
+                sel.append((f, r))
+        bound = next((r["bound_lru"] for _f, r in sel if r.get("bound_lru")), None)
+        print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy}"
+              + (f"; fleet-size LRU bound {100 * bound:.2f}%" if bound else "") + ")\n")
+        print("| router | index | R | W | load view | hit ratio (of LRU bound) | TTFT mean ms | p90 | p99 | GPU busy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        order = sorted(sel, key=lambda fr: (fr[0]["policy"] != "round_robin", fr[0]["index"], fr[0]["load_view"] != "own",
+                                            fr[0]["load_view"], fr[0]["note"], fr[0]["replicas"], fr[0]["workers"],
+                                            not fr[0]["shared"], fr[0]["delay"]))
+        for f, r in order:
+            view = "scaled: R x own only (commit 7fd5eb5)" if f["note"] else f["load_view"]
+            if f["load_view"] == "scaled" and not f["note"]:
+                view = "scaled (routing.replicas)"
+            extra = []
+            if f["workers"] > 1:
+                extra.append("shared load" if f["shared"] else "separate load")
+            if f["index"] == "precise" and f["delay"] != 50.0:
+                extra.append(f"events {f['delay']:g} ms late")
+            w = f"{f['workers']}" + (f" ({', '.join(extra)})" if extra else "")
+            print(f"| {f['policy']} | {f['index'] if f['policy'] == 'affinity' else '-'} | {f['replicas']} | {w} | "
+                  f"{view if f['policy'] == 'affinity' else '-'} | {_cells(r)} |")
 
 
 def plot() -> None:
@@ -150,36 +202,31 @@ def plot() -> None:
     import matplotlib.pyplot as plt
 
     rows = _rows()
-    panels = [(n, sp) for n, _t, _w, sp, _b in LOADS]
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
-    for col, (name, speed) in enumerate(panels):
-        sel = [r for r in rows if r["load"] == name and r["speed"] == speed]
-        rr = next((r for r in sel if r["flags"] == "--policies round_robin"), None)
+    loads = _loads(rows)
+    fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.5), squeeze=False)
+    for col, lk in enumerate(loads):
+        sel = [(parse_flags(r["flags"]), r) for r in rows if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk]
         for index, colour in (("learned", "tab:orange"), ("precise", "tab:blue")):
             for w, style in ((1, "-"), (2, "--")):
-                pts = []
-                for rep in (1, 2, 4):
-                    want = f"--policies affinity" + (f" --replicas {rep}" if rep > 1 else "") + (f" --workers {w}" if w > 1 else "")
-                    if index == "precise":
-                        want += " --index precise --kv-event-delay-ms 50"
-                    if rep > 1 or (w > 1 and True):
-                        want_scaled = want + " --load-view scaled"
-                    else:
-                        want_scaled = want
-                    r = next((x for x in sel if x["flags"] in (want_scaled, want + " --load-view scaled")), None)
-                    if r is not None:
-                        pts.append((rep, r))
+                pts = sorted(
+                    (f["replicas"], r) for f, r in sel
+                    if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
+                    and f["delay"] == 50.0 and not f["note"]
+                    and f["load_view"] == ("own" if f["replicas"] == 1 else "scaled")
+                )
                 if not pts:
                     continue
                 xs = [p[0] for p in pts]
-                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{index} W={w}")
-                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{index} W={w}")
+                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+        rr = next((r for f, r in sel if f["policy"] == "round_robin"), None)
         if rr is not None:
             axes[0][col].axhline(100 * (rr["hit_ratio"] or 0), color="grey", lw=1, label="round robin")
             axes[1][col].axhline(1000 * rr["ttft_mean"], color="grey", lw=1, label="round robin")
             if rr.get("bound_lru"):
                 axes[0][col].axhline(100 * rr["bound_lru"], color="black", ls=":", lw=1, label="fleet LRU bound")
-        axes[0][col].set_title(f"{name} x{speed:g}")
+        name, window, speed, busy = lk
+        axes[0][col].set_title(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}\n({busy})", fontsize=9)
         axes[0][col].set_ylabel("prefix hit ratio, %")
         axes[1][col].set_ylabel("TTFT mean, ms")
         for ax in (axes[0][col], axes[1][col]):
@@ -187,9 +234,10 @@ def plot() -> None:
             ax.set_xticks([1, 2, 4])
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    fig.suptitle("Scale-out in the offline replay: affinity with learned vs precise (KV events) index, 4 x H100", fontsize=10)
     fig.tight_layout()
     out = ROOT / "loadtest" / "results" / "scaleout.png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
 

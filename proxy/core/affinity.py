@@ -29,8 +29,9 @@ request's LoRA adapter, per unit of weight. An admissible primary is kept unless
 backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`), or, when the primary holds
 none of the prompt, less than cost - `new_prompt_slack_tokens`: a near-equal fleet keeps the deterministic
 placement, a GPU with a long prefill queued sheds new work (OVERLOAD_FALLBACK). In that new-prompt
-comparison, when nothing is in flight anywhere (an idle fleet), a chat prompt's match that stops inside its
-first user turn (a shared system prompt) is costed as no match: the home lacks it only until this request
+comparison, when nothing is in flight anywhere (an idle fleet), a chat prompt's match that reaches no block wholly
+past its system messages (only the shared system prompt) is costed as no match (a match reaching into the
+user's own text, e.g. a per-user preamble, still counts): the home lacks it only until this request
 has run there, and counting it sent every new conversation to the first GPU that saw the system prompt,
 since in an idle fleet no queue pushes back (20 prompts with a 600-word system prompt, sent one at a time,
 all went to one backend). Under load the
@@ -57,6 +58,14 @@ cost check placed it, since that is where the engine computed its KV), so its re
 shed off an overloaded holder does not move the entry, so keys shed by an overloaded backend return to it
 as soon as it recovers. (Recording the hash home instead, as before issue 13, sent 13 of 20 repeats away
 from the backend holding their KV after a cost-check placement.)
+**Scale-out (issue 13).** Learned state is per process, so R replicas (or W workers) each learn ~1/R of
+the history; with `precise` (a view fed by the engines' own KV events, `proxy/core/kv_index.py`) every
+process reads the same caches: for each backend that view covers, the share of the prompt it holds replaces
+the learned index's guess, in the prefix step and in the cost check (backends without fresh events keep the
+learned index). The load side is per process too: with `routing.replicas` R > 1 the bound and the cost
+check read, per backend, max(R x own in-flight requests, the engine's own running + waiting from fresh
+telemetry), and the queued prefill as this process's own plus, for each request it did not send, the mean
+of its own (measured against R x own alone and telemetry alone in loadtest/results/scaleout.md).
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
@@ -330,9 +339,13 @@ class AffinityPolicy:
             matched = -1  # the whole prompt is cached there
         elif reason is not Reason.PREFIX_HIT:
             matched = -2  # not looked up yet
-        # Chat prompts: a match that stops inside the first user turn is only a shared preamble (system
-        # prompt), a one-time cost wherever the prompt goes (see `_bounded`).
-        shared_blocks = keys.key_blocks if keys.structured else 0
+        # Chat prompts: a match that reaches no block wholly past the system messages is only their shared
+        # system prompt, a one-time cost wherever the prompt goes (see `_bounded`).
+        shared_blocks = 0
+        if keys.structured and req.shared_prefix_chars:
+            cut = req.shared_prefix_chars
+            shared_bytes = cut if req.prompt.isascii() else len(req.prompt[:cut].encode("utf-8", "surrogatepass"))
+            shared_blocks = -(-shared_bytes // a.block_bytes)
         chosen, reason, matched = self._bounded(
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
             get_blocks, shared_blocks, held,

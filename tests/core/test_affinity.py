@@ -502,3 +502,21 @@ def test_precise_view_finds_a_prefix_this_process_never_routed():
     # A view that leaves every backend out (stale or no events): the learned index and hashing decide.
     blind = AffinityPolicy(RoutingConfig(), precise=lambda req: {})
     assert blind.pick(p, snap, {}).backend == home
+
+
+def test_idle_fleet_still_follows_a_users_own_preamble_past_the_system_prompt():
+    """Only the system messages are discounted: a new question from a user whose long personal preamble
+    (inside the user turn) is cached on one backend still goes there, in an idle fleet too."""
+    snap = fleet(4)
+    preamble = "my account notes: " + " ".join(f"order{i} shipped late" for i in range(150))  # ~3 KiB
+    pol = policy()
+    first = pol.pick(chat([("system", LONG_SYSTEM), ("user", preamble + " question 0?")]), snap, {})
+    for j in range(1, 60):
+        req = chat([("system", LONG_SYSTEM), ("user", preamble + f" question {j}?")])
+        if policy().pick(req, snap, {}).backend != first.backend:
+            break
+    else:
+        pytest.fail("no question hashing away from the first backend")
+    d = pol.pick(req, snap, {})
+    assert d.backend == first.backend and d.reason is Reason.OVERLOAD_FALLBACK and d.prefix_blocks_matched > 20
+    assert req.shared_prefix_chars == len("system\n" + LONG_SYSTEM + "\n")
