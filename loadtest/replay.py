@@ -45,7 +45,6 @@ from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core import kv_index
 from proxy.core.affinity import AffinityPolicy
-from proxy.core.decision import Inflight
 from proxy.core.policies import build_policy
 from proxy.core.work_ledger import WorkLedger
 from sim.tokenizer import token_ids
@@ -139,11 +138,11 @@ class ReplayConfig:
 
 
 # The load side under scale-out: what one process's policy reads as a backend's in-flight work.
-#   own        its own in-flight table (the proxy before issue 13)
-#   scaled     own x R: each replica sees ~1/R of a random split (the core's `routing.replicas`, set to
-#              the number of independent load views: R, or R x W when workers do not share load)
-#   telemetry  max(own, the engine's running + waiting from the last scrape), tokens scaled alike
-LOAD_VIEWS = ("own", "scaled", "telemetry")
+#   own       its own in-flight table (the proxy before issue 13)
+#   engines   max(own, the engine's running + waiting from the last scrape): `routing.shared_backends`
+# (R x own, with and without the engines' counts, was measured at commits 7fd5eb5 and 7ed056f; see
+# loadtest/results/scaleout.md.)
+LOAD_VIEWS = ("own", "engines")
 INDEXES = ("learned", "precise")
 
 
@@ -213,9 +212,8 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
     poller = _VirtualPoller(store, telemetry, backends, lambda: clock[0])
     rcfg = routing_config(cfg)
-    views = cfg.replicas if cfg.shared_worker_load else cfg.replicas * cfg.workers  # independent load views
-    if cfg.load_view == "scaled":
-        rcfg = replace(rcfg, replicas=views)  # the core's own estimate (routing.replicas)
+    if cfg.load_view == "engines":
+        rcfg = replace(rcfg, shared_backends=True)  # the core's own estimate (routing.shared_backends)
     # The precise index: with one delivery delay for every replica, every replica's index holds the same
     # events at every instant, so one KVIndex object stands for all R of them (same answers, 1/R the work).
     kvidx = kv_index.KVIndex() if precise else None
@@ -246,22 +244,6 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
             procs.append((pol, table))
     n_procs = len(procs)
     pick_rng = random.Random(cfg.seed ^ 0x5CA1E0)
-
-    def load_view(table: InflightTable) -> Any:
-        if cfg.load_view != "telemetry":
-            return table  # "scaled" is applied by the policy itself (routing.replicas)
-        out: dict[str, Inflight] = {}
-        for st in store.current.backends:
-            own = table.get(st.name)
-            sig = st.signals
-            seen = None if st.stale or sig is None or sig.running is None else int(sig.running + (sig.waiting or 0))
-            if seen is None or own is not None and own.requests >= seen:
-                if own is not None:
-                    out[st.name] = own
-                continue
-            per = own.tokens / own.requests if own is not None and own.requests else 0
-            out[st.name] = Inflight(seen, int(per * seen))
-        return out
 
     text = workload.text()
     adapters = frozenset(cfg.adapters)
@@ -372,7 +354,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
             if precise:
                 routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
             summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None, adapters=adapters)
-            decision = policy.pick(summary, store.current, load_view(inflight))
+            decision = policy.pick(summary, store.current, inflight)
             tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
             inflight.acquire(decision.backend, tokens)
             route_cpu += time.perf_counter() - c0
@@ -485,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="learned: each process's own indexes; precise: also the engines' KV events (proxy/core/kv_index.py)")
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
     ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
-                    help="what a replica reads as a backend's in-flight work: own table, own x replicas, or telemetry")
+                    help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")
     ap.add_argument("--out", type=Path, help="report folder (report.md/.json/.png)")
     args = ap.parse_args(argv)
     if args.replicas < 1 or args.workers < 1:

@@ -65,22 +65,26 @@ def flags(cfg: ReplayConfig) -> str:
 def suite(name: str) -> list[ReplayConfig]:
     cfgs: list[ReplayConfig] = []
     if name == "views":
+        # Item 4: what a replica reads as a backend's load, at R = 4 (R x own was measured at commits
+        # 7fd5eb5 and 7ed056f; those rows carry the commit in scaleout.jsonl).
         cfgs.append(ReplayConfig(policy="affinity"))
         cfgs.append(ReplayConfig(policy="affinity", index="precise"))
         for index in ("learned", "precise"):
-            for view in ("own", "scaled", "telemetry"):
+            for view in ("own", "engines"):
                 cfgs.append(ReplayConfig(policy="affinity", replicas=4, index=index, load_view=view))
     elif name == "matrix":
         cfgs.append(ReplayConfig(policy="round_robin"))
         for index in ("learned", "precise"):
             for r in (1, 2, 4):
                 for w in (1, 2):
-                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, load_view="scaled"))
+                    # The recommended setting: routing.shared_backends with KV events and R > 1 only.
+                    view = "engines" if index == "precise" and r > 1 else "own"
+                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, load_view=view))
         cfgs.append(ReplayConfig(policy="affinity", workers=2, shared_worker_load=False))
         # 4 processes with their own learned state but ONE load view: what sharing the in-flight table and
         # ledger between replicas (e.g. through Redis) would give; the upper bound of any load estimate.
         cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
-        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", kv_event_delay_ms=500.0, load_view="scaled"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", kv_event_delay_ms=500.0, load_view="engines"))
     else:
         raise SystemExit(f"unknown suite {name!r}")
     return cfgs
@@ -182,9 +186,8 @@ def table() -> None:
                                             fr[0]["load_view"], fr[0]["note"], fr[0]["replicas"], fr[0]["workers"],
                                             not fr[0]["shared"], fr[0]["delay"]))
         for f, r in order:
-            view = "scaled: R x own only (commit 7fd5eb5)" if f["note"] else f["load_view"]
-            if f["load_view"] == "scaled" and not f["note"]:
-                view = "scaled (routing.replicas)"
+            view = {"7fd5eb5": "R x own (commit 7fd5eb5)", "7ed056f": "max(R x own, engines) (commit 7ed056f)"}.get(
+                f["note"], "engines (routing.shared_backends)" if f["load_view"] == "engines" else f["load_view"])
             extra = []
             if f["workers"] > 1:
                 extra.append("shared load" if f["shared"] else "separate load")
@@ -212,7 +215,7 @@ def plot() -> None:
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
                     and f["delay"] == 50.0 and not f["note"]
-                    and f["load_view"] == ("own" if f["replicas"] == 1 else "scaled")
+                    and f["load_view"] == ("engines" if index == "precise" and f["replicas"] > 1 else "own")
                 )
                 if not pts:
                     continue

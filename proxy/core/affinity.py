@@ -62,10 +62,11 @@ from the backend holding their KV after a cost-check placement.)
 the history; with `precise` (a view fed by the engines' own KV events, `proxy/core/kv_index.py`) every
 process reads the same caches: for each backend that view covers, the share of the prompt it holds replaces
 the learned index's guess, in the prefix step and in the cost check (backends without fresh events keep the
-learned index). The load side is per process too: with `routing.replicas` R > 1 the bound and the cost
-check read, per backend, max(R x own in-flight requests, the engine's own running + waiting from fresh
-telemetry), and the queued prefill as this process's own plus, for each request it did not send, the mean
-of its own (measured against R x own alone and telemetry alone in loadtest/results/scaleout.md).
+learned index). The load side is per process too: with `routing.shared_backends` the bound and the cost
+check read, per backend, the larger of its own in-flight count and the engine's own running + waiting
+from fresh telemetry (the requests it did not send are taken to be like those it sent there recently).
+That was the best of the estimates measured (R x own, with and without the engines' counts; doing
+nothing) with precise events, and harmful with learned indexes: loadtest/results/scaleout.md.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
@@ -186,8 +187,8 @@ class AffinityPolicy:
         self._bound_factor = 1.0 + a.epsilon
         self._request_factor = 1.0 + a.request_epsilon
         self._work = work if work is not None else WorkLedger()
-        # Replicas that agree without talking: each sees ~1/R of a random split, so R x its own load.
-        self._replicas = cfg.replicas
+        # Other replicas share the backends: read the engines' own counts when they see more (see below).
+        self._shared_backends = cfg.shared_backends
         self._cost_factor = 1.0 + a.cost_epsilon
         self._block_tokens = a.block_bytes / BYTES_PER_TOKEN_ESTIMATE
 
@@ -404,7 +405,6 @@ class AffinityPolicy:
         """
         a = self._a
         info = ring.info
-        get = inflight.get
         # Fleet figures over the backends that could take this request now.
         if exclude:
             names_now = [n for n in ring.routable if n not in exclude]
@@ -417,10 +417,10 @@ class AffinityPolicy:
         if not names_now:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
-        scale = self._replicas
+        if self._shared_backends and ring.queued:
+            inflight = self._engine_load(ring, inflight)
+        get = inflight.get
         pending = self._work.pending
-        if scale > 1:
-            get, pending = self._fleet_estimate(ring, inflight, prompt_tokens)
         total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
         score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._request_factor * (total_req + 1) / total_w
@@ -536,48 +536,25 @@ class AffinityPolicy:
         )
         return best.name, fallback, 0
 
-    def _fleet_estimate(
-        self, ring: _Ring, inflight: Mapping[str, Inflight], prompt_tokens: float
-    ) -> tuple[Callable[[str, Inflight], Inflight], Callable[[str, Inflight | None], float]]:
-        """With `routing.replicas` R > 1, what the whole fleet of replicas has in flight on each backend.
-
-        This replica sees a random ~1/R of the traffic, so R x its own in-flight requests, or, when larger,
-        the running + waiting requests the engine itself reported in its last fresh scrape (shared by every
-        replica, other replicas' work included). The queued prefill is this replica's own (exact) plus,
-        for each request it did not send, the mean uncached prefill of its own in-flight requests there
-        (of all its in-flight requests when it has none there; this request's prompt when it has none at
-        all). Measured against R x own alone and telemetry alone: loadtest/results/scaleout.md.
-        """
-        scale = self._replicas
-        queued = ring.queued
-        own_pending = self._work.pending
-        own: dict[str, Inflight] = {}
-        own_work: dict[str, float] = {}
-        for n in ring.names:
-            live = inflight.get(n)
-            own[n] = live if live is not None else _NO_INFLIGHT
-            own_work[n] = own_pending(n, live)
-        own_total = sum(x.requests for x in own.values())
-        fleet_mean = sum(own_work.values()) / own_total if own_total else prompt_tokens
-        est: dict[str, Inflight] = {}
-        est_work: dict[str, float] = {}
-        for n, live in own.items():
-            mine = live.requests
-            count = scale * mine
-            seen = queued.get(n)
-            if seen is not None and seen > count:
-                count = int(math.ceil(seen))
-            per = own_work[n] / mine if mine > 0 else fleet_mean
-            est[n] = Inflight(count, live.tokens * count // mine if mine > 0 else 0)
-            est_work[n] = own_work[n] + (count - mine) * per
-
-        def get(name: str, default: Inflight = _NO_INFLIGHT) -> Inflight:
-            return est.get(name, default)
-
-        def pending(name: str, live: Inflight | None) -> float:
-            return est_work.get(name, 0.0)
-
-        return get, pending
+    def _engine_load(self, ring: _Ring, inflight: Mapping[str, Inflight]) -> dict[str, Inflight]:
+        """With `routing.shared_backends`: other proxy replicas route to these backends too, so this one's
+        in-flight table holds only part of their load. Per backend, the larger of its own count and the
+        running + waiting requests the engine itself reported in its last fresh scrape (every replica
+        reads the same); when the engine's is larger, the requests are assumed to be like the ones this
+        proxy sent there recently (the ledger then reads as many of its newest entries; tokens at its
+        own per-request mean). Measured against R x own and against doing nothing:
+        loadtest/results/scaleout.md."""
+        out = dict(inflight)
+        for name, seen in ring.queued.items():
+            own = inflight.get(name)
+            mine = own.requests if own is not None else 0
+            if seen > mine:
+                count = int(seen)
+                if count <= mine:
+                    continue
+                per = own.tokens / mine if own is not None and mine > 0 else 0
+                out[name] = Inflight(count, int(per * count))
+        return out
 
     def _alternates(
         self, chosen: str, ring: _Ring, scores: list[float], top: list[int], exclude: frozenset[str]

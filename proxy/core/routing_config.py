@@ -155,11 +155,11 @@ class RoutingConfig:
     seed: int = 0
     # Alternates carried by each Decision for retries on another backend.
     max_alternates: int = field(default=3, metadata={"ge": 0})
-    # Proxy replicas routing to the same backends, each seeing ~1/replicas of the traffic (a Service
-    # spreads requests at random): the affinity policy reads its own in-flight counts and queued prefill
-    # scaled by this factor as its estimate of the whole fleet's. Measured against the alternatives in
-    # loadtest/results/scaleout.md. 1: this proxy sees all the traffic.
-    replicas: int = field(default=1, metadata={"ge": 1})
+    # Other proxy replicas route to the same backends (a Service spreading requests over R replicas): the
+    # affinity policy then reads a backend's load as the larger of its own in-flight count and the running
+    # + waiting requests the engine reports. Best with the engines' KV events; with learned indexes only
+    # it lost hits in the replay (loadtest/results/scaleout.md), so it is off by default.
+    shared_backends: bool = False
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 

@@ -463,31 +463,34 @@ def _with_queue(snap: Snapshot, queues: dict[str, float]) -> Snapshot:
 
 
 def test_replica_reads_the_engines_queue_the_other_replicas_filled():
-    """With routing.replicas > 1, a backend whose engine reports requests this replica never sent is
-    loaded: a new prompt placed there by hashing goes elsewhere. One replica (the default) keeps reading
-    its own in-flight table only, as before."""
+    """With routing.shared_backends, a backend whose engine reports requests this replica never sent is
+    loaded: a new prompt placed there by hashing goes elsewhere. Off (the default), the proxy reads its
+    own in-flight table only, as before."""
     snap = fleet(4)
     p = prompt("a fresh question " + "q" * 3000)
     home = policy().pick(p, snap, {}).backend
     loaded = _with_queue(snap, {home: 6.0})
     alone = policy().pick(p, loaded, {})
     assert alone.backend == home and alone.reason is Reason.HASH
-    four = AffinityPolicy(RoutingConfig(replicas=4))
-    d = four.pick(p, loaded, {})
+    shared = AffinityPolicy(RoutingConfig(shared_backends=True))
+    d = shared.pick(p, loaded, {})
     assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
 
 
-def test_replica_scales_its_own_share_of_the_load():
-    """Without telemetry, R x own in-flight is the estimate: a backend's max_inflight then limits the
-    whole fleet of replicas, not each of them (two of this replica's requests read as eight of four)."""
+def test_engine_counts_limit_the_fleet_and_never_lower_the_own_count():
+    """A backend's max_inflight then limits every replica's requests together; an engine reporting fewer
+    requests than this proxy has in flight there (a stale scrape) never hides its own."""
     snap = fleet(4)
     p = prompt("another fresh question " + "r" * 3000)
     home = policy().pick(p, snap, {}).backend
     snap = with_state(snap, home, spec=replace(snap.get(home).spec, max_inflight=4))
-    mine = {home: Inflight(requests=2, tokens=200), **{n: Inflight(requests=2, tokens=200) for n in snap.names}}
-    assert policy().pick(p, snap, mine).backend == home
-    d = AffinityPolicy(RoutingConfig(replicas=4)).pick(p, snap, mine)
+    shared = AffinityPolicy(RoutingConfig(shared_backends=True))
+    three = {n: 3.0 for n in snap.names}
+    assert shared.pick(p, _with_queue(snap, three), {}).backend == home
+    d = shared.pick(p, _with_queue(snap, {**three, home: 4.0}), {})
     assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+    stale_low = shared.pick(p, _with_queue(snap, {**three, home: 0.0}), {home: Inflight(requests=4, tokens=400)})
+    assert stale_low.backend != home
 
 
 def test_precise_view_finds_a_prefix_this_process_never_routed():

@@ -47,12 +47,19 @@ async def test_scale_out_is_deterministic_and_spreads_over_every_process() -> No
 
 
 async def test_one_replica_one_worker_is_the_single_process_replay() -> None:
-    """The defaults model one process: the same decisions as a replay that knows nothing of scale-out,
-    whatever the load view (with R = 1 the scaled estimate is the process's own)."""
+    """The defaults model one process: one worker's load is the replica's, whether "shared" or not."""
     plain = await replay(workload(), BASE)
-    scaled = await replay(workload(), replace(BASE, load_view="scaled"))
-    assert [r.backend for r in plain.records] == [r.backend for r in scaled.records]
+    alone = await replay(workload(), replace(BASE, replicas=1, workers=1, shared_worker_load=False))
+    assert [r.backend for r in plain.records] == [r.backend for r in alone.records]
     assert plain.meta["label"] == "replay:affinity"
+
+
+async def test_engines_load_view_is_the_cores_shared_backends_setting() -> None:
+    w = workload()
+    own = await replay(w, replace(BASE, replicas=4, index="precise"))
+    engines = await replay(w, replace(BASE, replicas=4, index="precise", load_view="engines"))
+    assert engines.meta["label"].endswith("load engines")
+    assert [r.backend for r in own.records] != [r.backend for r in engines.records]
 
 
 async def test_replicas_with_learned_state_disagree_and_precise_events_restore_the_hits() -> None:
@@ -78,7 +85,7 @@ async def test_workers_without_shared_load_each_see_only_their_own_requests() ->
 
 def test_labels_name_the_scale_out_shape() -> None:
     assert scaleout_label(ReplayConfig()) == ""
-    assert scaleout_label(ReplayConfig(replicas=4, load_view="scaled")) == " R4xW1 learned load scaled"
+    assert scaleout_label(ReplayConfig(replicas=4, load_view="engines")) == " R4xW1 learned load engines"
     assert scaleout_label(ReplayConfig(workers=2, shared_worker_load=False)) == " R1xW2 learned separate-load"
 
 
