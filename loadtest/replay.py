@@ -223,12 +223,11 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
             kvidx.track(n, model=cfg.model)
             kvidx.mark_fresh(n)  # a replay's event stream has no gaps
 
-    def precise_view(req: Any) -> dict[str, float]:
+    def precise_view(req: Any) -> kv_index.PreciseMatch | None:
         ids = routing_ids[0]
         if not ids:
-            return {}
-        n_ids = len(ids)
-        return {name: tokens / n_ids for name, tokens in kvidx.match(ids, cfg.model).items()}  # type: ignore[union-attr]
+            return None
+        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
 
     # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`.
     procs: list[tuple[Any, InflightTable]] = []

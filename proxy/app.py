@@ -37,6 +37,7 @@ from aiohttp import web
 
 from proxy.admin import build_admin_app
 from proxy.config import Config
+from proxy.control.kv_events import build_precise_routing
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_metrics import TelemetryMetrics
@@ -85,7 +86,10 @@ class AffinityProxy:
         self.config_path = config_path  # the file hot reload re-reads (SIGHUP, file change, POST /admin/reload)
         # A worker process passes its own store (proxy/multiproc/serve.py) so that data-plane writes reach the supervisor.
         self.store = store if store is not None else SnapshotStore(Snapshot.initial(config.backend_specs()))
-        self.policy = policy if policy is not None else build_policy(config.routing)
+        # Precise routing on the engines' KV events (telemetry.kv_events): every routing process holds the index.
+        self.precise = build_precise_routing(config) if role != "control" else None
+        self.policy = policy if policy is not None else build_policy(
+            config.routing, precise=self.precise.matcher if self.precise is not None else None)
         self.inflight = InflightTable()
         self.metrics = ProxyMetrics()
         self.metrics.watch(self.store, self.inflight)
@@ -135,6 +139,8 @@ class AffinityProxy:
             self.add_service(self.grpc, data_plane=True)
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
+        if self.precise is not None:  # KV-event subscriber: a data-plane service, one per routing process
+            self.add_service(self.precise.subscriber(self.metrics.registry), data_plane=True)
         self.resilience = Resilience(self, self.config_path)
         self.add_service(self.resilience, data_plane=self.role == "data")
 

@@ -77,7 +77,7 @@ class SimBackend:
                              kv_events=kv_events is not None)
         # vLLM's --kv-events-config: one batch per engine step that cached or evicted blocks.
         self.kv_publisher: KVEventPublisher | None = (
-            KVEventPublisher(kv_events, block_size=profile.block_size, model_name=self.engine.model_name)
+            KVEventPublisher(kv_events, block_size=profile.block_size)
             if kv_events is not None else None
         )
         self._rng = random.Random(seed * 7919 + 1)

@@ -95,7 +95,7 @@ def _bindable(endpoint: str) -> str:
     return endpoint
 
 
-def encode_event(event: PoolEvent, encoding: Encoding, block_size: int, model_name: str) -> Any:
+def encode_event(event: PoolEvent, encoding: Encoding, block_size: int) -> Any:
     """One pool event as vLLM's msgspec would lay it out (before msgpack)."""
     if isinstance(event, Stored):
         ids = [token_id(w) for w in event.tokens]
@@ -120,9 +120,9 @@ def _lora_id(adapter: str) -> int:
     return 1 + xxhash.xxh32_intdigest(adapter.encode()) % (1 << 20)
 
 
-def encode_batch(events: Iterable[PoolEvent], ts: float, encoding: Encoding, block_size: int, model_name: str,
+def encode_batch(events: Iterable[PoolEvent], ts: float, encoding: Encoding, block_size: int,
                  dp_rank: int = 0) -> bytes:
-    body = [encode_event(e, encoding, block_size, model_name) for e in events]
+    body = [encode_event(e, encoding, block_size) for e in events]
     if encoding == "array":
         return msgpack.packb([ts, body, dp_rank], use_bin_type=True)
     return msgpack.packb({"ts": ts, "events": body, "data_parallel_rank": dp_rank}, use_bin_type=True)
@@ -131,11 +131,9 @@ def encode_batch(events: Iterable[PoolEvent], ts: float, encoding: Encoding, blo
 class KVEventPublisher:
     """PUB socket + replay ROUTER for one simulated server (asyncio; `publish` never blocks)."""
 
-    def __init__(self, config: KVEventsConfig, *, block_size: int, model_name: str,
-                 context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, config: KVEventsConfig, *, block_size: int, context: zmq.asyncio.Context | None = None) -> None:
         self.config = config
         self.block_size = block_size
-        self.model_name = model_name
         self._ctx = context or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -153,14 +151,18 @@ class KVEventPublisher:
         pub = self._ctx.socket(zmq.PUB)
         pub.set_hwm(self.config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(_bindable(self.config.endpoint))
+        try:
+            pub.bind(_bindable(self.config.endpoint))
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
         self._pub = pub
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.config.replay_endpoint:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            self._router = router  # closed by stop() if the bind fails
             router.bind(_bindable(self.config.replay_endpoint))
-            self._router = router
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay(), name="sim-kv-replay")
 
@@ -181,8 +183,7 @@ class KVEventPublisher:
         """Send one EventBatch; returns its sequence number (None when there was nothing to send)."""
         if not events or self._pub is None:
             return None
-        payload = encode_batch(events, time.time() if ts is None else ts, self.config.encoding, self.block_size,
-                               self.model_name)
+        payload = encode_batch(events, time.time() if ts is None else ts, self.config.encoding, self.block_size)
         seq = self.next_seq
         self.next_seq += 1
         self._buffer.append((seq, payload))

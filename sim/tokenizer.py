@@ -5,6 +5,14 @@ real `tokenizer.json` whose tokens are exactly the simulator's tokens (whitespac
 them run here without a model hub. Words of the output vocabulary and chat roles have fixed ids; any other
 word gets a stable id above the vocabulary (xxhash), so `/tokenize` and the render endpoints return ids that
 differ where words differ - which is what a cache-aware router keys on.
+
+The fixed vocabulary also holds the load generator's words (`loadtest/workloads/text.py` VOCABULARY, the
+text every trace replay sends, rebuilt here so `sim` does not import `loadtest`), so the shipped
+`tokenizer.json` reproduces `token_ids` exactly for the simulator's own output, chat roles and load-test
+prompts: the proxy's precise KV index tokenises with that file and must get the ids the KV events carry.
+Other words get a hashed id here but `[UNK]` from the file (a WordLevel model cannot hash); prompts made of
+them still route, only without precise KV matches. The chat template reproduces `sim.api.render_chat`
+plus the generation prompt the server adds when the last message is not the assistant's.
 """
 
 from __future__ import annotations
@@ -20,13 +28,24 @@ from .tokens import VOCAB
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 SPECIAL_TOKENS = ("[UNK]", "<s>", "</s>")
 ROLE_TOKENS = ("system", "user", "assistant", "tool")
-_WORDS: tuple[str, ...] = SPECIAL_TOKENS + ROLE_TOKENS + VOCAB
+_CONSONANTS = "bcdfghjklmnprstvz"
+_VOWELS = "aeiou"
+LOADTEST_WORDS: tuple[str, ...] = tuple(
+    c1 + v1 + c2 + v2 for c1 in _CONSONANTS for v1 in _VOWELS for c2 in _CONSONANTS for v2 in _VOWELS
+)
+_WORDS: tuple[str, ...] = SPECIAL_TOKENS + ROLE_TOKENS + VOCAB + LOADTEST_WORDS
 WORD_IDS: dict[str, int] = {w: i for i, w in enumerate(_WORDS)}
 VOCAB_SIZE = len(_WORDS)
 _HASHED_IDS = 1 << 30
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant\n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }}{{ '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is iterable and message['content'] is not mapping %}"
+    "{% for part in message['content'] if part is string or (part is mapping and part.get('type') == 'text') %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{% if part is string %}{{ part }}{% else %}{{ part.get('text', '') }}{% endif %}{% endfor %}"
+    "{% elif message['content'] is not none %}{{ message['content'] }}{% endif %}{{ '\n' }}{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'assistant' %}assistant{{ '\n' }}{% endif %}"
 )
 
 

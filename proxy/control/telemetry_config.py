@@ -15,6 +15,47 @@ EngineName = Literal["auto", "vllm", "sglang", "tgi", "triton", "agent"]
 
 
 @dataclass(frozen=True)
+class KVEventsEndpoint:
+    """Where one backend publishes its KV-cache events (vLLM `--kv-events-config`)."""
+
+    endpoint: str = field(metadata={"min_len": 1})  # the PUB socket, e.g. tcp://10.0.0.7:5557
+    topic: str = ""
+    replay_endpoint: str | None = None  # the ROUTER socket; without it a sequence gap clears the index
+    model: str | None = None  # base model name that seeds block keys (default: the backend's first model)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                yield name, f"must be a ZeroMQ endpoint (tcp://host:port, ipc://path), got {value!r}"
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """The engines' own KV-cache events feed a precise per-backend index (`proxy/core/kv_index.py`).
+
+    ```yaml
+    telemetry:
+      kv_events:
+        backends:                     # backend name -> its publisher; backends not listed keep the learned index
+          gpu-0: {endpoint: "tcp://10.0.0.7:5557", replay_endpoint: "tcp://10.0.0.7:5558", topic: ""}
+        tokenizers:                   # model name -> folder with tokenizer.json (+ tokenizer_config.json)
+          meta-llama/Meta-Llama-3-8B-Instruct: /models/llama3-8b
+        stale_after_s: 30             # no event for this long: stale, routed by the learned index (0 = never)
+        replay_timeout_ms: 2000       # a replay that has not ended by then failed: the index is cleared
+    ```
+    """
+
+    backends: dict[str, KVEventsEndpoint] = field(default_factory=dict)
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    stale_after_s: float = field(default=30.0, metadata={"ge": 0})
+    replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.backends)
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     """How often and how the backends' metrics are read, and how they become a load score.
 
@@ -31,6 +72,7 @@ class TelemetryConfig:
       orca: true                  # use endpoint-load-metrics response headers between scrapes
       score: {kind: design, memory_weight: 0.4, queue_weight: 0.35, kv_rate_weight: 0.25,
               queue_full: 100, kv_tokens_per_s_full: 512}
+      kv_events: {...}            # the engines' KV-cache events: see KVEventsConfig
     ```
     """
 
@@ -42,6 +84,7 @@ class TelemetryConfig:
     metric_map: dict[str, str] = field(default_factory=dict)
     orca: bool = True
     score: ScoreConfig = ScoreConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def __post_init__(self) -> None:
         # Also enforced for configs built in code, not only from YAML.

@@ -4,6 +4,10 @@ One decision, in order:
 
 1. **Session** — with `session_affinity` on and a session key on the request, the key is placed by
    rendezvous hashing (reason SESSION); the learned indexes are not consulted.
+1b. **KV hit** (only with a `precise` lookup, i.e. `telemetry.kv_events`) — the backend whose engine
+   reports (KV-cache events, `proxy/core/kv_index.py`) the longest cached prefix of the prompt, if it is
+   long enough by the same rule as a prefix hit (step 3, in tokens); reason PREFIX_HIT. Only backends whose
+   event stream is fresh answer; with no such hit the learned steps below decide as before.
 2. **Exact hit** — the request's exact fingerprint was routed recently: its backend (EXACT_HIT).
 3. **Prefix hit** — the backend whose prefix index holds the longest run of the prompt's leading block
    hashes, if the run is long enough: at least `min_prefix_blocks`, and covering the first user turn (chat)
@@ -78,12 +82,13 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
 from proxy.core.fingerprint import Fingerprinter
+from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.policies import eligible
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
@@ -97,6 +102,9 @@ _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
 _BACKEND_DOMAIN = b"affinity-proxy/backend/v1\xff"
 _TWO_POW_M64 = 2.0**-64
 _NO_INFLIGHT = Inflight()
+
+# What the engines' KV events say about a request (None: no answer, e.g. not tokenised yet).
+PreciseLookup = Callable[[RequestSummary], Optional[PreciseMatch]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -168,12 +176,13 @@ class AffinityPolicy:
         self,
         cfg: RoutingConfig = RoutingConfig(),
         *,
-        precise: Callable[[RequestSummary], Mapping[str, float]] | None = None,
+        precise: PreciseLookup | None = None,
         work: WorkLedger | None = None,
     ) -> None:
         """`precise`: the engines' own view of their KV caches (proxy/core/kv_index.py, fed by their KV
-        events): for a request, the share (0..1) of its prompt each backend with a trustworthy view holds.
-        Backends it leaves out (no events, or stale ones) use the learned prefix index. `work`: the ledger
+        events): per request, the tokens of its prompt each backend with a fresh event stream holds. It
+        picks the primary (step 1b) and replaces the learned index's guess for those backends in the
+        prefix step and the cost check; backends it leaves out use the learned index. `work`: the ledger
         of queued prefill, when several policies (workers of one host) share one."""
         self._cfg = cfg
         self._precise = precise
@@ -271,7 +280,10 @@ class AffinityPolicy:
         blocks: list[int] | None = None  # computed only when needed: the one cost that grows with the prompt
         matched = 0
         record_exact = True
-        held: dict[str, int] | None = None  # name -> leading blocks held, for backends the precise view covers
+        # The engines' own view (KV events), asked once; `held`: leading learned-size blocks each backend it
+        # covers holds, computed from it when the block chain is (see `get_held`).
+        found: PreciseMatch | None = None
+        held: dict[str, int] | None = None
 
         if a.session_affinity and req.session_key is not None:
             key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
@@ -284,17 +296,20 @@ class AffinityPolicy:
             exact = self._exact.get(keys.fingerprint)
             scores = ring.scores(keys.hash_key)
             top = self._top(scores)
-            if exact is not None and exact in ring.members:
+            if self._precise is not None:
+                found = self._precise(req)
+                if found is not None and (not found.cached or found.prompt_tokens <= 0):
+                    found = None
+            kv_hit = self._kv_hit(found, req, keys.structured, len(keys.data), ring, scores) if found else None
+            if kv_hit is not None:
+                primary, matched = kv_hit
+                reason = Reason.PREFIX_HIT
+            elif exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
                 blocks = self._fp.blocks(keys)
-                if self._precise is not None:
-                    n_blocks = len(blocks)
-                    held = {
-                        n: min(n_blocks, int(f * n_blocks + 1e-9))
-                        for n, f in self._precise(req).items()
-                        if n in ring.members
-                    }
+                if found is not None:
+                    held = self._held(found, ring, len(blocks))
                 need = a.min_prefix_blocks
                 if keys.structured:
                     # The match must reach past the end of the first user turn, i.e. include the block
@@ -334,6 +349,12 @@ class AffinityPolicy:
                 blocks = self._fp.blocks(keys)
             return blocks
 
+        def get_held() -> dict[str, int] | None:
+            nonlocal held
+            if held is None and found is not None:
+                held = self._held(found, ring, len(get_blocks()))
+            return held
+
         prompt_tokens = len(keys.data) / BYTES_PER_TOKEN_ESTIMATE
         reason_was_exact = reason is Reason.EXACT_HIT
         if reason is Reason.EXACT_HIT:
@@ -349,7 +370,7 @@ class AffinityPolicy:
             shared_blocks = -(-shared_bytes // a.block_bytes)
         chosen, reason, matched = self._bounded(
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
-            get_blocks, shared_blocks, held,
+            get_blocks, shared_blocks, get_held,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched))
         if record_exact:
@@ -372,6 +393,42 @@ class AffinityPolicy:
             self._alternates(chosen, ring, scores, top, exclude),
             max(matched, 0),
         )
+
+    @staticmethod
+    def _held(found: PreciseMatch, ring: _Ring, n_blocks: int) -> dict[str, int]:
+        """Per ring member the engines' view covers: the leading blocks (of the learned index's size) of
+        the prompt its engine holds, the same share of the prompt as the tokens it holds."""
+        total = found.prompt_tokens
+        return {n: min(n_blocks, int(t * n_blocks / total)) for n, t in found.cached.items() if n in ring.members}
+
+    def _kv_hit(
+        self, found: PreciseMatch, req: RequestSummary, structured: bool, prompt_bytes: int, ring: _Ring,
+        scores: list[float],
+    ) -> tuple[str, int] | None:
+        """Step 1b: the ring member whose engine holds the longest long-enough prefix, as (name, matched
+        in learned-block units, as the cost check counts), or None."""
+        a = self._a
+        if structured and req.key_prefix_chars is not None and req.prompt:
+            share = min(1.0, (req.key_prefix_chars + 1) / len(req.prompt))  # past the first user turn
+        else:
+            share = a.min_prefix_ratio
+        point = share * found.prompt_tokens
+        if found.block_size > 0:
+            # Engines cache whole blocks only: the block holding the end of the first user turn may not be
+            # full yet, so reaching its start is enough (it already differs from other conversations).
+            point = (point // found.block_size) * found.block_size
+        need = max(1.0, a.min_prefix_blocks * self._block_tokens, point)
+        best_i, best_t, best_s = -1, 0, -1.0
+        cached = found.cached
+        for i, name in enumerate(ring.names):
+            t = cached.get(name, 0)
+            if t >= need and (t > best_t or (t == best_t and scores[i] > best_s)):
+                best_i, best_t, best_s = i, t, scores[i]
+        if best_i < 0:
+            return None
+        # The share of the prompt cached there, in the learned index's blocks of `block_bytes` bytes.
+        blocks = best_t / found.prompt_tokens * prompt_bytes / a.block_bytes
+        return ring.names[best_i], max(1, int(blocks))
 
     # ------------------------------------------------------------------------------------ bounded load
 
@@ -396,7 +453,7 @@ class AffinityPolicy:
         req: RequestSummary,
         get_blocks: Callable[[], list[int]],
         shared_blocks: int = 0,
-        held: Mapping[str, int] | None = None,
+        get_held: Callable[[], Mapping[str, int] | None] = lambda: None,
     ) -> tuple[str, Reason, int]:
         """Apply the bounded-load rule and the cost check to `primary`.
 
@@ -462,6 +519,7 @@ class AffinityPolicy:
             nonlocal idxs
             best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
             chain: list[int] | None = None
+            held: Mapping[str, int] | None = None
             for i, name in enumerate(names):
                 if name == primary or not can_take(name):
                     continue
@@ -473,6 +531,7 @@ class AffinityPolicy:
                 if chain is None:
                     chain = get_blocks()
                     idxs = self._ring_indexes(ring)
+                    held = get_held()
                 if held is not None and name in held:
                     m = held[name]
                 else:
@@ -489,8 +548,9 @@ class AffinityPolicy:
                     return primary, reason, matched
                 if matched == -2:
                     chain = get_blocks()
-                    if held is not None and primary in held:
-                        matched = held[primary]
+                    held_now = get_held()
+                    if held_now is not None and primary in held_now:
+                        matched = held_now[primary]
                     else:
                         matched = self._indexes[primary].match(chain, 1) if chain else 0
                 w = info[primary][1]

@@ -28,11 +28,16 @@ API (stable; the offline replay on the `scaleout` branch uses it):
     index.match_keys(keys, 16)   -> {"b0": 1}         # leading cached blocks, FRESH backends of that block size
     index.match(token_ids, "llama-3-8b") -> {"b0": 16}  # the same in tokens, every fresh backend
     index.state("b0") -> "fresh" | "stale"; index.num_blocks("b0"); index.block_sizes(); index.untrack("b0")
+    PreciseMatch(prompt_tokens, cached={"b0": 16})   # what routing receives (proxy/core/affinity.py)
 
 Freshness: a tracked backend starts stale and is stale whenever its event stream cannot be trusted (a
 sequence gap not yet replayed, a restart, silence); `match*` leaves stale backends out of the answer
 entirely, so the caller falls back to the learned index for them and never reads "no events" as "empty
 cache". A backend that is fresh and answers 0 really holds nothing of that prompt (as far as events say).
+
+Blocks whose engine hash took extra inputs (vLLM's `extra_keys`: multimodal ids, a cache salt; a LoRA name
+alone does not count, the seed already carries it) get keys that no prompt's token ids produce, so an
+image prompt's placeholder tokens never match another image's; their children chain from those keys.
 
 A `BlockStored` whose parent is unknown (stored before we subscribed, or lost in a gap) cannot be keyed,
 because its key names the whole prefix: such blocks are counted in `orphans` and skipped. The index then
@@ -59,6 +64,7 @@ __all__ = [
     "FRESH",
     "KVEvent",
     "KVIndex",
+    "PreciseMatch",
     "STALE",
     "block_keys",
     "chain_seed",
@@ -84,6 +90,9 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    # vLLM's per-block extra hash inputs (multimodal ids, cache salt, LoRA name), one entry or None per
+    # block; a block with inputs beyond the LoRA name gets a key no prompt's token ids can produce.
+    extra_keys: tuple[object, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,18 @@ class AllBlocksCleared:
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseMatch:
+    """What the precise index says about one prompt: its length in tokens and, per FRESH backend, how many
+    of its leading tokens that backend's engine holds (stale backends absent: use the learned index)."""
+
+    prompt_tokens: int
+    cached: Mapping[str, int]
+    # The engines' block size: a prefix is cached in whole blocks only, so a match may stop up to one
+    # block short of any point in the prompt (0: unknown).
+    block_size: int = 0
 
 
 def chain_seed(model: str) -> int:
@@ -150,6 +171,23 @@ def block_keys(token_ids: Sequence[int], block_size: int, seed: int) -> list[int
     """Chained keys of the full blocks of `token_ids` (the partial tail is not keyed: engines cache full
     blocks only)."""
     return extend_block_keys([], token_ids, block_size, seed)
+
+
+def _mark_extra(keys: list[int], extra_keys: Sequence[object], lora_name: str | None) -> None:
+    """Re-key, from the first block whose engine hash took inputs other than its tokens and LoRA name
+    (an image, a cache salt), every block of this event: text-identical prompts must not match them."""
+    parent: int | None = None
+    for i, extra in enumerate(extra_keys[: len(keys)]):
+        if parent is None:
+            if extra is None or (isinstance(extra, (list, tuple)) and list(extra) in ([], [lora_name])):
+                continue
+            parent = keys[i - 1] if i else 0
+        parent = xxhash.xxh3_64_intdigest(repr((keys[i], extra)).encode("utf-8", "surrogatepass"), seed=parent)
+        keys[i] = parent
+    if parent is not None:
+        for j in range(i + 1, len(keys)):
+            parent = xxhash.xxh3_64_intdigest(keys[j].to_bytes(8, "little"), seed=parent)
+            keys[j] = parent
 
 
 class _Backend:
@@ -231,7 +269,7 @@ class KVIndex:
     def apply(self, backend: str, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             self.stored(backend, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                        lora_name=event.lora_name, lora_id=event.lora_id)
+                        lora_name=event.lora_name, lora_id=event.lora_id, extra_keys=event.extra_keys)
         elif isinstance(event, BlockRemoved):
             self.removed(backend, event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
@@ -253,6 +291,7 @@ class KVIndex:
         *,
         lora_name: str | None = None,
         lora_id: int | None = None,
+        extra_keys: Sequence[object] | None = None,
     ) -> int:
         """Record stored blocks; returns how many were keyed (0 when the parent is unknown: orphans).
 
@@ -286,6 +325,8 @@ class KVIndex:
         except ValueError:
             b.rejected += 1
             raise
+        if extra_keys:
+            _mark_extra(keys, extra_keys, lora_name)
         if resized:
             # One engine, one block size: a change means a new engine configuration; its old keys are void.
             b.clear()

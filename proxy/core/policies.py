@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import heapq
 import random
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Policy, Reason
 from proxy.core.load import assumed_score, effective_load
@@ -257,17 +257,18 @@ class LeastLoad(_LeastLoaded):
         ]
 
 
-def build_policy(cfg: RoutingConfig, *, instance: int = 0) -> Policy:
+def build_policy(cfg: RoutingConfig, *, instance: int = 0, precise: Any = None) -> Policy:
     """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
 
     `instance` (e.g. the worker process index) gives `random` and `power_of_two` their own seeded
     stream per worker; it has no effect on the other policies, and none on the affinity mapping, which
-    is the same in every worker and replica by design.
+    is the same in every worker and replica by design. `precise` (affinity only): the KV-event lookup,
+    `proxy.core.affinity.PreciseLookup`.
     """
     if cfg.policy == "affinity":
         from proxy.core.affinity import AffinityPolicy
 
-        return AffinityPolicy(cfg)
+        return AffinityPolicy(cfg, precise=precise)
     if cfg.policy == RandomPolicy.name:
         return RandomPolicy(cfg, instance)
     if cfg.policy == PowerOfTwo.name:

@@ -8,7 +8,7 @@ arrived as OpenAI JSON or as a KServe v2 tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 # A word-count heuristic would under-count code and CJK; 4 bytes per token is the usual rule of thumb for
@@ -50,6 +50,9 @@ class RequestSummary:
     # Length in characters of the leading system/developer messages (chat; None: none or no structure):
     # content many conversations share, which the affinity cost check does not chase in an idle fleet.
     shared_prefix_chars: int | None = None
+    # Chat requests: the messages as sent, for the precise KV index, which renders them with the model's own
+    # chat template (proxy/dataplane/tokenize.py). Not part of equality: `prompt` already is.
+    messages: tuple[Any, ...] | None = field(default=None, compare=False)
 
     @property
     def prompt_bytes(self) -> bytes:
@@ -192,4 +195,5 @@ def summary_from_openai(
         endpoint=endpoint,
         key_prefix_chars=key_prefix_chars,
         shared_prefix_chars=shared_prefix_chars,
+        messages=tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
     )

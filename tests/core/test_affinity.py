@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.core.affinity import AffinityPolicy, rendezvous_order
 from proxy.core.decision import Inflight, NoBackendAvailable, Reason
+from proxy.core.kv_index import PreciseMatch
 from proxy.core.routing_config import AffinityConfig, RoutingConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
@@ -499,12 +500,26 @@ def test_precise_view_finds_a_prefix_this_process_never_routed():
     p = prompt(doc + "question A")
     home = policy().pick(p, snap, {}).backend
     holder = next(n for n in snap.names if n != home)
-    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: {holder: 1.0, home: 0.0})
+    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: PreciseMatch(1000, {holder: 1000, home: 0}, 16))
     d = pol.pick(p, snap, {})
     assert d.backend == holder and d.reason is Reason.PREFIX_HIT and d.prefix_blocks_matched > 0
     # A view that leaves every backend out (stale or no events): the learned index and hashing decide.
-    blind = AffinityPolicy(RoutingConfig(), precise=lambda req: {})
+    blind = AffinityPolicy(RoutingConfig(), precise=lambda req: PreciseMatch(1000, {}, 16))
     assert blind.pick(p, snap, {}).backend == home
+
+
+def test_precise_view_costs_a_fallback_by_what_the_engines_hold():
+    """The cost check reads the engines' view too: a prompt whose home is overloaded goes to the backend
+    whose engine holds most of it, although this process never routed it there."""
+    snap = fleet(4)
+    p = prompt("fresh document " + "d" * 8000)
+    order = policy().pick(p, snap, {})
+    home, nxt = order.backend, order.alternates[0]
+    holder = next(n for n in snap.names if n not in (home, nxt))
+    view = PreciseMatch(2000, {holder: 900, home: 0, nxt: 0}, 16)  # 45%: no prefix hit, a cheaper holder
+    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: view)
+    d = pol.pick(p, snap, {home: Inflight(requests=9)})
+    assert d.backend == holder and d.reason is Reason.OVERLOAD_FALLBACK
 
 
 def test_idle_fleet_still_follows_a_users_own_preamble_past_the_system_prompt():

@@ -95,6 +95,18 @@ def test_lora_blocks_are_keyed_by_the_adapter_name() -> None:
     assert index.match(_ids(4), MODEL) == {"b0": 0} and index.num_blocks("b0") == 2
 
 
+def test_blocks_hashed_with_extra_inputs_never_match_plain_token_ids() -> None:
+    index = _fresh("b0")
+    # block 0: plain; block 1: an image's placeholder tokens (mm hash in extra_keys); block 2: after it
+    index.apply("b0", BlockStored((1, 2, 3), None, tuple(_ids(12)), BS, extra_keys=(None, (("img", 0),), None)))
+    assert index.match(_ids(12), MODEL) == {"b0": 4} and index.num_blocks("b0") == 3
+    index.apply("b0", BlockStored((4,), 3, tuple(_ids(4, 12)), BS))  # a child of the image chain
+    assert index.match(_ids(16), MODEL) == {"b0": 4}
+    # a LoRA name alone is no extra input: the seed carries it
+    index.apply("b0", BlockStored((5,), None, tuple(_ids(4, 50)), BS, lora_name="sql", extra_keys=(["sql"],)))
+    assert index.match(_ids(4, 50), "sql") == {"b0": 4}
+
+
 def test_unknown_parent_is_an_orphan_and_never_over_reports() -> None:
     index = _fresh("b0")
     assert index.stored("b0", (7,), 6, _ids(4, 4), BS) == 0
@@ -191,3 +203,48 @@ def test_index_agrees_with_a_model_of_stored_prefixes(prompt_choices: list[int],
         while want + BS <= len(p) and tuple(p[: want + BS]) in cached:
             want += BS
         assert index.match(p, MODEL) == {"b": want}
+
+
+# ---- the precise step of the affinity policy (proxy/core/affinity.py, step 1b) ---------------------------
+
+from proxy.core.affinity import AffinityPolicy  # noqa: E402
+from proxy.core.decision import Reason  # noqa: E402
+from proxy.core.kv_index import PreciseMatch  # noqa: E402
+
+from .helpers import chat, fleet, prompt  # noqa: E402
+
+
+def _policy_with(answer: PreciseMatch | None) -> AffinityPolicy:
+    return AffinityPolicy(precise=lambda req: answer)
+
+
+def test_a_kv_hit_wins_over_the_hash_home_and_learned_state() -> None:
+    snap = fleet(4)
+    text = "word " * 400
+    home = AffinityPolicy().pick(prompt(text), snap, {}).backend
+    other = next(b.name for b in snap.backends if b.name != home)
+    pol = _policy_with(PreciseMatch(400, {home: 0, other: 400}))
+    d = pol.pick(prompt(text), snap, {})
+    assert d.backend == other and d.reason is Reason.PREFIX_HIT and d.prefix_blocks_matched > 0
+    # a repeat asks the events again (not the exact index recorded a moment ago)
+    pol._precise = lambda req: PreciseMatch(400, {home: 400, other: 0})
+    assert pol.pick(prompt(text), snap, {}).backend == home
+
+
+def test_a_short_or_absent_kv_match_falls_through_to_the_learned_steps() -> None:
+    snap = fleet(4)
+    text = "word " * 400
+    home = AffinityPolicy().pick(prompt(text), snap, {}).backend
+    other = next(b.name for b in snap.backends if b.name != home)
+    for answer in (None, PreciseMatch(400, {}), PreciseMatch(400, {other: 16})):  # 16 of 400: below the ratio
+        d = _policy_with(answer).pick(prompt(text), snap, {})
+        assert d.backend == home and d.reason is Reason.HASH
+    # chat: a match inside the shared system prompt is no hit
+    req = chat([("system", "s " * 300), ("user", "question one")])
+    home = AffinityPolicy().pick(req, snap, {}).backend
+    other = next(b.name for b in snap.backends if b.name != home)
+    assert _policy_with(PreciseMatch(310, {other: 290})).pick(req, snap, {}).backend == home
+    assert _policy_with(PreciseMatch(310, {other: 310})).pick(req, snap, {}).backend == other
+    # in whole engine blocks: reaching the start of the block that ends the first turn is enough
+    assert _policy_with(PreciseMatch(310, {other: 288}, block_size=16)).pick(req, snap, {}).backend == home
+    assert _policy_with(PreciseMatch(310, {other: 304}, block_size=16)).pick(req, snap, {}).backend == other

@@ -82,11 +82,11 @@ def test_no_events_are_kept_unless_asked() -> None:
 
 def test_both_encodings_lay_out_vllm_structs() -> None:
     ev = [Stored((11, 12), None, tuple(VOCAB[:8]), None), Removed((11,)), Cleared()]
-    arr = msgpack.unpackb(encode_batch(ev, 1.5, "array", 4, "m"))
+    arr = msgpack.unpackb(encode_batch(ev, 1.5, "array", 4))
     assert arr[0] == 1.5 and arr[2] == 0
     assert arr[1][0] == ["BlockStored", [11, 12], None, token_ids(" ".join(VOCAB[:8])), 4, None, "GPU", None]
     assert arr[1][1] == ["BlockRemoved", [11], "GPU"] and arr[1][2] == ["AllBlocksCleared"]
-    m = msgpack.unpackb(encode_batch([Stored((7,), 6, tuple(VOCAB[:4]), "sql")], 2.0, "map", 4, "m"))
+    m = msgpack.unpackb(encode_batch([Stored((7,), 6, tuple(VOCAB[:4]), "sql")], 2.0, "map", 4))
     assert set(m) == {"ts", "events", "data_parallel_rank"}
     e = m["events"][0]
     assert e["type"] == "BlockStored" and e["parent_block_hash"] == 6 and e["lora_name"] == "sql"
@@ -156,3 +156,55 @@ async def test_a_request_publishes_its_blocks_and_replay_returns_them(encoding: 
         dealer.close(0)
         ctx.term()
         await fleet.stop()
+
+
+def test_cli_flags_publish_events_with_the_chosen_encoding_and_block_size() -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim", "--port", "0", "--servers", "2", "--speed", "100",
+         "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
+         "--kv-events-topic", "t", "--kv-events-encoding", "array", "--block-size", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+    )
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        proc.stdout.readline()
+        fields = dict(f.split("=", 1) for f in line[2:])
+        sub.setsockopt(zmq.SUBSCRIBE, b"t")
+        sub.connect(fields["kv_events"])
+        import time
+
+        time.sleep(0.5)
+        httpx.post(line[1] + "/v1/completions", json={"prompt": " ".join(VOCAB[:20]), "max_tokens": 1}, timeout=10)
+        assert sub.poll(5000)
+        topic, seq, payload = sub.recv_multipart()
+        batch = msgpack.unpackb(payload)
+        assert topic == b"t" and isinstance(batch, list) and batch[1][0][0] == "BlockStored"
+        assert batch[1][0][4] == 8 and len(batch[1][0][3]) == 16  # two 8-token blocks of the 20-word prompt
+        dealer.connect(fields["kv_replay"])
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart()[1] == (0).to_bytes(8, "big")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        sub.close(0)
+        dealer.close(0)
+        ctx.term()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    r = subprocess.run([sys.executable, "-m", "sim", "--port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=30)
+    assert r.returncode == 2 and "needs --kv-events-endpoint" in r.stderr

@@ -1,0 +1,413 @@
+"""KV-event subscriber: every backend's ZeroMQ event stream into the precise index (`proxy.core.kv_index`).
+
+One SUB socket per configured backend (`telemetry.kv_events.backends`), one asyncio task each. Every worker
+process and every replica runs its own subscriber and so holds the same index: what the engines report,
+not what one process routed.
+
+Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
+
+- first batch seen at seq s > 0, with a replay endpoint: ask the ROUTER for 0..s-1 (what its buffer still
+  holds) so blocks cached before we connected are known; without one, start at s (older blocks stay
+  unknown: the index under-reports, never over-reports).
+- seq > expected: a gap (the PUB socket dropped messages). The backend is stale until a replay of
+  expected..seq-1 succeeds; if the replay is missing, incomplete or times out, the index of that backend is
+  cleared (removals may have been lost, so what it holds could be wrong) and rebuilt from here on.
+- seq < expected: the publisher restarted (engine killed and started again): its cache is new, so the
+  index is cleared, then filled as for a first batch.
+- a restarted engine can also number past where the old one stopped before we reconnect, so after a gap
+  or a disconnect (ZeroMQ socket monitor) the replay starts one batch early, at the last batch applied
+  here, whose payload digest must match: a different batch there means a new engine (index cleared,
+  history replayed from 0). Without a replay endpoint such a stream cannot be verified: cleared.
+- no batch for `stale_after_s`: stale (routing falls back to the learned index) until the next batch,
+  which makes it fresh again if it continues the sequence. An idle engine publishes nothing, so a quiet
+  backend is "unknown", never "empty".
+
+Only events for the GPU medium (or none) are indexed: CPU-offload tiers (`medium: "CPU"`) do not decide
+prefill reuse the same way. Metrics (on the registry passed in): batches and events received, decode
+errors, gaps, replays by outcome, restarts, lag (our wall clock minus the batch's `ts`), events/s over the
+last 10 s, index blocks and freshness per backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import xxhash
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from zmq.utils.monitor import parse_monitor_message
+
+from proxy.control.telemetry_config import KVEventsEndpoint
+from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
+from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message, decode_replay, encode_replay_request
+
+__all__ = ["KVEventMetrics", "KVEventSubscriber"]
+
+_log = logging.getLogger(__name__)
+_RATE_WINDOW_S = 10.0
+_INDEXED_MEDIA = (None, "GPU")
+
+
+def _digest(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class KVEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Counter("affinity_proxy_kv_event_batches", "KV-event batches received, by backend.",
+                               ["backend"], registry=registry)
+        self.events = Counter("affinity_proxy_kv_events", "KV-cache events applied to the precise index, by backend.",
+                              ["backend"], registry=registry)
+        self.decode_errors = Counter("affinity_proxy_kv_event_decode_errors",
+                                     "KV-event messages that could not be decoded or applied, by backend.",
+                                     ["backend"], registry=registry)
+        self.gaps = Counter("affinity_proxy_kv_event_gaps", "Sequence gaps in a backend's KV-event stream.",
+                            ["backend"], registry=registry)
+        self.replays = Counter("affinity_proxy_kv_event_replays",
+                               "Replay requests to a backend's KV-event ROUTER, by outcome (complete, incomplete, "
+                               "timeout, restarted).", ["backend", "outcome"], registry=registry)
+        self.restarts = Counter("affinity_proxy_kv_event_restarts",
+                                "KV-event sequence resets (the engine restarted): the backend's index was cleared.",
+                                ["backend"], registry=registry)
+
+
+@dataclass
+class _Feed:
+    name: str
+    config: KVEventsEndpoint
+    expected: int | None = None
+    last_digest: int | None = None  # xxh3 of the payload of batch expected-1
+    reconnected: bool = False  # the PUB socket disconnected since the last batch
+    last_ts: float | None = None
+    lag_s: float | None = None
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, events)
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        index: KVIndex,
+        backends: Mapping[str, KVEventsEndpoint],
+        *,
+        models: Mapping[str, str],
+        registry: CollectorRegistry | None = None,
+        stale_after_s: float = 30.0,
+        replay_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`models`: base model name per backend (seeds the keys of blocks without a LoRA name); a backend's
+        own `model:` in the configuration wins."""
+        self.index = index
+        self._feeds: dict[str, _Feed] = {}
+        for name, ep in backends.items():
+            model = ep.model or models.get(name)
+            if not model:
+                raise ValueError(f"telemetry.kv_events.backends.{name}: no model known to seed its block keys "
+                                 "(set `model:` or list the backend's models)")
+            index.track(name, model=model)
+            self._feeds[name] = _Feed(name, ep)
+        self.stale_after_s = stale_after_s
+        self.replay_timeout_s = replay_timeout_s
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._clock = clock
+        self._wall = wall_clock
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self.metrics = KVEventMetrics(registry) if registry is not None else None
+        if registry is not None:
+            registry.register(_IndexCollector(self))
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for feed in self._feeds.values():
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark: a busy loop queues, not drops
+            sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
+            sub.connect(feed.config.endpoint)
+            self._sockets.append(sub)
+            self._tasks.append(loop.create_task(self._run(feed, sub), name=f"kv-events-{feed.name}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        for s in self._sockets:
+            s.close(linger=0)  # monitor sockets too (listed after their SUB)
+        self._sockets.clear()
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Per backend: freshness, next expected sequence, lag, index counts (for admin/debug pages)."""
+        out: dict[str, dict[str, object]] = {}
+        for name, feed in self._feeds.items():
+            out[name] = {"state": self.index.state(name), "expected_seq": feed.expected, "lag_s": feed.lag_s,
+                         "events_per_s": self.events_per_s(name), **self.index.stats(name)}
+        return out
+
+    def events_per_s(self, name: str) -> float:
+        feed = self._feeds[name]
+        cutoff = self._clock() - _RATE_WINDOW_S
+        while feed.recent and feed.recent[0][0] < cutoff:
+            feed.recent.popleft()
+        return sum(n for _, n in feed.recent) / _RATE_WINDOW_S
+
+    # ---- one backend ----------------------------------------------------------------------------------
+    async def _run(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
+        name = feed.name
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.append(monitor)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            timeout_ms = None
+            if self.stale_after_s > 0 and self.index.is_fresh(name):
+                timeout_ms = int(self.stale_after_s * 1000)
+            ready = dict(await poller.poll(timeout_ms))
+            if not ready:
+                _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the learned index",
+                          name, self.stale_after_s)
+                self.index.mark_stale(name)
+                continue
+            if monitor in ready:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # The engine went away (killed, restarting, network): unknown until it speaks again and
+                    # its stream is shown to continue ours.
+                    _log.info("KV events from %s: publisher disconnected: stale", name)
+                    feed.reconnected = True
+                    self.index.mark_stale(name)
+            if sub not in ready:
+                continue
+            frames = await sub.recv_multipart()
+            try:
+                batch = decode_message(frames)
+            except KVEventDecodeError as exc:
+                self._decode_error(name, exc)
+                continue
+            try:
+                await self.handle(feed, batch, _digest(frames[2]))
+            except Exception:  # a bug here must not end the subscription
+                _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
+                self.index.mark_stale(name)
+
+    async def handle(self, feed: _Feed, batch: EventBatch, digest: int | None = None) -> None:
+        """Sequence logic for one live batch (replays as needed), then apply it and mark the backend fresh.
+
+        `digest` (xxh3 of the payload) lets a later replay prove that the publisher's stream still contains
+        the last batch applied here: after a disconnect or a gap, a restarted engine can be numbering new
+        batches past where the old one stopped, which sequence numbers alone cannot tell apart.
+        """
+        name, seq, expected = feed.name, batch.seq, feed.expected
+        check = feed.reconnected or (expected is not None and seq > expected)
+        feed.reconnected = False
+        if expected is not None and seq < expected:
+            self._restarted(feed, f"sequence went back to {seq} (expected {expected})")
+            expected = None
+        elif expected is not None and check:
+            if seq > expected:
+                _log.warning("KV events from %s: gap %d..%d", name, expected, seq - 1)
+                self._count(self.metrics and self.metrics.gaps, name)
+            self.index.mark_stale(name)
+            if not feed.config.replay_endpoint:
+                self.index.clear(name)  # removals may be lost (or a new engine): start from scratch
+            else:
+                verify = (expected - 1, feed.last_digest) if feed.last_digest is not None else None
+                start = expected - 1 if verify is not None else expected
+                outcome = await self._replay(feed, start, seq, initial=False, verify=verify)
+                if outcome == "restarted":
+                    self._restarted(feed, f"its batch {expected - 1} is not the one applied here")
+                    expected = None
+        if expected is None and seq > 0 and feed.config.replay_endpoint:
+            await self._replay(feed, 0, seq, initial=True)
+        self._apply(feed, batch, digest)
+        feed.expected = seq + 1
+        self.index.mark_fresh(name)
+
+    def _restarted(self, feed: _Feed, why: str) -> None:
+        _log.warning("KV events from %s: the engine restarted (%s): index cleared", feed.name, why)
+        self._count(self.metrics and self.metrics.restarts, feed.name)
+        self.index.clear(feed.name)
+        self.index.mark_stale(feed.name)
+        feed.last_digest = None
+
+    async def _replay(self, feed: _Feed, start: int, until: int, *, initial: bool,
+                      verify: tuple[int, int] | None = None) -> str:
+        """Apply the publisher's buffered batches start..until-1. With `verify` = (seq, digest) the batch
+        `seq` (== start) must come back with that digest and is not applied again; a different one means a
+        new publisher ("restarted": nothing applied). Outcomes: complete, incomplete, timeout, restarted; an
+        incomplete or timed-out gap replay clears the index (what was lost may have removed blocks)."""
+        name = feed.name
+        endpoint = feed.config.replay_endpoint
+        assert endpoint is not None
+        got: dict[int, tuple[EventBatch, int]] = {}
+        outcome = "timeout"
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(endpoint)
+            await dealer.send_multipart(encode_replay_request(start))
+            deadline = self._clock() + self.replay_timeout_s
+            while True:
+                left = deadline - self._clock()
+                if left <= 0 or not await dealer.poll(int(left * 1000) + 1):
+                    break
+                frames = await dealer.recv_multipart()
+                try:
+                    batch = decode_replay(frames)
+                except KVEventDecodeError as exc:
+                    self._decode_error(name, exc)
+                    continue
+                if batch is None:
+                    outcome = "complete"
+                    break
+                if start <= batch.seq < until:
+                    got[batch.seq] = (batch, _digest(frames[-1]))
+        finally:
+            dealer.close(linger=0)
+        first = start
+        if verify is not None and outcome == "complete":
+            mine = got.pop(verify[0], None)
+            if mine is None:
+                outcome = "incomplete"  # rolled out of its buffer: continuity cannot be shown
+            elif mine[1] != verify[1]:
+                outcome = "restarted"
+            first = verify[0] + 1
+        if outcome == "complete" and sorted(got) != list(range(first, until)):
+            outcome = "incomplete"
+        self._count(self.metrics and self.metrics.replays, name, outcome)
+        _log.info("KV events from %s: replay %d..%d %s (%d batches)", name, start, until - 1, outcome, len(got))
+        if outcome == "restarted":
+            return outcome
+        if outcome != "complete" and not initial:
+            # Something between start and until is lost for good (removals included): start from scratch.
+            self.index.clear(name)
+        for seq in sorted(got):
+            batch, digest = got[seq]
+            self._apply(feed, batch, digest)
+        return outcome
+
+    def _apply(self, feed: _Feed, batch: EventBatch, digest: int | None) -> None:
+        name = feed.name
+        feed.last_digest = digest
+        applied = 0
+        for ev in batch.events:
+            if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium not in _INDEXED_MEDIA:
+                continue
+            try:
+                self.index.apply(name, ev)
+            except ValueError as exc:
+                self._decode_error(name, exc)
+                continue
+            applied += 1
+            if isinstance(ev, AllBlocksCleared):
+                _log.info("KV events from %s: all blocks cleared", name)
+        now = self._clock()
+        feed.recent.append((now, applied))
+        feed.last_ts = batch.ts
+        feed.lag_s = max(0.0, self._wall() - batch.ts)
+        if self.metrics is not None:
+            self.metrics.batches.labels(name).inc()
+            self.metrics.events.labels(name).inc(applied)
+
+    def _decode_error(self, name: str, exc: Exception) -> None:
+        _log.warning("KV events from %s: %s", name, exc)
+        self._count(self.metrics and self.metrics.decode_errors, name)
+
+    @staticmethod
+    def _count(counter: Counter | None, *labels: str) -> None:
+        if counter is not None:
+            counter.labels(*labels).inc()
+
+    def feeds(self) -> Iterable[str]:
+        return self._feeds.keys()
+
+
+class _IndexCollector:
+    """Gauges read from the index at scrape time (blocks, freshness, lag, events/s per backend)."""
+
+    def __init__(self, sub: KVEventSubscriber) -> None:
+        self._sub = sub
+
+    def collect(self) -> Iterable[Metric]:
+        sub = self._sub
+        blocks = GaugeMetricFamily("affinity_proxy_kv_index_blocks",
+                                   "Blocks the backend's engine holds according to its KV events.", labels=["backend"])
+        fresh = GaugeMetricFamily("affinity_proxy_kv_index_fresh",
+                                  "1 if the backend's KV-event view is trusted for routing, 0 if stale (learned index "
+                                  "used).", labels=["backend"])
+        lag = GaugeMetricFamily("affinity_proxy_kv_events_lag_seconds",
+                                "Receipt time minus the last batch's engine timestamp (includes clock skew).",
+                                labels=["backend"])
+        rate = GaugeMetricFamily("affinity_proxy_kv_events_per_second",
+                                 "KV-cache events applied per second over the last 10 s.", labels=["backend"])
+        for name in sub.feeds():
+            blocks.add_metric([name], sub.index.num_blocks(name))
+            fresh.add_metric([name], 1.0 if sub.index.is_fresh(name) else 0.0)
+            feed = sub._feeds[name]
+            if feed.lag_s is not None:
+                lag.add_metric([name], feed.lag_s)
+            rate.add_metric([name], sub.events_per_s(name))
+        return [blocks, fresh, lag, rate]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
+@dataclass
+class PreciseRouting:
+    """What `telemetry.kv_events` wires into one data-plane process: the index, the policy's lookup, and
+    (built once the process has its metrics registry) the subscriber that keeps the index in step."""
+
+    index: KVIndex
+    matcher: object  # proxy.dataplane.tokenize.PreciseMatcher: AffinityPolicy(cfg, precise=matcher)
+    endpoints: Mapping[str, KVEventsEndpoint]
+    models: Mapping[str, str]
+    stale_after_s: float
+    replay_timeout_s: float
+
+    def subscriber(self, registry: CollectorRegistry | None) -> KVEventSubscriber:
+        return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
+                                 stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
+
+
+def build_precise_routing(config: object) -> PreciseRouting | None:
+    """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
+    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
+    from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
+
+    ke = config.telemetry.kv_events  # type: ignore[attr-defined]
+    if not ke.enabled:
+        return None
+    backend_models = {b.name: b.models[0] for b in config.backends if b.models}  # type: ignore[attr-defined]
+    models: dict[str, str] = {}
+    for name, ep in ke.backends.items():
+        model = ep.model or backend_models.get(name)
+        if not model:
+            raise ValueError(f"telemetry.kv_events.backends.{name}: set `model:` or the backend's `models:` "
+                             "(the model name seeds its block keys)")
+        models[name] = model
+    if not ke.tokenizers:
+        raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
+    tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
+    index = KVIndex()
+    return PreciseRouting(index, PreciseMatcher(index, tokenizers), dict(ke.backends), models, ke.stale_after_s,
+                          ke.replay_timeout_ms / 1000.0)

@@ -1,0 +1,395 @@
+"""Prompts to token ids with the model's own tokenizer, for the precise KV index (`proxy.core.kv_index`).
+
+A model folder (the one vLLM loads, or the simulator's `sim/tokenizer/`) holds `tokenizer.json`, read by
+Hugging Face `tokenizers`, and `tokenizer_config.json`, whose `chat_template` is rendered with jinja2 in the
+environment `transformers.apply_chat_template` uses (sandboxed, trim_blocks, lstrip_blocks,
+`raise_exception`, `tojson`, the special tokens as variables). Nothing is downloaded; the path comes from
+the configuration (`telemetry.kv_events.tokenizers`).
+
+Cost, and how it is kept off the request path:
+
+- Cut points are content-defined: text is split into chunks of at least `chunk_chars` characters, each cut
+  at the first "non-space, space, non-space" position after that length. A chunk's ids are cached (LRU,
+  `cache_chunks` entries) by its text, so a repeated prompt, or a conversation that grows by one turn,
+  re-tokenises only its new tail: the cut points of a shared prefix do not depend on what follows it.
+- Tokenising chunks separately is exact only for tokenizers whose pre-tokenizer never merges across such a
+  cut (whitespace, GPT-2/Llama-3 byte-level regexes, Metaspace); a normalizer that prepends to every input
+  (Llama-2's `Prepend("▁")`) is not. `ModelTokenizer` checks this on load with probe texts and falls back
+  to whole-prompt caching when a split would change the ids (`chunked` says which).
+- `encode_async` / `encode_chat_async` run a tokenisation whose uncached part exceeds `offload_chars` in
+  an executor (HF tokenizers release the GIL while encoding), so a 64k-token prompt does not stall the
+  event loop; cached or short prompts are answered inline, cheaper than a thread hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+__all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points"]
+
+log = logging.getLogger(__name__)
+
+_PROBES = (
+    "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
+    "user\nhello there\nassistant\nGeneral Kenobi!  You are a bold one.\n",
+    "def f(x):\n    return x + 1  # comment\n\n\nprint(f(2))",
+)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer folder or the chat template cannot be used (or the template raised)."""
+
+
+def cut_points(text: str, chunk_chars: int) -> list[int]:
+    """Chunk ends: each the first i >= start + chunk_chars with text[i-1] non-space, text[i] == " " and
+    text[i+1] non-space (the chunk ends before the space); the last end is len(text)."""
+    ends: list[int] = []
+    start = 0
+    n = len(text)
+    while start + chunk_chars < n:
+        i = text.find(" ", start + chunk_chars)
+        while i != -1 and i + 1 < n and (text[i - 1].isspace() or text[i + 1].isspace()):
+            i = text.find(" ", i + 1)
+        if i == -1 or i + 1 >= n:
+            break
+        ends.append(i)
+        start = i
+    ends.append(n)
+    return ends
+
+
+class ModelTokenizer:
+    """One model's tokenizer + chat template, with a chunk cache (safe to share between the event loop and
+    executor threads: a chunk tokenised twice at once is simply stored twice)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: Mapping[str, Any] | None = None,
+        *,
+        chunk_chars: int = 2048,
+        cache_chunks: int = 16384,
+        offload_chars: int = 32768,
+        executor: Executor | None = None,
+    ) -> None:
+        if chunk_chars < 16:
+            raise ValueError("chunk_chars must be >= 16")
+        self._tok = tokenizer
+        self.config = dict(config or {})
+        self.chunk_chars = chunk_chars
+        self.cache_chunks = cache_chunks
+        self.offload_chars = offload_chars
+        self._executor = executor
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # several named templates: use "default"
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        self._template: jinja2.Template | None = None
+        if isinstance(template, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise
+            try:
+                self._template = env.from_string(template)
+            except jinja2.TemplateError as exc:
+                raise TokenizerError(f"chat_template does not compile: {exc}") from None
+        self._specials = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.chunked = self._split_is_exact()
+
+    @classmethod
+    def from_dir(cls, path: str | Path, **kwargs: Any) -> ModelTokenizer:
+        folder = Path(path)
+        try:
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a plain Exception for unreadable files
+            raise TokenizerError(f"{folder / 'tokenizer.json'}: {exc}") from None
+        config: dict[str, Any] = {}
+        cfg_path = folder / "tokenizer_config.json"
+        if cfg_path.exists():
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise TokenizerError(f"{cfg_path}: {exc}") from None
+        return cls(tok, config, **kwargs)
+
+    # ---- text -----------------------------------------------------------------------------------------
+    def _raw(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _split_is_exact(self) -> bool:
+        for probe in _PROBES:
+            whole = self._raw(probe)
+            parts: list[int] = []
+            start = 0
+            for end in cut_points(probe, 16):
+                parts += self._raw(probe[start:end])
+                start = end
+            if parts != whole:
+                return False
+        return True
+
+    def _chunks(self, text: str) -> list[str]:
+        if not self.chunked:
+            return [text]
+        out: list[str] = []
+        start = 0
+        for end in cut_points(text, self.chunk_chars):
+            out.append(text[start:end])
+            start = end
+        return out
+
+    def uncached_chars(self, text: str) -> int:
+        cache = self._cache
+        return sum(len(c) for c in self._chunks(text) if c not in cache)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no BOS/EOS added: chat templates and engines add their own)."""
+        ids: list[int] = []
+        cache, lock = self._cache, self._lock
+        for chunk in self._chunks(text):
+            with lock:  # the executor thread and the event loop share the cache
+                got = cache.get(chunk)
+                if got is not None:
+                    cache.move_to_end(chunk)
+            if got is None:
+                self.misses += 1
+                got = self._raw(chunk)
+                with lock:
+                    cache[chunk] = got
+                    if len(cache) > self.cache_chunks:
+                        cache.popitem(last=False)
+            else:
+                self.hits += 1
+            ids += got
+        return ids
+
+    # ---- chat -----------------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    **extra: Any) -> str:
+        if self._template is None:
+            raise TokenizerError("this tokenizer has no chat_template")
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                         **self._specials, **extra)
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat_template failed: {exc}") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+    # ---- off the event loop ---------------------------------------------------------------------------
+    async def encode_async(self, text: str) -> list[int]:
+        if self.uncached_chars(text) <= self.offload_chars:
+            return self.encode(text)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.encode, text)
+
+    async def encode_chat_async(self, messages: Sequence[Mapping[str, Any]], *,
+                                add_generation_prompt: bool = True) -> list[int]:
+        return await self.encode_async(self.render_chat(messages, add_generation_prompt=add_generation_prompt))
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, Mapping):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class PreciseMatcher:
+    """The affinity policy's `precise` lookup (`proxy.core.affinity.PreciseLookup`): a request summary in,
+    the KV index's `PreciseMatch` out, tokenising with the model's tokenizer.
+
+    It runs inside `pick`, on the event loop, so it never tokenises much there: a prompt whose uncached
+    part exceeds the tokenizer's `offload_chars` is handed to the executor to warm the chunk cache and
+    answered None this time (the learned index decides; the next sighting, or the continuation, is
+    precise). Chat requests are rendered from `RequestSummary.messages` with the model's chat template,
+    as the engine does; a summary without messages (gRPC extractors) falls back to its flattened prompt
+    (`role\\ncontent\\n` per message) when the template renders that same form (the simulator's does:
+    checked once per tokenizer), else gets None.
+    """
+
+    def __init__(
+        self,
+        index: Any,  # proxy.core.kv_index.KVIndex
+        tokenizers: Mapping[str, ModelTokenizer],
+        *,
+        default_model: str | None = None,
+        executor: Executor | None = None,
+        max_warming: int = 4,
+        memo_entries: int = 256,
+    ) -> None:
+        from proxy.core.kv_index import block_keys, chain_seed
+
+        self._block_keys = block_keys
+        self._chain_seed = chain_seed
+        self.index = index
+        self.tokenizers = dict(tokenizers)
+        self.default_model = default_model if default_model is not None else next(iter(self.tokenizers), None)
+        self._executor = executor
+        self._warming: set[int] = set()
+        self._max_warming = max_warming
+        self._chat_suffix: dict[int, str | None] = {}
+        # (model, text) -> (token count, keys per block size): a repeat costs a dict lookup, not re-keying.
+        self._memo: OrderedDict[tuple[str, str], tuple[int, dict[int, list[int]]]] = OrderedDict()
+        self._memo_entries = memo_entries
+        self.errors = 0  # requests the lookup could not tokenise (answered None)
+        self.deferred = 0  # requests answered None because their prompt was being tokenised off the loop
+
+    def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
+        tok = self.tokenizers.get(model) if model is not None else None
+        if tok is None and self.default_model is not None:
+            tok = self.tokenizers.get(self.default_model)
+        return tok
+
+    def _suffix(self, tok: ModelTokenizer) -> str | None:
+        """The generation prompt the template appends to the flattened form, or None if it renders
+        messages some other way (then a flattened prompt is not what the engine tokenises)."""
+        key = id(tok)
+        if key not in self._chat_suffix:
+            probe = [{"role": "system", "content": "s s"}, {"role": "user", "content": "u u"}]
+            flat = "system\ns s\nuser\nu u\n"
+            suffix: str | None = None
+            if tok.has_chat_template:
+                try:
+                    rendered = tok.render_chat(probe)
+                except TokenizerError:
+                    rendered = ""
+                if rendered.startswith(flat):
+                    suffix = rendered[len(flat):]
+            self._chat_suffix[key] = suffix
+        return self._chat_suffix[key]
+
+    def __call__(self, req: Any) -> Any:
+        try:
+            return self._lookup(req)
+        except Exception:  # e.g. a lone surrogate the Rust tokenizer rejects: route by the learned index
+            self.errors += 1
+            log.debug("precise lookup failed; the learned index decides", exc_info=True)
+            return None
+
+    def _lookup(self, req: Any) -> Any:
+        from proxy.core.kv_index import PreciseMatch
+
+        sizes = self.index.block_sizes()
+        if not sizes or not req.prompt:
+            return None
+        tok = self._tokenizer(req.model)
+        if tok is None:
+            return None
+        text = req.prompt
+        if req.endpoint.endswith("/chat/completions"):
+            messages = getattr(req, "messages", None)
+            if messages and tok.has_chat_template:
+                text = tok.render_chat(messages)  # what the engine tokenises (add_generation_prompt: vLLM's default)
+            else:
+                suffix = self._suffix(tok)
+                if suffix is None:
+                    return None
+                text += suffix
+        model = req.adapter or req.model or self.default_model or ""
+        memo = self._memo
+        hit = memo.get((model, text))
+        if hit is not None and sizes <= hit[1].keys():
+            memo.move_to_end((model, text))
+            n, keys = hit
+            return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
+        if tok.uncached_chars(text) > tok.offload_chars:
+            self._warm(tok, text)
+            self.deferred += 1
+            return None
+        ids = tok.encode(text)
+        seed = self._chain_seed(model)
+        keys = {size: self._block_keys(ids, size, seed) for size in sizes}
+        memo[(model, text)] = (len(ids), keys)
+        if len(memo) > self._memo_entries:
+            memo.popitem(last=False)
+        return PreciseMatch(len(ids), self.index.match(ids, model, keys), max(sizes))
+
+    def _warm(self, tok: ModelTokenizer, text: str) -> None:
+        """Tokenise `text` in the executor so that its next sighting finds every chunk cached."""
+        key = hash(text)
+        if key in self._warming or len(self._warming) >= self._max_warming:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._warming.add(key)
+        fut = loop.run_in_executor(self._executor, tok.encode, text)
+        fut.add_done_callback(lambda f: (self._warming.discard(key), f.cancelled() or f.exception()))
+
+
+def _bench(argv: Sequence[str] | None = None) -> None:
+    """`python -m proxy.dataplane.tokenize [TOKENIZER_DIR]`: the precise lookup's CPU per request (tokenise +
+    chained keys + index match over 4 backends) for 1k/16k/64k-token prompts, first sighting and repeat."""
+    import random
+    import sys
+    import timeit
+
+    from proxy.core.kv_index import KVIndex
+    from proxy.core.request import RequestSummary
+    from sim.tokenizer import LOADTEST_WORDS, TOKENIZER_DIR
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    folder = args[0] if args else str(TOKENIZER_DIR)
+    rng = random.Random(0)
+    index = KVIndex()
+    for b in range(4):
+        index.track(f"b{b}", model="m")
+        index.mark_fresh(f"b{b}")
+    index.stored("b0", [0], None, list(range(16)), 16)  # fixes the block size; the prompts hit nothing
+    print(f"tokenizer {folder}; 5 runs each, min-max")
+    for n in (1024, 16384, 65536):
+        text = " ".join(rng.choice(LOADTEST_WORDS) for _ in range(n))
+        req = RequestSummary(prompt=text, model="m", endpoint="/v1/completions")
+        firsts, tok_first, repeats, cont = [], [], [], []
+        for _ in range(5):
+            tok = ModelTokenizer.from_dir(folder, offload_chars=1 << 40)
+            m = PreciseMatcher(index, {"m": tok})
+            tok_first.append(timeit.timeit(lambda: tok.encode(text), number=1))
+            tok._cache.clear()
+            firsts.append(timeit.timeit(lambda: m(req), number=1))
+            # a repeat arrives as a new str (parsed from a new body): its hash is computed afresh
+            again = [RequestSummary(prompt=text[:-1] + text[-1:], model="m", endpoint="/v1/completions")
+                     for _ in range(20)]
+            repeats.append(min(timeit.timeit(lambda r=r: m(r), number=1) for r in again))
+            longer = RequestSummary(prompt=text + " " + " ".join(LOADTEST_WORDS[:200]), model="m",
+                                    endpoint="/v1/completions")
+            cont.append(timeit.timeit(lambda: m(longer), number=1))
+
+        def rng_ms(xs: list[float]) -> str:
+            return f"{min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f} ms"
+
+        print(f"{n:>6} tokens: first sighting {rng_ms(firsts)} (tokenise alone {rng_ms(tok_first)}), "
+              f"repeat {rng_ms(repeats)}, continuation +200 tokens {rng_ms(cont)}")
+
+
+if __name__ == "__main__":
+    _bench()

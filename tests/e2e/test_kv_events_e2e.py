@@ -1,0 +1,289 @@
+"""Precise routing through the proxy against the simulator with KV events on.
+
+- a prompt computed on a backend (sent there directly, so no proxy learned it) has its continuation routed
+  to that backend by two independent proxy replicas, in both of vLLM's event encodings, and the engine
+  reports the prefix as cached;
+- the same through `affinity-proxy run --workers 2`: continuations landing on either worker process;
+- a gap in a backend's sequence triggers a replay that restores the index;
+- a backend whose events never arrive is stale: the proxy routes it by the learned index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from typing import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+
+from proxy.app import AffinityProxy
+from proxy.config import parse_config
+from proxy.core.request import RequestSummary
+from sim.fleet import Fleet, start_fleet
+from sim.kv_events import KVEventsConfig
+from sim.tokenizer import LOADTEST_WORDS, TOKENIZER_DIR, token_ids
+
+QUIET = "sim-3"  # its events go nowhere the proxy listens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _words(seed: int, n: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(LOADTEST_WORDS) for _ in range(n))
+
+
+async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+class Replica:
+    """One proxy replica: its own index, subscriber, tokenizer and learned state."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        model = fleet.servers[0].backend.engine.model_name
+        self.model = model
+        lines = []
+        kv = []
+        for s in fleet.servers:
+            lines.append(f"  - {{name: {s.name}, url: '{s.url}', models: ['{model}']}}")
+            pub = s.backend.kv_publisher
+            assert pub is not None and pub.endpoint and pub.replay_endpoint
+            endpoint = f"tcp://127.0.0.1:{_free_port()}" if s.name == QUIET else pub.endpoint
+            replay = "" if s.name == QUIET else f", replay_endpoint: '{pub.replay_endpoint}'"
+            kv.append(f"      {s.name}: {{endpoint: '{endpoint}'{replay}}}")
+        yaml = (
+            "listen: {port: 0}\nadmin: {port: 0}\ndebug_headers: true\nhealth_checks: {enabled: false}\n"
+            "routing: {policy: affinity}\n"
+            f"backends:\n{chr(10).join(lines)}\n"
+            "telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n"
+            f"    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
+        )
+        # The real wiring: AffinityProxy builds the index, the policy's precise lookup and the subscriber
+        # (a data-plane service) from telemetry.kv_events.
+        self.proxy = AffinityProxy(parse_config(yaml))
+        assert self.proxy.precise is not None
+        self.index = self.proxy.precise.index
+        self.matcher = self.proxy.precise.matcher
+        self.registry = self.proxy.metrics.registry
+
+    async def start(self) -> None:
+        await self.proxy.start()
+
+    async def stop(self) -> None:
+        await self.proxy.stop()
+
+    async def complete(self, s: aiohttp.ClientSession, prompt: str) -> tuple[str, int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": 1}
+        async with s.post(self.proxy.http_url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+            return resp.headers["x-affinity-backend"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def _direct(s: aiohttp.ClientSession, fleet: Fleet, i: int, prompt: str) -> None:
+    body = {"prompt": prompt, "max_tokens": 1}
+    async with s.post(fleet.servers[i].url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+@pytest.fixture(params=["array", "map"])
+async def fleet(request) -> AsyncIterator[Fleet]:
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", encoding=request.param)
+    f = await start_fleet(4, speed=20.0, kv_events=cfg)
+    yield f
+    await f.stop()
+
+
+@pytest.fixture
+async def replicas(fleet: Fleet) -> AsyncIterator[list[Replica]]:
+    reps = [Replica(fleet), Replica(fleet)]
+    for r in reps:
+        await r.start()
+    await asyncio.sleep(0.5)  # SUB sockets connect; what they miss meanwhile comes back by replay
+    yield reps
+    for r in reps:
+        await r.stop()
+
+
+def _cached_on(rep: Replica, prompt: str, backend: str) -> int:
+    return rep.index.match(token_ids(prompt), rep.model).get(backend, 0)
+
+
+async def test_continuations_follow_the_engine_that_holds_the_prefix(fleet: Fleet, replicas: list[Replica]) -> None:
+    async with aiohttp.ClientSession() as s:
+        prompts = {}
+        for i in range(3):  # the publishing backends; placed directly, behind every proxy's back
+            for j in range(2):
+                p = _words(100 * i + j, 320)  # 20 blocks of 16 tokens
+                await _direct(s, fleet, i, p)
+                prompts[(i, j)] = p
+        for rep in replicas:
+            await _until(lambda: all(_cached_on(rep, p, f"sim-{i}") >= 304 for (i, _), p in prompts.items()))
+        for (i, j), p in prompts.items():
+            for n, rep in enumerate(replicas):
+                cont = p + " " + _words(7 + n + 10 * j + 100 * i, 40)
+                backend, cached = await rep.complete(s, cont)
+                assert backend == f"sim-{i}", (i, j, n)
+                assert cached >= 304  # the engine really served the prefix from its cache
+    for rep in replicas:
+        assert rep.index.is_fresh("sim-0") and not rep.index.is_fresh(QUIET)
+        assert rep.registry.get_sample_value("affinity_proxy_kv_index_blocks", {"backend": "sim-0"}) > 0
+
+
+async def test_a_gap_is_replayed_and_the_index_restored(fleet: Fleet, replicas: list[Replica]) -> None:
+    rep = replicas[0]
+    pub = fleet.servers[1].backend.kv_publisher
+    assert pub is not None
+    async with aiohttp.ClientSession() as s:
+        await _direct(s, fleet, 1, _words(1, 64))
+        await _until(lambda: rep.index.is_fresh("sim-1"))
+        lost = _words(2, 320)
+        pub.drop_next = 1  # the PUB socket loses this batch; the replay buffer keeps it
+        await _direct(s, fleet, 1, lost)
+        await _direct(s, fleet, 1, _words(3, 64))  # the next batch shows the gap
+        await _until(lambda: _cached_on(rep, lost, "sim-1") >= 304)
+    assert rep.registry.get_sample_value("affinity_proxy_kv_event_gaps_total", {"backend": "sim-1"}) == 1
+    assert rep.registry.get_sample_value("affinity_proxy_kv_event_replays_total",
+                                         {"backend": "sim-1", "outcome": "complete"}) >= 1
+
+
+async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fleet, replicas: list[Replica]) -> None:
+    rep = replicas[0]
+    async with aiohttp.ClientSession() as s:
+        await _direct(s, fleet, 0, _words(5, 64))  # a publishing backend is fresh: the lookup answers
+        await _until(lambda: rep.index.is_fresh("sim-0"))
+        for seed in range(200):
+            p = _words(1000 + seed, 64)
+            backend, _ = await rep.complete(s, p)
+            if backend == QUIET:
+                break
+        else:
+            raise AssertionError("no prompt hashed to the quiet backend")
+        assert rep.index.state(QUIET) == "stale"
+        answer = rep.matcher(RequestSummary(prompt=p, model=rep.model, endpoint="/v1/completions"))
+        assert answer is not None and QUIET not in answer.cached  # stale: no answer for it, not "empty"
+        for _ in range(3):  # repeats: the learned index keeps it where it was computed
+            backend, cached = await rep.complete(s, p)
+            assert backend == QUIET and cached > 0
+
+
+async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_path, fleet: Fleet) -> None:
+    """`affinity-proxy run --workers 2`: each worker subscribes and holds the index, so a continuation that
+    the kernel hands to either worker goes to the engine that computed its prefix."""
+    import json
+
+    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+
+    model = fleet.servers[0].backend.engine.model_name
+    lines, kv = [], []
+    for s in fleet.servers:
+        pub = s.backend.kv_publisher
+        assert pub is not None
+        lines.append(f"  - {{name: {s.name}, url: '{s.url}', models: ['{model}']}}")
+        kv.append(f"      {s.name}: {{endpoint: '{pub.endpoint}', replay_endpoint: '{pub.replay_endpoint}'}}")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
+        "health_checks: {enabled: false}\nrouting: {policy: affinity}\n"
+        f"backends:\n{chr(10).join(lines)}\n"
+        f"telemetry:\n  kv_events:\n    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
+    )
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        workers = proxy.workers()
+        assert len(workers) == 2
+        async with aiohttp.ClientSession() as s:
+            prompts = {}
+            for i in range(4):
+                for j in range(3):
+                    prompts[(i, j)] = p = _words(500 + 10 * i + j, 320)
+                    await _direct(s, fleet, i, p)
+        await asyncio.sleep(1.5)  # the workers' subscriptions have seen the events (or replayed them)
+        served_by: set[int] = set()
+        for (i, j), p in prompts.items():
+            for n in range(4):  # a fresh connection each: the kernel spreads them over both workers
+                owner: list[int | None] = []
+                reply = await post_json(
+                    proxy.port, "/v1/completions",
+                    {"model": model, "prompt": p + " " + _words(9000 + n + 10 * j + 100 * i, 20), "max_tokens": 1},
+                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
+                )
+                assert reply.status == 200, reply.body
+                assert reply.headers["x-affinity-backend"] == f"sim-{i}", (i, j, n, owner)
+                assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
+                if owner[0] is not None:
+                    served_by.add(owner[0])
+        assert served_by == set(workers)
+    finally:
+        await proxy.terminate()
+
+
+async def test_killing_and_restarting_a_backend_clears_its_index(fleet: Fleet, replicas: list[Replica]) -> None:
+    from sim.backend import SimBackend
+    from sim.fleet import SimServer
+
+    rep = replicas[0]
+    old = fleet.servers[2]
+    pub = old.backend.kv_publisher
+    assert pub is not None and pub.endpoint and pub.replay_endpoint
+    async with aiohttp.ClientSession() as s:
+        held = _words(77, 320)
+        await _direct(s, fleet, 2, held)
+        await _until(lambda: _cached_on(rep, held, "sim-2") >= 304)
+        await old.stop()  # killed ...
+        cfg = KVEventsConfig(endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, encoding=pub.config.encoding)
+        new = None
+        for _ in range(100):  # ... and started again on the same ports (freed asynchronously)
+            backend = SimBackend(old.backend.profile, name="sim-2", seed=2, kv_events=cfg)
+            candidate = SimServer(backend, host=old.host, port=old.port, grpc_port=None, flavor=old.flavor, fleet=fleet)
+            try:
+                await candidate.start()
+                new = candidate
+                break
+            except Exception:
+                await candidate.stop()
+                await asyncio.sleep(0.05)
+        assert new is not None
+        fleet.servers[2] = new
+        for n in range(50):  # the subscriber reconnects by itself; the restart shows as a sequence reset
+            if rep.registry.get_sample_value("affinity_proxy_kv_event_restarts_total", {"backend": "sim-2"}):
+                break
+            await _direct(s, fleet, 2, _words(3000 + n, 40))
+            await asyncio.sleep(0.1)
+        await _until(lambda: rep.index.is_fresh("sim-2"))
+    assert rep.registry.get_sample_value("affinity_proxy_kv_event_restarts_total", {"backend": "sim-2"}) == 1
+    assert _cached_on(rep, held, "sim-2") == 0  # the old engine's blocks are gone from the index
+    assert rep.index.num_blocks("sim-2") > 0  # and the new engine's are there
+
+
+async def test_a_chats_next_turn_follows_the_engine_that_served_its_first(fleet: Fleet, replicas: list[Replica]) -> None:
+    rep = replicas[1]
+    system = {"role": "system", "content": _words(41, 200)}
+    async with aiohttp.ClientSession() as s:
+        homes = {}
+        for i in range(3):
+            first = [system, {"role": "user", "content": _words(50 + i, 200)}]
+            async with s.post(fleet.servers[i].url + "/v1/chat/completions",
+                              json={"messages": first, "max_tokens": 3, "ignore_eos": True}) as resp:
+                assert resp.status == 200
+                reply = (await resp.json())["choices"][0]["message"]["content"]
+            homes[i] = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": _words(60 + i, 30)}]
+        await _until(lambda: all(rep.index.num_blocks(f"sim-{i}") >= 25 for i in range(3)))
+        for i, messages in homes.items():
+            body = {"model": rep.model, "messages": messages, "max_tokens": 1}
+            async with s.post(rep.proxy.http_url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-affinity-backend"] == f"sim-{i}"
+                assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400
