@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import random
 import sys
 import time
 from collections import Counter, deque
@@ -36,13 +37,18 @@ from loadtest.records import Record, RunResult
 from loadtest.run import add_workload_args, prepare_workload
 from sim.api import SimRequest, render_chat
 from sim.engine import Engine
+from sim.kvcache import Removed as KVRemoved, Stored as KVStored
 from sim.metrics import render as render_metrics
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
+from proxy.core import kv_index
+from proxy.core.affinity import AffinityPolicy
 from proxy.core.registry import build_policy
+from proxy.core.work_ledger import WorkLedger
+from sim.tokenizer import token_ids
 from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
@@ -58,10 +64,10 @@ TELEMETRY_POLICIES = frozenset({"affinity", "least_load", "power_of_two"})
 class VirtualBackend:
     """What `sim.metrics.render` reads from a simulated server, on a virtual clock."""
 
-    def __init__(self, name: str, profile: Profile, seed: int, adapters: tuple[str, ...]) -> None:
+    def __init__(self, name: str, profile: Profile, seed: int, adapters: tuple[str, ...], kv_events: bool = False) -> None:
         self.name = name
         self.profile = profile
-        self.engine = Engine(profile, seed=seed, adapters=adapters)
+        self.engine = Engine(profile, seed=seed, adapters=adapters, kv_events=kv_events)
         self.now = 0.0
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_sum = 0
@@ -118,6 +124,27 @@ class ReplayConfig:
     net_ms: float = 0.0
     seed: int = 0
     sample_s: float = 1.0
+    # Scale-out (issue 13): R replicas behind a Service (a random replica per request), W workers in each
+    # (a random worker), every one with its own policy (learned state) and, unless the workers of a
+    # replica share load, its own in-flight table and work ledger.
+    replicas: int = 1
+    workers: int = 1
+    shared_worker_load: bool = True
+    # learned: each process's own indexes only. precise: each also consults proxy/core/kv_index.py, fed
+    # by the engines' own BlockStored/BlockRemoved events, delivered to every replica after this delay.
+    index: str = "learned"
+    kv_event_delay_ms: float = 50.0
+    # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
+    load_view: str = "own"
+
+
+# The load side under scale-out: what one process's policy reads as a backend's in-flight work.
+#   own       its own in-flight table (the proxy before issue 13)
+#   engines   max(own, the engine's running + waiting from the last scrape): `routing.shared_backends`
+# (R x own, with and without the engines' counts, was measured at commits 7fd5eb5 and 7ed056f; see
+# loadtest/results/scaleout.md.)
+LOAD_VIEWS = ("own", "engines")
+INDEXES = ("learned", "precise")
 
 
 def parse_profile_sets(items: Sequence[str]) -> dict[str, float]:
@@ -144,6 +171,20 @@ def make_profile(name: str, max_model_len: int | None, overrides: dict[str, floa
     return p
 
 
+def scaleout_label(cfg: ReplayConfig) -> str:
+    """' R2xW2 precise ...' for a scale-out run, '' for the single process the replay always modelled."""
+    if cfg.replicas == 1 and cfg.workers == 1 and cfg.index == "learned" and cfg.load_view == "own":
+        return ""
+    parts = [f"R{cfg.replicas}xW{cfg.workers}", cfg.index]
+    if cfg.workers > 1:
+        parts.append("shared-load" if cfg.shared_worker_load else "separate-load")
+    if cfg.index == "precise":
+        parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
+    if cfg.load_view != "own":
+        parts.append(f"load {cfg.load_view}")
+    return " " + " ".join(parts)
+
+
 def routing_config(cfg: ReplayConfig) -> RoutingConfig:
     return RoutingConfig(
         policy=cfg.policy,
@@ -164,19 +205,51 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
     names = [f"sim-{i}" for i in range(cfg.backends)]
-    backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters) for i, n in enumerate(names)}
+    precise = cfg.index == "precise"
+    backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters, kv_events=precise) for i, n in enumerate(names)}
     specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics") for n in names]
     store = SnapshotStore(Snapshot.initial(specs))
     clock = [0.0]
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
     poller = _VirtualPoller(store, telemetry, backends, lambda: clock[0])
-    policy = build_policy(routing_config(cfg))
-    inflight = InflightTable()
+    rcfg = routing_config(cfg)
+    if cfg.load_view == "engines":
+        rcfg = replace(rcfg, shared_backends=True)  # the core's own estimate (routing.shared_backends)
+    # The precise index: with one delivery delay for every replica, every replica's index holds the same
+    # events at every instant, so one KVIndex object stands for all R of them (same answers, 1/R the work).
+    kvidx = kv_index.KVIndex() if precise else None
+    routing_ids: list[list[int]] = [[]]  # token ids of the prompt being routed, read by the precise view
+    if kvidx is not None:
+        for n in names:
+            kvidx.track(n, model=cfg.model)
+            kvidx.mark_fresh(n)  # a replay's event stream has no gaps
+
+    def precise_view(req: Any) -> kv_index.PreciseMatch | None:
+        ids = routing_ids[0]
+        if not ids:
+            return None
+        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
+
+    # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`.
+    procs: list[tuple[Any, InflightTable]] = []
+    for r in range(cfg.replicas):
+        replica_table, replica_ledger = InflightTable(), WorkLedger()
+        for w in range(cfg.workers):
+            table = replica_table if cfg.shared_worker_load else InflightTable()
+            ledger = replica_ledger if cfg.shared_worker_load else WorkLedger()
+            if cfg.policy == "affinity":
+                pol: Any = AffinityPolicy(rcfg, precise=precise_view if precise else None, work=ledger)
+            else:
+                pol = build_policy(rcfg, instance=r * cfg.workers + w)
+            procs.append((pol, table))
+    n_procs = len(procs)
+    pick_rng = random.Random(cfg.seed ^ 0x5CA1E0)
+
     text = workload.text()
     adapters = frozenset(cfg.adapters)
 
     records: list[Record] = []
-    live: dict[str, tuple[Record, str, int, float]] = {}  # request id -> (record, backend, tokens, arrival)
+    live: dict[str, tuple[Record, str, int, float, InflightTable]] = {}  # id -> (record, backend, tokens, arrival, table)
     samples: list[dict[str, Any]] = []
     route_cpu = 0.0
     reasons: Counter[str] = Counter()
@@ -207,7 +280,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
             entry = live.get(out.request_id)
             if entry is None:
                 continue
-            rec, bname, tokens, sent = entry
+            rec, bname, tokens, sent, table = entry
             if out.first_token and rec.ttft is None:
                 rec.ttft = t - sent
             if out.finished:
@@ -218,7 +291,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
                     rec.cached_tokens = out.usage.cached_tokens
                 if rec.ttft is not None and rec.output_tokens > 1:
                     rec.tpot = (rec.e2e - rec.ttft) / (rec.output_tokens - 1)
-                inflight.release(bname, tokens)
+                table.release(bname, tokens)
                 records.append(rec)
                 del live[out.request_id]
 
@@ -228,15 +301,35 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
         nt = backends[name].engine.next_step_time()
         next_step[name] = inf if nt is None else nt
 
+    # KV events reach every replica `kv_event_delay_ms` after the step that produced them.
+    kv_deliveries: list[tuple[float, int, str, list[Any]]] = []
+    kv_delay = cfg.kv_event_delay_ms / 1000.0
+    block_size = profile.block_size
+
+    def apply_kv(name: str, events: list[Any]) -> None:
+        assert kvidx is not None
+        for ev in events:
+            if isinstance(ev, KVStored):
+                kvidx.stored(name, ev.keys, ev.parent, token_ids(" ".join(ev.tokens)), block_size, lora_name=ev.adapter)
+            elif isinstance(ev, KVRemoved):
+                kvidx.removed(name, ev.keys)
+            else:
+                kvidx.clear(name)
+
     while True:
         t_arr = items[i].t / cfg.speed + net if i < len(items) else inf
         # An engine's next step time changes only when it is given a request or runs a step: cached.
         step_name = min(next_step, key=next_step.__getitem__)
         t_step = next_step[step_name]
         t_del = deliveries[0][0] if deliveries else inf
+        t_kv = kv_deliveries[0][0] if kv_deliveries else inf
         if t_arr == inf and t_step == inf and t_del == inf:
             break
-        t_next = min(t_arr, t_step, t_del, next_poll, next_sample)
+        t_next = min(t_arr, t_step, t_del, t_kv, next_poll, next_sample)
+        if t_next == t_kv:
+            _, _, name, events = heapq.heappop(kv_deliveries)
+            apply_kv(name, events)
+            continue
         if t_next == t_del:
             _, _, outputs, name = heapq.heappop(deliveries)
             deliver(t_del, outputs, name)
@@ -255,14 +348,17 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
         if t_next == t_arr:
             item = items[i]
             path, body = build_body(item, text, model=cfg.model, stream=True)
+            prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
+            policy, inflight = procs[pick_rng.randrange(n_procs)] if n_procs > 1 else procs[0]
             c0 = time.perf_counter()
+            if precise:
+                routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
             summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None, adapters=adapters)
             decision = policy.pick(summary, store.current, inflight)
             tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
             inflight.acquire(decision.backend, tokens)
             route_cpu += time.perf_counter() - c0
             reasons[decision.reason.value] += 1
-            prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
             rid = f"r{i}"
             rec = Record(index=i, sent=t_arr - net, scheduled=item.t / cfg.speed, input_tokens=item.input_tokens, backend=decision.backend)
             b = backends[decision.backend]
@@ -278,7 +374,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
                 inflight.release(decision.backend, tokens)
                 records.append(rec)
             else:
-                live[rid] = (rec, decision.backend, tokens, t_arr - net)
+                live[rid] = (rec, decision.backend, tokens, t_arr - net, inflight)
                 refresh(decision.backend)
             i += 1
             continue
@@ -286,15 +382,23 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
         result = b.engine.step(t_step)
         refresh(step_name)
         b.note_step(result.end, result.num_prefill_tokens + result.num_decode_tokens)
+        if precise:
+            events = b.engine.take_kv_events()
+            if events:
+                order += 1
+                heapq.heappush(kv_deliveries, (result.end + kv_delay, order, step_name, events))
         end_t = max(end_t, result.end + net)
         if result.outputs:
             order += 1
             heapq.heappush(deliveries, (result.end + net, order, result.outputs, step_name))
+    while kv_deliveries:  # events of the last steps, delivered after the last request finished
+        _, _, name, events = heapq.heappop(kv_deliveries)
+        apply_kv(name, events)
     sample(max(end_t, next_sample - cfg.sample_s))
     records.sort(key=lambda r: r.index)
     capacity = {n: b.engine.pool.num_blocks * profile.block_size for n, b in backends.items()}
     meta = {
-        "label": f"replay:{cfg.policy}",
+        "label": f"replay:{cfg.policy}" + scaleout_label(cfg),
         "mode": "replay",
         "speed": cfg.speed,
         "replay": {k: (v if not isinstance(v, ScoreConfig) else repr(v)) for k, v in cfg.__dict__.items()},
@@ -302,6 +406,11 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
         "route_cpu_s": route_cpu,
         "reasons": dict(reasons),
     }
+    if kvidx is not None:
+        # What the precise index ended with next to what the engines really hold (equal unless events
+        # were lost: the feed's own check).
+        meta["kv_index"] = {n: {"index_blocks": kvidx.num_blocks(n), "engine_cached_blocks": b.engine.pool.num_cached,
+                                **kvidx.stats(n)} for n, b in backends.items()}
     return RunResult(meta, records, samples, capacity, end_t, route_cpu)
 
 
@@ -350,8 +459,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--net-ms", type=float, default=0.0, help="fixed client<->engine delay added to every request")
     ap.add_argument("--session-header", action="store_true", help="route with the workload's session ids")
     ap.add_argument("--adapters", default="", help="comma-separated LoRA adapter names the engines know")
+    ap.add_argument("--replicas", type=int, default=1, help="proxy replicas behind a Service: each request goes to a random one")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes per replica (a random one per request)")
+    ap.add_argument("--shared-worker-load", action=argparse.BooleanOptionalAction, default=True,
+                    help="workers of one replica share in-flight counts and the work ledger (the product does)")
+    ap.add_argument("--index", default="learned", choices=INDEXES,
+                    help="learned: each process's own indexes; precise: also the engines' KV events (proxy/core/kv_index.py)")
+    ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
+    ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
+                    help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")
     ap.add_argument("--out", type=Path, help="report folder (report.md/.json/.png)")
     args = ap.parse_args(argv)
+    if args.replicas < 1 or args.workers < 1:
+        ap.error("--replicas and --workers must be >= 1")
+    if args.kv_event_delay_ms < 0:
+        ap.error("--kv-event-delay-ms must be >= 0")
     workload = prepare_workload(args)
     score = ScoreConfig(kind=args.score_kind)
     if args.score_weights:
@@ -369,15 +491,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
             session_header=args.session_header, seed=args.seed,
             adapters=tuple(a for a in args.adapters.split(",") if a),
+            replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
+            index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
         )
         t0 = time.perf_counter()
         result = asyncio.run(replay(workload, cfg))
         elapsed = time.perf_counter() - t0
-        s = summarize(result, workload, label=f"replay {pol}")
+        s = summarize(result, workload, label=f"replay {pol}{scaleout_label(cfg)}")
         s["replay_wall_s"] = elapsed
         summaries.append(s)
         print(
-            f"{pol:>14}: {len(result.records)} requests, {result.wall_s:.0f} virtual s in {elapsed:.1f} s; "
+            f"{pol + scaleout_label(cfg):>14}: {len(result.records)} requests, {result.wall_s:.0f} virtual s in {elapsed:.1f} s; "
             f"TTFT p50 {(s['ttft_p50'] or 0) * 1000:.0f} ms p99 {(s['ttft_p99'] or 0) * 1000:.0f} ms, "
             f"hit {(s['hit_ratio'] or 0) * 100:.1f}%, util {(s['gpu_util_mean'] or 0) * 100:.0f}% std {(s['gpu_util_std'] or 0) * 100:.1f} pts, "
             f"errors {s['errors']}; reasons {result.meta['reasons']}",

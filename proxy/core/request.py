@@ -47,6 +47,9 @@ class RequestSummary:
     # keys on it so a conversation's turns share a backend while conversations that only share a system
     # prompt spread (see proxy/core/fingerprint.py). None: no structure, the core decides.
     key_prefix_chars: int | None = None
+    # Length in characters of the leading system/developer messages (chat; None: none or no structure):
+    # content many conversations share, which the affinity cost check does not chase in an idle fleet.
+    shared_prefix_chars: int | None = None
     # Chat requests: the messages as sent, for the precise KV index, which renders them with the model's own
     # chat template (proxy/dataplane/tokenize.py). Not part of equality: `prompt` already is.
     messages: tuple[Any, ...] | None = field(default=None, compare=False)
@@ -100,13 +103,15 @@ def _prompt_from_completions(prompt: Any) -> str:
 _SHARED_ROLES = frozenset({"system", "developer"})
 
 
-def _prompt_from_messages(messages: Any) -> tuple[str, int | None]:
-    """The flattened prompt and the end (in characters) of its first non-system message."""
+def _prompt_from_messages(messages: Any) -> tuple[str, int | None, int | None]:
+    """The flattened prompt, the end (in characters) of its first non-system message, and the end of
+    the system/developer messages before it (None when it starts with another role)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     parts: list[str] = []
     length = 0
     key_end: int | None = None
+    shared_end: int | None = None
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise RequestError(f"messages[{i}] must be an object", f"messages[{i}]")
@@ -115,10 +120,12 @@ def _prompt_from_messages(messages: Any) -> tuple[str, int | None]:
             raise RequestError(f"messages[{i}].role must be a string", f"messages[{i}].role")
         part = f"{role}\n{_flatten_content(msg.get('content'), f'messages[{i}].content')}\n"
         parts.append(part)
+        if key_end is None and role not in _SHARED_ROLES and length:
+            shared_end = length
         length += len(part)
         if key_end is None and role not in _SHARED_ROLES:
             key_end = length
-    return "".join(parts), key_end
+    return "".join(parts), key_end, shared_end
 
 
 def _opt_int(body: Mapping[str, Any], *keys: str) -> int | None:
@@ -160,8 +167,9 @@ def summary_from_openai(
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
     key_prefix_chars: int | None = None
+    shared_prefix_chars: int | None = None
     if endpoint.endswith("/chat/completions"):
-        prompt, key_prefix_chars = _prompt_from_messages(body.get("messages"))
+        prompt, key_prefix_chars, shared_prefix_chars = _prompt_from_messages(body.get("messages"))
     elif endpoint.endswith("/completions"):
         if "prompt" not in body:
             raise RequestError("'prompt' is required", "prompt")
@@ -186,5 +194,6 @@ def summary_from_openai(
         prompt_tokens_est=estimate_tokens(prompt),
         endpoint=endpoint,
         key_prefix_chars=key_prefix_chars,
+        shared_prefix_chars=shared_prefix_chars,
         messages=tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
     )

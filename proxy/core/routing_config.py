@@ -127,6 +127,11 @@ class RoutingConfig:
     # Seed of the policies that draw random numbers (random, power_of_two). Every worker and replica uses
     # the same seed; nothing in routing is salted per process.
     seed: int = 0
+    # Other proxy replicas route to the same backends (a Service spreading requests over R replicas): the
+    # affinity policy then reads a backend's load as the larger of its own in-flight count and the running
+    # + waiting requests the engine reports. Best with the engines' KV events; with learned indexes only
+    # it lost hits in the replay (loadtest/results/scaleout.md), so it is off by default.
+    shared_backends: bool = False
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 

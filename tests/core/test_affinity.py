@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from proxy.core.affinity import AffinityPolicy, rendezvous_order
 from proxy.core.decision import Inflight, NoBackendAvailable, Reason
+from proxy.core.kv_index import PreciseMatch
 from proxy.core.routing_config import AffinityConfig, RoutingConfig
 from proxy.core.snapshot import BackendSpec, Health, Snapshot
 
@@ -393,3 +394,151 @@ def test_rendezvous_is_pinned_across_releases():
 
 
 PINNED_HOMES = ["gpu-3", "gpu-1", "gpu-2", "gpu-1", "gpu-0"]
+
+
+# ------------------------------------------------------------------------------ the learned index follows the KV
+
+LONG_SYSTEM = " ".join(f"rule{i % 37} applies to every shipment" for i in range(120))  # 600 words
+
+
+def _sightings(pol: AffinityPolicy, snap: Snapshot, order: list[int]) -> tuple[dict[int, list[str]], collections.Counter]:
+    """Send chat prompts one at a time (each finishes before the next starts: an idle fleet)."""
+    seen: dict[int, list[str]] = collections.defaultdict(list)
+    reasons: collections.Counter = collections.Counter()
+    for i in order:
+        d = pol.pick(chat([("system", LONG_SYSTEM), ("user", f"Where is shipment {i}?")]), snap, {})
+        seen[i].append(d.backend)
+        reasons[d.reason] += 1
+    return seen, reasons
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["prompt-by-prompt", "interleaved"])
+@pytest.mark.parametrize("telemetry", [False, True], ids=["no-telemetry", "fresh-telemetry"])
+def test_twenty_prompts_sharing_a_long_system_prompt_stay_put_and_spread(interleaved, telemetry):
+    assert len(LONG_SYSTEM.split()) == 600
+    snap = fleet(4)
+    if telemetry:
+        snap = fresh(snap, {n: 0.0 for n in snap.names}, kv_capacity_tokens=500_000)
+    order = [i for _ in range(5) for i in range(20)] if interleaved else [i for i in range(20) for _ in range(5)]
+    seen, reasons = _sightings(policy(), snap, order)
+    assert all(len(set(b)) == 1 for b in seen.values()), seen
+    assert len({b[0] for b in seen.values()}) >= 3, seen
+    assert reasons[Reason.EXACT_HIT] == 80
+
+
+def test_repeat_goes_where_the_kv_was_computed_after_a_cost_fallback():
+    """A first sighting placed off its hash home by the cost check (the home has a long prefill queued)
+    is computed where it went: its repeat follows it there, even once the hash home is idle again."""
+    snap = fleet(4)
+    p = prompt("a new document " + "z" * 4000)
+    home = policy().pick(p, snap, {}).backend
+    big = next(q for j in range(500) if policy().pick(q := prompt(f"big {j} " + "w" * 200_000), snap, {}).backend == home)
+    pol = policy()
+    assert pol.pick(big, snap, {}).backend == home  # ~50k uncached tokens queued on the home
+    first = pol.pick(p, snap, {home: Inflight(requests=1, tokens=50_000)})
+    assert first.backend != home and first.reason is Reason.OVERLOAD_FALLBACK
+    again = pol.pick(p, snap, {})
+    assert again.backend == first.backend and again.reason is Reason.EXACT_HIT
+
+
+def test_repeat_shed_by_an_overloaded_holder_returns_to_it():
+    """Only a first sighting teaches the exact index where the KV is: a repeat shed while its holder is
+    overloaded does not move the entry, so the key goes back when the holder recovers."""
+    pol, snap = policy(), fleet(4)
+    p = prompt("keep me " + "k" * 3000)
+    holder = pol.pick(p, snap, {}).backend
+    shed = pol.pick(p, snap, {holder: Inflight(requests=50)})
+    assert shed.backend != holder and shed.reason is Reason.OVERLOAD_FALLBACK
+    back = pol.pick(p, snap, {})
+    assert back.backend == holder and back.reason is Reason.EXACT_HIT
+
+
+# ------------------------------------------------------------------------- replicas and the engines' own view
+
+
+def _with_queue(snap: Snapshot, queues: dict[str, float]) -> Snapshot:
+    """Fresh telemetry, equal load scores, and the engines' own running + waiting counts."""
+    from proxy.core.snapshot import Signals
+
+    out = []
+    for b in snap.backends:
+        b = replace(b, health=Health.HEALTHY, load_score=0.2, stale=False,
+                    signals=Signals(scraped_at=0.0, running=queues.get(b.name, 0.0), waiting=0.0))
+        out.append(b)
+    return snap.evolve(out)
+
+
+def test_replica_reads_the_engines_queue_the_other_replicas_filled():
+    """With routing.shared_backends, a backend whose engine reports requests this replica never sent is
+    loaded: a new prompt placed there by hashing goes elsewhere. Off (the default), the proxy reads its
+    own in-flight table only, as before."""
+    snap = fleet(4)
+    p = prompt("a fresh question " + "q" * 3000)
+    home = policy().pick(p, snap, {}).backend
+    loaded = _with_queue(snap, {home: 6.0})
+    alone = policy().pick(p, loaded, {})
+    assert alone.backend == home and alone.reason is Reason.HASH
+    shared = AffinityPolicy(RoutingConfig(shared_backends=True))
+    d = shared.pick(p, loaded, {})
+    assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+
+
+def test_engine_counts_limit_the_fleet_and_never_lower_the_own_count():
+    """A backend's max_inflight then limits every replica's requests together; an engine reporting fewer
+    requests than this proxy has in flight there (a stale scrape) never hides its own."""
+    snap = fleet(4)
+    p = prompt("another fresh question " + "r" * 3000)
+    home = policy().pick(p, snap, {}).backend
+    snap = with_state(snap, home, spec=replace(snap.get(home).spec, max_inflight=4))
+    shared = AffinityPolicy(RoutingConfig(shared_backends=True))
+    three = {n: 3.0 for n in snap.names}
+    assert shared.pick(p, _with_queue(snap, three), {}).backend == home
+    d = shared.pick(p, _with_queue(snap, {**three, home: 4.0}), {})
+    assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK
+    stale_low = shared.pick(p, _with_queue(snap, {**three, home: 0.0}), {home: Inflight(requests=4, tokens=400)})
+    assert stale_low.backend != home
+
+
+def test_precise_view_finds_a_prefix_this_process_never_routed():
+    snap = fleet(4)
+    doc = "".join(f"clause {i} of the shared contract\n" for i in range(150))
+    p = prompt(doc + "question A")
+    home = policy().pick(p, snap, {}).backend
+    holder = next(n for n in snap.names if n != home)
+    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: PreciseMatch(1000, {holder: 1000, home: 0}, 16))
+    d = pol.pick(p, snap, {})
+    assert d.backend == holder and d.reason is Reason.PREFIX_HIT and d.prefix_blocks_matched > 0
+    # A view that leaves every backend out (stale or no events): the learned index and hashing decide.
+    blind = AffinityPolicy(RoutingConfig(), precise=lambda req: PreciseMatch(1000, {}, 16))
+    assert blind.pick(p, snap, {}).backend == home
+
+
+def test_precise_view_costs_a_fallback_by_what_the_engines_hold():
+    """The cost check reads the engines' view too: a prompt whose home is overloaded goes to the backend
+    whose engine holds most of it, although this process never routed it there."""
+    snap = fleet(4)
+    p = prompt("fresh document " + "d" * 8000)
+    home, nxt = home_order(p, snap)[:2]
+    holder = next(n for n in snap.names if n not in (home, nxt))
+    view = PreciseMatch(2000, {holder: 900, home: 0, nxt: 0}, 16)  # 45%: no prefix hit, a cheaper holder
+    pol = AffinityPolicy(RoutingConfig(), precise=lambda req: view)
+    d = pol.pick(p, snap, {home: Inflight(requests=9)})
+    assert d.backend == holder and d.reason is Reason.OVERLOAD_FALLBACK
+
+
+def test_idle_fleet_still_follows_a_users_own_preamble_past_the_system_prompt():
+    """Only the system messages are discounted: a new question from a user whose long personal preamble
+    (inside the user turn) is cached on one backend still goes there, in an idle fleet too."""
+    snap = fleet(4)
+    preamble = "my account notes: " + " ".join(f"order{i} shipped late" for i in range(150))  # ~3 KiB
+    pol = policy()
+    first = pol.pick(chat([("system", LONG_SYSTEM), ("user", preamble + " question 0?")]), snap, {})
+    for j in range(1, 60):
+        req = chat([("system", LONG_SYSTEM), ("user", preamble + f" question {j}?")])
+        if policy().pick(req, snap, {}).backend != first.backend:
+            break
+    else:
+        pytest.fail("no question hashing away from the first backend")
+    d = pol.pick(req, snap, {})
+    assert d.backend == first.backend and d.reason is Reason.OVERLOAD_FALLBACK and d.prefix_blocks_matched > 20
+    assert req.shared_prefix_chars == len("system\n" + LONG_SYSTEM + "\n")

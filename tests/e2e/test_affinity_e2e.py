@@ -1,6 +1,8 @@
 """Issue 4 through the proxy: affinity on the real data plane, to the real simulator, with live telemetry.
 
 - 200 requests over 20 distinct prompts: each prompt on a single backend;
+- 20 prompts sharing a 600-word system prompt, 5 sightings each, one at a time: each on one backend, and
+  spread over the fleet (issue 13);
 - multi-turn chats that extend earlier turns stay on their backend;
 - a backend made slow (artificial load, seen by telemetry) sheds its keys and takes them back once it
   recovers.
@@ -68,6 +70,23 @@ async def test_each_of_20_prompts_stays_on_one_backend(fleet: Fleet, proxy: Affi
     assert all(len(b) == 1 for b in seen.values()), seen
     # Sharing the system prompt did not pile them onto one GPU.
     assert len({next(iter(b)) for b in seen.values()}) >= 3
+
+
+LONG_SYSTEM = " ".join(f"rule{i % 37} applies to every shipment" for i in range(120))  # 600 words
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["prompt-by-prompt", "interleaved"])
+async def test_twenty_prompts_sharing_a_600_word_system_prompt(fleet: Fleet, proxy: AffinityProxy, interleaved: bool) -> None:
+    """Issue 13, item 5: sent one at a time to an idle fleet, each prompt's repeats go where its first
+    sighting was computed, and the shared system prompt does not pull every new prompt to its holder."""
+    order = [i for _ in range(5) for i in range(20)] if interleaved else [i for i in range(20) for _ in range(5)]
+    seen: dict[int, list[str]] = collections.defaultdict(list)
+    async with aiohttp.ClientSession() as s:
+        for i in order:
+            messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": f"Where is shipment {i}?"}]
+            seen[i].append(await ask(s, proxy, fleet, messages))
+    assert all(len(set(b)) == 1 for b in seen.values()), dict(seen)
+    assert len({b[0] for b in seen.values()}) >= 3, dict(seen)
 
 
 async def test_multi_turn_chats_stay_on_their_backend(fleet: Fleet, proxy: AffinityProxy) -> None:

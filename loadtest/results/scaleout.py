@@ -1,0 +1,265 @@
+"""Scale-out replays behind loadtest/results/scaleout.md (issue 13): run from the repository root with
+
+    .venv/bin/python loadtest/results/scaleout.py run views     # item 4: the load view of R replicas
+    .venv/bin/python loadtest/results/scaleout.py run matrix    # R = 1, 2, 4 x W = 1, 2, learned vs precise
+    .venv/bin/python loadtest/results/scaleout.py table         # markdown tables + scaleout.png
+
+Each row is one `python -m loadtest.replay` configuration (the flags are printed next to it); results are
+appended to loadtest/results/scaleout.jsonl as they finish, so an interrupted run resumes where it stopped.
+The replay runs in virtual time: the numbers do not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from loadtest.replay import ReplayConfig, replay, scaleout_label  # noqa: E402
+from loadtest.report import summarize  # noqa: E402
+from loadtest.workloads import load_workload  # noqa: E402
+from loadtest.workloads.model import Workload  # noqa: E402
+
+OUT = ROOT / "loadtest" / "results" / "scaleout.jsonl"
+TRACES = Path("/work/shared/traces") if Path("/work/shared/traces").is_dir() else ROOT.parent / "shared" / "traces"
+MOONCAKE = TRACES / "mooncake_synthetic_trace.jsonl"
+AZURE = TRACES / "azure_llm_2023_code.csv"
+
+# (name, trace, window in trace seconds, speed, busy label). Speeds chosen so round robin's GPU busy share
+# is ~75% / ~95% on Mooncake; the Azure code trace is bursty: see scaleout.md.
+LOADS = [
+    ("mooncake", MOONCAKE, (0.0, 300.0), 0.6, "~80% busy"),
+    ("mooncake", MOONCAKE, (0.0, 300.0), 1.0, "~96% busy"),
+    ("mooncake", MOONCAKE, (900.0, 1200.0), 0.6, "~80% busy, multi-turn"),
+    ("mooncake", MOONCAKE, (900.0, 1200.0), 1.0, "~96% busy, multi-turn"),
+    ("azure-code", AZURE, (0.0, 900.0), 4.0, "speed 4"),
+    ("azure-code", AZURE, (0.0, 900.0), 6.5, "speed 6.5"),
+]
+
+
+def _workload(trace: Path, window: tuple[float, float]) -> Workload:
+    return load_workload(str(trace)).window(window[0], window[1], None)  # as --window does
+
+
+def flags(cfg: ReplayConfig) -> str:
+    out = [f"--policies {cfg.policy}"]
+    if cfg.replicas != 1:
+        out.append(f"--replicas {cfg.replicas}")
+    if cfg.workers != 1:
+        out.append(f"--workers {cfg.workers}")
+        if not cfg.shared_worker_load:
+            out.append("--no-shared-worker-load")
+    if cfg.index != "learned":
+        out.append(f"--index {cfg.index} --kv-event-delay-ms {cfg.kv_event_delay_ms:g}")
+    if cfg.load_view != "own":
+        out.append(f"--load-view {cfg.load_view}")
+    return " ".join(out)
+
+
+def suite(name: str) -> list[ReplayConfig]:
+    cfgs: list[ReplayConfig] = []
+    if name == "views":
+        # Item 4: what a replica reads as a backend's load, at R = 4 (R x own was measured at commits
+        # 7fd5eb5 and 7ed056f; those rows carry the commit in scaleout.jsonl).
+        cfgs.append(ReplayConfig(policy="affinity"))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise"))
+        for index in ("learned", "precise"):
+            for view in ("own", "engines"):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, index=index, load_view=view))
+    elif name == "matrix":
+        cfgs.append(ReplayConfig(policy="round_robin"))
+        for index in ("learned", "precise"):
+            for r in (1, 2, 4):
+                for w in (1, 2):
+                    # The recommended setting: routing.shared_backends with KV events and R > 1 only.
+                    view = "engines" if index == "precise" and r > 1 else "own"
+                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, load_view=view))
+        cfgs.append(ReplayConfig(policy="affinity", workers=2, shared_worker_load=False))
+        # 4 processes with their own learned state but ONE load view: what sharing the in-flight table and
+        # ledger between replicas (e.g. through Redis) would give; the upper bound of any load estimate.
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", kv_event_delay_ms=500.0, load_view="engines"))
+    else:
+        raise SystemExit(f"unknown suite {name!r}")
+    return cfgs
+
+
+def key_of(load: tuple, cfg: ReplayConfig) -> str:
+    name, _trace, window, speed, _busy = load
+    return f"{name} {window[0]:g}:{window[1]:g} x{speed:g} | {flags(cfg)}"
+
+
+def run(suite_name: str, only: str | None) -> None:
+    done = set()
+    if OUT.exists():
+        done = {json.loads(line)["key"] for line in OUT.read_text().splitlines() if line.strip()}
+    workloads: dict[tuple, Workload] = {}
+    for load in LOADS:
+        if only and only not in load[0]:
+            continue
+        for base in suite(suite_name):
+            key = key_of(load, base)
+            if key in done:
+                continue
+            name, trace, window, speed, busy = load
+            wl = workloads.get((trace, window))
+            if wl is None:
+                wl = workloads[(trace, window)] = _workload(trace, window)
+            cfg = ReplayConfig(**{**base.__dict__, "speed": speed, "max_model_len": 131072})
+            t0 = time.perf_counter()
+            result = asyncio.run(replay(wl, cfg))
+            s = summarize(result, wl, label=f"{cfg.policy}{scaleout_label(cfg)}")
+            row = {"key": key, "load": name, "window": list(window), "speed": speed, "busy": busy, "flags": flags(cfg),
+                   "reasons": result.meta["reasons"], "replay_s": time.perf_counter() - t0,
+                   **{k: v for k, v in s.items() if isinstance(v, (int, float, str)) or v is None}}
+            with OUT.open("a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            print(f"{key}: hit {100 * (s['hit_ratio'] or 0):.2f}% ({100 * (s['hit_vs_bound'] or 0):.0f}% of LRU) "
+                  f"TTFT mean {1000 * s['ttft_mean']:.0f} p90 {1000 * s['ttft_p90']:.0f} p99 {1000 * s['ttft_p99']:.0f} ms "
+                  f"util {100 * s['gpu_util_mean']:.0f}% [{row['replay_s']:.0f} s]", flush=True)
+
+
+def _rows() -> list[dict]:
+    return [json.loads(line) for line in OUT.read_text().splitlines() if line.strip()]
+
+
+def parse_flags(flags: str) -> dict:
+    """The configuration a row's flags name (defaults filled in)."""
+    words = flags.split()
+    out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
+           "delay": 50.0, "shared": True, "note": flags.partition("@")[2].strip()}
+    for i, w in enumerate(words):
+        if w == "--replicas":
+            out["replicas"] = int(words[i + 1])
+        elif w == "--workers":
+            out["workers"] = int(words[i + 1])
+        elif w == "--index":
+            out["index"] = words[i + 1]
+        elif w == "--load-view":
+            out["load_view"] = words[i + 1]
+        elif w == "--kv-event-delay-ms":
+            out["delay"] = float(words[i + 1])
+        elif w == "--no-shared-worker-load":
+            out["shared"] = False
+    if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
+        out["load_view"] = "own"  # one load view: routing.replicas = 1, the single-process policy
+    return out
+
+
+def _loads(rows: list[dict]) -> list[tuple]:
+    loads: list[tuple] = []
+    for r in rows:
+        lk = (r["load"], tuple(r["window"]), r["speed"], r["busy"])
+        if lk not in loads:
+            loads.append(lk)
+    return loads
+
+
+def _cells(r: dict) -> str:
+    return (f"{100 * (r['hit_ratio'] or 0):.2f}% ({100 * (r['hit_vs_bound'] or 0):.0f}%) | {1000 * r['ttft_mean']:,.0f} | "
+            f"{1000 * r['ttft_p90']:,.0f} | {1000 * r['ttft_p99']:,.0f} | {100 * r['gpu_util_mean']:.0f}%")
+
+
+def table() -> None:
+    rows = _rows()
+    for lk in _loads(rows):
+        name, window, speed, busy = lk
+        sel, seen = [], set()
+        for r in rows:
+            f = parse_flags(r["flags"])
+            ident = tuple(sorted(f.items()))
+            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk and ident not in seen:
+                seen.add(ident)  # the same configuration reached by two suites
+                sel.append((f, r))
+        bound = next((r["bound_lru"] for _f, r in sel if r.get("bound_lru")), None)
+        print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy}"
+              + (f"; fleet-size LRU bound {100 * bound:.2f}%" if bound else "") + ")\n")
+        print("| router | index | R | W | load view | hit ratio (of LRU bound) | TTFT mean ms | p90 | p99 | GPU busy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        order = sorted(sel, key=lambda fr: (fr[0]["policy"] != "round_robin", fr[0]["index"], fr[0]["load_view"] != "own",
+                                            fr[0]["load_view"], fr[0]["note"], fr[0]["replicas"], fr[0]["workers"],
+                                            not fr[0]["shared"], fr[0]["delay"]))
+        for f, r in order:
+            view = {"7fd5eb5": "R x own (commit 7fd5eb5)", "7ed056f": "max(R x own, engines) (commit 7ed056f)"}.get(
+                f["note"], "engines (routing.shared_backends)" if f["load_view"] == "engines" else f["load_view"])
+            extra = []
+            if f["workers"] > 1:
+                extra.append("shared load" if f["shared"] else "separate load")
+            if f["index"] == "precise" and f["delay"] != 50.0:
+                extra.append(f"events {f['delay']:g} ms late")
+            w = f"{f['workers']}" + (f" ({', '.join(extra)})" if extra else "")
+            print(f"| {f['policy']} | {f['index'] if f['policy'] == 'affinity' else '-'} | {f['replicas']} | {w} | "
+                  f"{view if f['policy'] == 'affinity' else '-'} | {_cells(r)} |")
+
+
+def plot() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _rows()
+    loads = _loads(rows)
+    fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.5), squeeze=False)
+    for col, lk in enumerate(loads):
+        sel = [(parse_flags(r["flags"]), r) for r in rows if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk]
+        for index, colour in (("learned", "tab:orange"), ("precise", "tab:blue")):
+            for w, style in ((1, "-"), (2, "--")):
+                pts = sorted(
+                    (f["replicas"], r) for f, r in sel
+                    if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
+                    and f["delay"] == 50.0 and not f["note"]
+                    and f["load_view"] == ("engines" if index == "precise" and f["replicas"] > 1 else "own")
+                )
+                if not pts:
+                    continue
+                xs = [p[0] for p in pts]
+                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+        rr = next((r for f, r in sel if f["policy"] == "round_robin"), None)
+        if rr is not None:
+            axes[0][col].axhline(100 * (rr["hit_ratio"] or 0), color="grey", lw=1, label="round robin")
+            axes[1][col].axhline(1000 * rr["ttft_mean"], color="grey", lw=1, label="round robin")
+            if rr.get("bound_lru"):
+                axes[0][col].axhline(100 * rr["bound_lru"], color="black", ls=":", lw=1, label="fleet LRU bound")
+        name, window, speed, busy = lk
+        axes[0][col].set_title(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}\n({busy})", fontsize=9)
+        axes[0][col].set_ylabel("prefix hit ratio, %")
+        axes[1][col].set_ylabel("TTFT mean, ms")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("replicas R")
+            ax.set_xticks([1, 2, 4])
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Scale-out in the offline replay: affinity with learned vs precise (KV events) index, 4 x H100", fontsize=10)
+    fig.tight_layout()
+    out = ROOT / "loadtest" / "results" / "scaleout.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("suite", choices=("views", "matrix"))
+    r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
+    sub.add_parser("table")
+    sub.add_parser("plot")
+    args = ap.parse_args()
+    if args.cmd == "run":
+        run(args.suite, args.only)
+    elif args.cmd == "table":
+        table()
+    else:
+        plot()
+
+
+if __name__ == "__main__":
+    main()
