@@ -313,7 +313,8 @@ class AffinityProxy:
             self._observer_task = None
         self.observer.close()
         if self.tracing is not None:
-            self.tracing.shutdown()  # exports what is still queued
+            # Exports what is still queued; off the loop, which may serve the collector itself (tests).
+            await asyncio.to_thread(self.tracing.shutdown)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         if self.session is not None:
