@@ -167,7 +167,8 @@ class AffinityProxy:
         self.tracing: Tracing | None = None
         if self.role != "control":
             self.tracing = tracing if tracing is not None else build_tracing(config.tracing)
-        self.observability = Observability(self.observer if self.role != "control" else None, self.tracing)
+        self.observability = Observability(self.observer if self.role != "control" else None, self.tracing,
+                                           self.metrics)
         if self.role != "data":
             store, inflight = self.store, self.inflight
             self.admin_app.add_routes(observability_routes(

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from proxy.core.request import RequestSummary
+from proxy.metrics import ProxyMetrics
 from proxy.observability.observer import Observer
 from proxy.observability.record import RequestRecord
 from proxy.observability.tracing import AttemptTrace, RequestTrace, Tracing
@@ -35,11 +36,14 @@ HeaderGet = Callable[[str], "str | None"]
 class Observability:
     """The observer (access log + hot-spot windows; None when both are off) and the tracing (None when off)."""
 
-    __slots__ = ("observer", "tracing")
+    __slots__ = ("observer", "tracing", "metrics")
 
-    def __init__(self, observer: Observer | None, tracing: Tracing | None) -> None:
+    def __init__(self, observer: Observer | None, tracing: Tracing | None,
+                 metrics: ProxyMetrics | None = None) -> None:
+        """`metrics`: where each request's time to first byte goes (the TTFT histogram by backend)."""
         self.observer = observer
         self.tracing = tracing
+        self.metrics = metrics
 
     @property
     def active(self) -> bool:
@@ -57,16 +61,16 @@ class Observability:
             carrier = {k: v for k in ("traceparent", "tracestate") if (v := header_get(k)) is not None}
             trace = tracing.start(carrier, name, protocol, method, path, client=client, session=session)
             record.trace_id = trace.trace_id
-        return RequestObservation(self.observer, tracing, record, trace, received_at)
+        return RequestObservation(self, record, trace, received_at)
 
 
 class RequestObservation:
-    __slots__ = ("observer", "tracing", "record", "trace", "attempt", "received_at", "_finished")
+    __slots__ = ("observer", "metrics", "record", "trace", "attempt", "received_at", "_finished")
 
-    def __init__(self, observer: Observer | None, tracing: Tracing | None, record: RequestRecord,
-                 trace: RequestTrace | None, received_at: float) -> None:
-        self.observer = observer
-        self.tracing = tracing
+    def __init__(self, observability: Observability, record: RequestRecord, trace: RequestTrace | None,
+                 received_at: float) -> None:
+        self.observer = observability.observer
+        self.metrics = observability.metrics
         self.record = record
         self.trace = trace
         self.attempt: AttemptTrace | None = None
@@ -169,6 +173,8 @@ class RequestObservation:
                 self.attempt = None
                 attempt.finish(status if r.backend is not None else None, grpc_status, error)
             trace.finish(status, grpc_status, error, r.attempts)
+        if r.ttft_s is not None and r.backend is not None and self.metrics is not None:
+            self.metrics.first_byte(r.backend, r.ttft_s)
         observer = self.observer
         if observer is not None:
             observer.on_finish(r)
