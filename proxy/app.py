@@ -62,6 +62,7 @@ from proxy.http.server import HttpDataPlane
 from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
 from proxy.metrics import ProxyMetrics
 from proxy.observability.admin_routes import observability_routes
+from proxy.observability.demote import HotspotWeights
 from proxy.observability.lifecycle import Observability
 from proxy.observability.observer import Observer
 from proxy.observability.tracing import Tracing, build_tracing
@@ -163,7 +164,13 @@ class AffinityProxy:
                 logging_config, access_log=dataclasses.replace(logging_config.access_log, enabled=False))
         role: Literal["single", "worker", "aggregator"] = (
             "single" if self.role == "all" else "worker" if self.role == "data" else "aggregator")
-        self.observer = Observer(logging_config, config.hotspots, self.metrics.registry, role=role)
+        # Optional: a hot spot's routing weight is lowered until it clears, where the windows are judged
+        # (one process, or the supervisor), through the store as the admin weight endpoint does.
+        weights = None
+        if config.hotspots.lower_weight_to is not None and self.role != "data":
+            weights = HotspotWeights(self.store, config.hotspots.lower_weight_to)
+        self.observer = Observer(logging_config, config.hotspots, self.metrics.registry, role=role,
+                                 on_event=None if weights is None else weights.on_event)
         self.tracing: Tracing | None = None
         if self.role != "control":
             self.tracing = tracing if tracing is not None else build_tracing(config.tracing)
