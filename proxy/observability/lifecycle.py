@@ -24,7 +24,7 @@ from proxy.core.request import RequestSummary
 from proxy.metrics import ProxyMetrics
 from proxy.observability.observer import Observer
 from proxy.observability.record import RequestRecord
-from proxy.observability.tracing import AttemptTrace, RequestTrace, Tracing
+from proxy.observability.tracing import AttemptTrace, RequestTrace, Tracing, UnsampledTrace, _NoAttempt
 
 # The client's W3C trace context: continued by the server span, never forwarded as the client sent it
 # (the backend gets the upstream span's own traceparent instead).
@@ -67,13 +67,13 @@ class Observability:
 class RequestObservation:
     __slots__ = ("observer", "metrics", "record", "trace", "attempt", "received_at", "_finished")
 
-    def __init__(self, observability: Observability, record: RequestRecord, trace: RequestTrace | None,
+    def __init__(self, observability: Observability, record: RequestRecord, trace: RequestTrace | UnsampledTrace | None,
                  received_at: float) -> None:
         self.observer = observability.observer
         self.metrics = observability.metrics
         self.record = record
         self.trace = trace
-        self.attempt: AttemptTrace | None = None
+        self.attempt: AttemptTrace | _NoAttempt | None = None
         self.received_at = received_at  # time.monotonic() when the request's head arrived
         self._finished = False
 
@@ -84,10 +84,10 @@ class RequestObservation:
         if summary.session_key is not None:
             r.session = summary.session_key
         trace = self.trace
-        if trace is not None and summary.model and trace.span.is_recording():
-            trace.span.set_attribute("gen_ai.request.model", summary.model)
+        if trace is not None and summary.model and trace.sampled:
+            trace.set_attribute("gen_ai.request.model", summary.model)
             if summary.session_key:
-                trace.span.set_attribute("affinity.session", summary.session_key)
+                trace.set_attribute("affinity.session", summary.session_key)
 
     def picked(self, lease: Any, url: str) -> list[tuple[bytes, bytes]]:
         """One attempt's pick (`lease`: proxy.dataplane.router.Lease). Returns the trace-context headers the
@@ -112,7 +112,7 @@ class RequestObservation:
             return []
         if self.attempt is not None:  # the previous attempt ended without saying how (cancelled)
             self.attempt.finish(error="abandoned")
-        if trace.span.is_recording():
+        if trace.sampled:
             snapshot = lease.router.store.current
             excluded = lease.exclude
             alternates = [b.name for b in snapshot.backends
@@ -148,8 +148,9 @@ class RequestObservation:
         r.bytes_out = len(body)
         if error is not None:
             r.error = error
-        if answer.status < 300 and body:
-            r.prompt_tokens, r.cached_tokens = usage_of(body)
+        observer = self.observer
+        if answer.status < 300 and body and observer is not None and observer.access_log is not None:
+            r.prompt_tokens, r.cached_tokens = usage_of(body)  # only the access log shows them
 
     def finish(self, status: int, grpc_status: int | None = None, error: str | None = None, *,
                bytes_out: int = 0, body: bytes | None = None) -> None:
