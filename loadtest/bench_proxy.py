@@ -394,12 +394,18 @@ def main_observability(args: argparse.Namespace) -> int:
         sink = f"http://127.0.0.1:{otlp}/v1/traces"
         variants = [
             ("both off", "logging: {access_log: {enabled: false}}\n", None),
+            # ratio 0: every request takes the unsampled path (the sampling decision, the W3C header to the
+            # backend), none is exported: what tracing costs before any span is recorded.
+            ("tracing 0.0", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 0.0, endpoint: '{sink}'}}\n", None),
             ("tracing 0.1", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 0.1, endpoint: '{sink}'}}\n", None),
             ("tracing 1.0", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 1.0, endpoint: '{sink}'}}\n", None),
             ("access log", f"logging: {{access_log: {{enabled: true, path: '{tmp / 'access.log'}'}}}}\n", None),
         ]
         if args.baseline:
             variants.insert(0, ("before (baseline)", "", Path(args.baseline).resolve()))
+        if args.only:
+            keep = set(args.only.split(","))
+            variants = [v for v in variants if v[0] in keep or v[0] == "both off"]
         targets: list[Target] = []
         for name, section, tree in variants:
             pport, aport = free_port(), free_port()
@@ -573,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--observability", action="store_true",
                    help="compare the proxy with access log / tracing off and on (see the module doc)")
     p.add_argument("--rounds", type=int, default=3, help="--observability: measurement rounds (medians)")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help="--observability: comma-separated variant names to run (\"both off\" always runs)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="--observability: also run the proxy from this source tree (e.g. a git archive of main)")
     args = p.parse_args(argv)
