@@ -1,6 +1,7 @@
 """Proxy overhead, side by side in one run: direct to a backend, through nginx, through affinity-proxy.
 
     python -m loadtest.bench_proxy [--duration 5] [--policy round_robin] [--no-nginx]
+    python -m loadtest.bench_proxy --observability [--rounds 3] [--baseline DIR]
 
 What it measures (the same three figures as shared/peers/README.md, on the same kind of setup):
   - CPU µs per small request: wrk, 64 connections, non-streaming POST; proxy CPU time / requests.
@@ -13,6 +14,12 @@ that the proxy's own cost dominates. Layout on the 2-core machine: the proxy (or
 to core 0, the fake backend and the load generators to core 1. CPU time is read from /proc for the proxy
 process (and nginx's workers), over exactly the load window. Other processes on the machine add noise:
 compare the columns of one run, not numbers across runs.
+
+`--observability` compares affinity-proxy with itself instead: access log and tracing both off, tracing on
+(OTLP/HTTP to a sink in the backend process) at ratio 0.1 and 1.0, and the access log on (to a file); with
+`--baseline DIR` also the proxy as it was before observability was hooked in (a `git archive` of that
+commit in DIR). The targets are measured in turns, `--rounds` times, and the medians reported as CPU per
+request / per SSE event and as ratios to "both off", so that drift on a loaded machine hits all alike.
 
 Subcommands `backend` and `sse-client` are the helper processes this script starts itself.
 """
@@ -120,8 +127,25 @@ class _FakeBackend(asyncio.Protocol):
         return False
 
 
-async def run_backend(ports: Sequence[int], events: int, interval_ms: float) -> None:
+async def _otlp_sink(port: int) -> None:
+    """An OTLP/HTTP collector that accepts every export and keeps nothing (the tracing variants' endpoint)."""
+    from aiohttp import web
+
+    async def accept(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", accept)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+
+async def run_backend(ports: Sequence[int], events: int, interval_ms: float, otlp_port: int | None = None) -> None:
     loop = asyncio.get_running_loop()
+    if otlp_port is not None:
+        await _otlp_sink(otlp_port)
     streams: dict[_FakeBackend, int] = {}
     servers = [
         await loop.create_server(lambda: _FakeBackend(streams, events), "127.0.0.1", p, backlog=4096, reuse_address=True)
@@ -341,6 +365,103 @@ http {{
 """
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
+
+
+def main_observability(args: argparse.Namespace) -> int:
+    """affinity-proxy against itself: what the access log and tracing cost per request (module doc)."""
+    if shutil.which("wrk") is None:
+        print("wrk is required (Debian package `wrk`)", file=sys.stderr)
+        return 2
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bench_obs_"))
+    lua = tmp / "post.lua"
+    lua.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                   f"wrk.body = {json.dumps(REQUEST_BODY)}\n")
+    try:
+        b1, b2, otlp = free_port(), free_port(), free_port()
+        backend = subprocess.Popen(
+            pinned(LOAD_CORE, [sys.executable, "-m", "loadtest.bench_proxy", "backend", "--ports", f"{b1},{b2}",
+                               "--events", str(args.events), "--event-interval-ms", str(args.event_interval_ms),
+                               "--otlp-port", str(otlp)]),
+            cwd=ROOT, stdout=subprocess.DEVNULL,
+        )
+        procs.append(backend)
+        wait_port(b1, backend)
+        wait_port(otlp, backend)
+        sink = f"http://127.0.0.1:{otlp}/v1/traces"
+        variants = [
+            ("both off", "logging: {access_log: {enabled: false}}\n", None),
+            # ratio 0: every request takes the unsampled path (the sampling decision, the W3C header to the
+            # backend), none is exported: what tracing costs before any span is recorded.
+            ("tracing 0.0", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 0.0, endpoint: '{sink}'}}\n", None),
+            ("tracing 0.1", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 0.1, endpoint: '{sink}'}}\n", None),
+            ("tracing 1.0", f"logging: {{access_log: {{enabled: false}}}}\ntracing: {{enabled: true, ratio: 1.0, endpoint: '{sink}'}}\n", None),
+            ("access log", f"logging: {{access_log: {{enabled: true, path: '{tmp / 'access.log'}'}}}}\n", None),
+        ]
+        if args.baseline:
+            variants.insert(0, ("before (baseline)", "", Path(args.baseline).resolve()))
+        if args.only:
+            keep = set(args.only.split(","))
+            variants = [v for v in variants if v[0] in keep or v[0] == "both off"]
+        targets: list[Target] = []
+        for name, section, tree in variants:
+            pport, aport = free_port(), free_port()
+            cfg = tmp / f"proxy-{len(targets)}.yaml"
+            cfg.write_text(
+                f"listen: {{port: {pport}}}\nadmin: {{port: {aport}}}\nrouting: {{policy: {args.policy}}}\n"
+                "telemetry: {enabled: false}\nhealth_checks: {enabled: false}\n" + section +
+                f"backends:\n  - {{name: b1, url: 'http://127.0.0.1:{b1}'}}\n  - {{name: b2, url: 'http://127.0.0.1:{b2}'}}\n"
+            )
+            env = {**os.environ, "PYTHONPATH": str(tree)} if tree is not None else None
+            proc = subprocess.Popen(
+                pinned(PROXY_CORE, [sys.executable, "-m", "proxy", "run", "--config", str(cfg), "--workers", "1",
+                                    "--log-level", "warning"]),
+                cwd=tree or ROOT, env=env, stdout=subprocess.DEVNULL,
+            )
+            procs.append(proc)
+            wait_port(pport, proc)
+            targets.append(Target(name, pport, [proc.pid]))
+        samples: dict[str, dict[str, list[float]]] = {t.name: {"req": [], "event": [], "rps": []} for t in targets}
+        for t in targets:  # warm-up: connections, caches, the exporter's first batches
+            _wrk(t.port, 64, 1, False, str(lua))
+        for round_ in range(args.rounds):
+            for t in targets:
+                print(f"... round {round_ + 1}/{args.rounds}: {t.name}", file=sys.stderr, flush=True)
+                (requests, _), cpu = _measure(t, lambda: _wrk(t.port, 64, args.duration, False, str(lua)))  # type: ignore[misc]
+                samples[t.name]["req"].append(cpu / requests * 1e6)
+                samples[t.name]["rps"].append(requests / args.duration)
+                sse_argv = [sys.executable, "-m", "loadtest.bench_proxy", "sse-client", "--port", str(t.port),
+                            "--concurrency", "32", "--duration", str(args.duration)]
+                out, cpu = _measure(t, lambda: subprocess.run(
+                    pinned(LOAD_CORE, sse_argv), capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+                events = json.loads(str(out).strip().splitlines()[-1])["events"]
+                samples[t.name]["event"].append(cpu / events * 1e6 if events else float("nan"))
+        base = "both off"
+        base_req, base_ev = _median(samples[base]["req"]), _median(samples[base]["event"])
+        print(f"\nbench_proxy --observability: {args.rounds} rounds x {args.duration:g} s, medians; wrk c64 "
+              f"non-streaming POST, 32 SSE streams of {args.events} events; proxy on core {PROXY_CORE}")
+        print(f"{'':20}{'CPU µs/request':>16}{'ratio':>8}{'Δ µs/req':>10}{'req/s c64':>11}"
+              f"{'CPU µs/event':>14}{'ratio':>8}   per-round µs/request")
+        for t in targets:
+            req, ev = _median(samples[t.name]["req"]), _median(samples[t.name]["event"])
+            rounds = " ".join(f"{v:.1f}" for v in samples[t.name]["req"])
+            print(f"{t.name:20}{req:16.1f}{req / base_req:8.3f}{req - base_req:10.1f}"
+                  f"{_median(samples[t.name]['rps']):11.0f}{ev:14.2f}{ev / base_ev:8.3f}   {rounds}")
+        return 0
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main_bench(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("wrk is required (Debian package `wrk`)", file=sys.stderr)
@@ -443,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--ports", required=True)
     b.add_argument("--events", type=int, default=200)
     b.add_argument("--event-interval-ms", type=float, default=1.0)
+    b.add_argument("--otlp-port", type=int, default=None, help="also accept OTLP/HTTP trace exports here")
     c = sub.add_parser("sse-client")
     c.add_argument("--host", default="127.0.0.1")
     c.add_argument("--port", type=int, required=True)
@@ -454,13 +576,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=200, help="SSE events per streamed response")
     p.add_argument("--event-interval-ms", type=float, default=1.0, help="pace of each stream's events")
     p.add_argument("--no-nginx", action="store_true")
+    p.add_argument("--observability", action="store_true",
+                   help="compare the proxy with access log / tracing off and on (see the module doc)")
+    p.add_argument("--rounds", type=int, default=3, help="--observability: measurement rounds (medians)")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help="--observability: comma-separated variant names to run (\"both off\" always runs)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="--observability: also run the proxy from this source tree (e.g. a git archive of main)")
     args = p.parse_args(argv)
     if args.cmd == "backend":
-        uvloop.run(run_backend([int(x) for x in args.ports.split(",")], args.events, args.event_interval_ms))
+        uvloop.run(run_backend([int(x) for x in args.ports.split(",")], args.events, args.event_interval_ms,
+                               args.otlp_port))
         return 0
     if args.cmd == "sse-client":
         uvloop.run(run_sse_client(args.host, args.port, args.path, args.concurrency, args.duration))
         return 0
+    if args.observability:
+        return main_observability(args)
     return main_bench(args)
 
 

@@ -34,13 +34,14 @@ import asyncio
 import logging
 import signal
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Literal, Protocol
 
 import aiohttp
 from aiohttp import web
 
-from proxy.admin import build_admin_app
+from proxy.admin import build_admin_app, snapshot_json
 from proxy.config import Config
 from proxy.control.checks import HealthMonitor
 from proxy.control.kv_events import build_precise_routing
@@ -62,6 +63,11 @@ from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
 from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
 from proxy.metrics import ProxyMetrics
+from proxy.observability.admin_routes import observability_routes
+from proxy.observability.demote import HotspotWeights
+from proxy.observability.lifecycle import Observability
+from proxy.observability.observer import Observer
+from proxy.observability.tracing import Tracing, build_tracing
 from proxy.resilience import Resilience, panic_view
 from proxy.upstream.factory import create_pool, create_session
 from proxy.upstream.http1 import UpstreamPool
@@ -91,8 +97,10 @@ class AffinityProxy:
         config_path: str | None = None, store: SnapshotStore | None = None, inflight: InflightTable | None = None,
         on_outcome: Callable[[str, Outcome], None] | None = None,
         load_report: Callable[[str, str], None] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        """`on_outcome`: where passive outlier reports go; default: this process's health monitor (role
+        """`tracing`: the span exporter to use instead of one built from `config.tracing` (tests pass
+        one with an in-memory exporter). `on_outcome`: where passive outlier reports go; default: this process's health monitor (role
         "all"). `load_report`: where the ORCA load reports that backends attach to answers go; default: this
         process's telemetry poller, when `telemetry.orca` is on. A --workers data process passes its channel
         to the supervisor for both (workers run no monitor and no poller)."""
@@ -121,6 +129,8 @@ class AffinityProxy:
         self._http_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._started = False
+        self._observer_task: asyncio.Task[None] | None = None
+        self._install_observability(config, tracing)
         self._install_subsystems(config, policy, on_outcome, load_report)
 
     @property
@@ -143,6 +153,37 @@ class AffinityProxy:
         if self._started:
             raise RuntimeError("tasks must be added before start()")
         self._tasks.append(_Task(name, factory))
+
+    def _install_observability(self, config: Config, tracing: Tracing | None) -> None:
+        """Access log, heat-map windows and hot-spot rules, traces (proxy/observability).
+
+        "all": one Observer judges its own windows. "data" (a --workers worker): access log and windows of
+        its own requests, windows handed to the supervisor (`observer.take_closed()`, over the channel).
+        "control" (the supervisor): an aggregator that merges every worker's windows, judges them and serves
+        /dashboard and /admin/hotspots for the whole host; it writes no access log (it serves no requests).
+        Tracing is built in each process that serves requests (after the fork, for workers)."""
+        logging_config = config.logging
+        if self.role == "control":
+            logging_config = dataclasses.replace(
+                logging_config, access_log=dataclasses.replace(logging_config.access_log, enabled=False))
+        role: Literal["single", "worker", "aggregator"] = (
+            "single" if self.role == "all" else "worker" if self.role == "data" else "aggregator")
+        # Optional: a hot spot's routing weight is lowered until it clears, where the windows are judged
+        # (one process, or the supervisor), through the store as the admin weight endpoint does.
+        weights = None
+        if config.hotspots.lower_weight_to is not None and self.role != "data":
+            weights = HotspotWeights(self.store, config.hotspots.lower_weight_to)
+        self.observer = Observer(logging_config, config.hotspots, self.metrics.registry, role=role,
+                                 on_event=None if weights is None else weights.on_event)
+        self.tracing: Tracing | None = None
+        if self.role != "control":
+            self.tracing = tracing if tracing is not None else build_tracing(config.tracing)
+        self.observability = Observability(self.observer if self.role != "control" else None, self.tracing,
+                                           self.metrics)
+        if self.role != "data":
+            store, inflight = self.store, self.inflight
+            self.admin_app.add_routes(observability_routes(
+                self.observer, lambda: snapshot_json(store.current, inflight)))
 
     def _install_subsystems(self, config: Config, policy: Policy | None,
                             on_outcome: Callable[[str, Outcome], None] | None,
@@ -194,7 +235,7 @@ class AffinityProxy:
         self.openai: OpenAIPipeline[Any] = OpenAIPipeline(
             self.router, self.upstream, self.metrics, retries=self.resilience.retries if data else None,
             load_report=orca, debug_headers=config.debug_headers, max_body_bytes=config.limits.max_body_bytes,
-            session_header=config.routing.session_header,
+            session_header=config.routing.session_header, observability=self.observability,
         )
         # gRPC/h2c listener (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
         self.grpc: GrpcListener | None = None
@@ -244,6 +285,8 @@ class AffinityProxy:
         for service, data_plane in self._services:
             if self._runs(data_plane):
                 await service.start()
+        # Closes quiet windows on time and writes out a quiet proxy's access-log lines, every second.
+        self._observer_task = asyncio.create_task(self.observer.run(), name="observer")
         if self.role != "data":
             for t in self._tasks:
                 t.task = asyncio.create_task(self._guard(t), name=t.name)
@@ -283,6 +326,14 @@ class AffinityProxy:
                     await service.stop()
                 except Exception:
                     log.exception("error stopping %r", service)
+        if self._observer_task is not None:
+            self._observer_task.cancel()
+            await asyncio.gather(self._observer_task, return_exceptions=True)
+            self._observer_task = None
+        self.observer.close()
+        if self.tracing is not None:
+            # Exports what is still queued; off the loop, which may serve the collector itself (tests).
+            await asyncio.to_thread(self.tracing.shutdown)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
         if self.session is not None:

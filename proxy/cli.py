@@ -20,8 +20,12 @@ from proxy.config import Config, ConfigError, dump_config, load_config, parse_co
 EXIT_CONFIG_ERROR = 2
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _setup_logging(level: str, config: Config | None = None) -> None:
+    """Application logs in the configured format (`logging.format`, JSON by default; proxy/observability)."""
+    from proxy.observability.config import LoggingConfig
+    from proxy.observability.logs import configure_logging
+
+    configure_logging(config.logging if config is not None else LoggingConfig(), level)
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -43,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, config)
     from proxy.app import AffinityProxy
     from proxy.multiproc.cpus import default_worker_count
     from proxy.multiproc.serve import serve

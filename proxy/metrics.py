@@ -82,6 +82,7 @@ class ProxyMetrics:
         self._decisions: dict[tuple[str, Reason], int] = {}
         self._errors: dict[str, int] = {}
         self._durations: dict[str, _Hist] = {}
+        self._first_bytes: dict[str, _Hist] = {}
         self.upstream = UpstreamCounters()
         r.register(_FnCollector(self._collect_requests))
         r.register(_FnCollector(self._collect_upstream))
@@ -152,7 +153,15 @@ class ProxyMetrics:
         )
         for backend, hist in list(self._durations.items()):
             dur.add_metric([backend], hist.cumulative(), hist.total)
-        return (req, dec, err, dur)
+        ttfb = HistogramMetricFamily(
+            "affinity_proxy_time_to_first_byte_seconds",
+            "Time from the request's head arriving to the backend's first response byte (the answer's head; "
+            "gRPC: its response HEADERS), by backend: TTFT as the proxy sees it, for the dashboard's heatmap.",
+            labels=["backend"],
+        )
+        for backend, hist in list(self._first_bytes.items()):
+            ttfb.add_metric([backend], hist.cumulative(), hist.total)
+        return (req, dec, err, dur, ttfb)
 
     # Hot path: one dict update per count.
     def decision(self, policy: str, reason: Reason) -> None:
@@ -167,6 +176,12 @@ class ProxyMetrics:
         hist = self._durations.get(backend)
         if hist is None:
             hist = self._durations[backend] = _Hist()
+        hist.observe(seconds)
+
+    def first_byte(self, backend: str, seconds: float) -> None:
+        hist = self._first_bytes.get(backend)
+        if hist is None:
+            hist = self._first_bytes[backend] = _Hist()
         hist.observe(seconds)
 
     def error(self, kind: str) -> None:

@@ -73,6 +73,8 @@ class HotspotConfig:
       min_baseline_windows: 3 # judge nothing before the backend has this many
       min_requests: 5         # a window with fewer finished requests is no evidence
       min_p99_s: 0.05         # a p99 under this is never a hot spot
+      lower_weight_to: null   # optional: a hot spot's routing weight is multiplied by this (0 < x < 1) until it
+                              # clears, as POST /admin/backends/{name}/weight would; null: off
     ```
     """
 
@@ -87,6 +89,8 @@ class HotspotConfig:
     min_baseline_windows: int = field(default=3, metadata={"ge": 1})
     min_requests: int = field(default=5, metadata={"ge": 1})
     min_p99_s: float = field(default=0.05, metadata={"ge": 0})
+    # > 0: a backend taken out of rotation would finish no requests, so it could never be seen to clear.
+    lower_weight_to: float | None = field(default=None, metadata={"gt": 0, "lt": 1})
 
     def __post_init__(self) -> None:
         check_config(self)

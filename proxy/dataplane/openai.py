@@ -35,6 +35,8 @@ from proxy.dataplane.errors import error_body, sse_error_event
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
 from proxy.metrics import ProxyMetrics
+from proxy.observability.lifecycle import Observability, RequestObservation, strip_trace_headers
+from proxy.observability.record import HTTP1
 from proxy.upstream.failures import classify_upstream_error
 from proxy.upstream.headers import upstream_request_head
 from proxy.upstream.http1 import Exchange, UpstreamPool
@@ -58,11 +60,11 @@ class InboundRequest:
     """What every attempt of one request needs, read once by the protocol adapter."""
 
     __slots__ = ("method", "raw_path", "path", "scheme", "raw_headers", "peer", "request_id", "body",
-                 "asked_orca", "session_key", "received_at")
+                 "asked_orca", "session_key", "received_at", "protocol", "observation")
 
     def __init__(self, method: str, raw_path: str, path: str, scheme: str,
                  raw_headers: tuple[tuple[bytes, bytes], ...], peer: str | None, request_id: str, body: bytes,
-                 *, asked_orca: bool, session_key: str | None, received_at: float) -> None:
+                 *, asked_orca: bool, session_key: str | None, received_at: float, protocol: str = HTTP1) -> None:
         self.method = method
         self.raw_path = raw_path
         self.path = path
@@ -76,6 +78,17 @@ class InboundRequest:
         # When the request's head was received (time.monotonic): request durations count from here for
         # every protocol (proxy/dataplane/router.py).
         self.received_at = received_at
+        self.protocol = protocol  # as the access log names it: http/1.1 | h2
+        # This request's record and trace (proxy/observability/lifecycle.py), set by `handle`; None: off.
+        self.observation: RequestObservation | None = None
+
+
+def _raw_header(raw: tuple[tuple[bytes, bytes], ...], name: str) -> str | None:
+    key = name.encode()
+    for n, v in raw:
+        if n.lower() == key:
+            return v.decode("latin-1")
+    return None
 
 
 class Answer:
@@ -174,6 +187,7 @@ class OpenAIPipeline(Generic[T]):
         debug_headers: bool = False,
         max_body_bytes: int,
         session_header: str | None = None,
+        observability: Observability | None = None,
     ) -> None:
         self.router = router
         self.pool = pool
@@ -187,6 +201,8 @@ class OpenAIPipeline(Generic[T]):
         self.debug_headers = debug_headers
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
+        # Access log, hot-spot windows and traces (proxy/observability); None when all are off.
+        self.observability = observability if observability is not None and observability.active else None
 
     # ------------------------------------------------------------------------------------------ request
 
@@ -213,28 +229,58 @@ class OpenAIPipeline(Generic[T]):
                                 request_id=req.request_id)
 
     async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
+        observability = self.observability
+        if observability is None:
+            return await self._handle(req, responder)
+        raw = req.raw_headers
+        ob = req.observation = observability.begin(
+            req.request_id, req.protocol, req.method, req.path, req.peer, lambda name: _raw_header(raw, name),
+            req.received_at, len(req.body), req.session_key)
+        try:
+            result = await self._handle(req, responder)
+        except asyncio.CancelledError:
+            ob.finish(499, error="client_gone")
+            raise
+        except BaseException:
+            ob.finish(500, error="internal_error")
+            raise
+        r = ob.record
+        ob.finish(r.status, error=r.error, bytes_out=r.bytes_out)
+        return result
+
+    async def _handle(self, req: InboundRequest, responder: Responder[T]) -> T:
         summary = self.summarise(req)
         if isinstance(summary, Answer):
+            if req.observation is not None:
+                req.observation.answered(summary, "invalid_request")
             return await responder.send(summary)
+        if req.observation is not None:
+            req.observation.summarised(summary)
         return await self.proxy(req, summary, responder)
 
     async def proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
         request_id = req.request_id
+        error = None
         try:
             result: Answer | T = await run_with_retries(
                 self.retries, self.router, summary, lambda lease: self._exchange(req, lease, responder),
                 received_at=req.received_at,
             )
         except UnknownModel as exc:
+            error = "model_not_found"
             result = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
                                   request_id=request_id)
         except Overloaded as exc:
+            error = "overloaded"
             result = error_answer(exc.status, str(exc), "server_error", "overloaded", request_id=request_id,
                                   retry_after=str(exc.retry_after_s))
         except NoBackendAvailable as exc:
+            error = "no_backend"
             result = error_answer(503, str(exc) or "No backend is available", "server_error", "no_backend",
                                   request_id=request_id, retry_after=RETRY_AFTER_S)
         if isinstance(result, Answer):
+            if req.observation is not None:
+                req.observation.answered(result, error)
             return await responder.send(result)
         return result
 
@@ -247,14 +293,23 @@ class OpenAIPipeline(Generic[T]):
         url = backend.spec.url
         load_report = self.load_report
         extra = ORCA_ASK if load_report is not None and not req.asked_orca else ()
+        raw_headers = req.raw_headers
+        ob = req.observation
+        if ob is not None:
+            trace_headers = ob.picked(lease, url)
+            if trace_headers:  # tracing on: the upstream span's context replaces the client's
+                raw_headers = strip_trace_headers(raw_headers)
+                extra = (*extra, *trace_headers)
         head = upstream_request_head(
-            req.method, req.raw_path, self.pool.backend(url).host_header, req.raw_headers, req.peer,
+            req.method, req.raw_path, self.pool.backend(url).host_header, raw_headers, req.peer,
             req.scheme, req.request_id, len(req.body), extra,
         )
         self.counters.requests += 1
         up: Exchange | None = None
         try:
             up = await self.pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            if ob is not None:
+                ob.first_byte()
             headers = up.headers  # end-to-end fields only; this exchange's own copy
             if load_report is not None:
                 report = headers.get(ORCA_HEADER)
@@ -270,6 +325,8 @@ class OpenAIPipeline(Generic[T]):
             if self.retries is not None and self.retries.retry_status(up.status):
                 # Held back, not forwarded: if another backend is tried, the client never sees this one.
                 held = Answer(up.status, up.reason, headers, await up.read())
+                if ob is not None:
+                    ob.attempt_failed(up.status)
                 raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
@@ -277,13 +334,16 @@ class OpenAIPipeline(Generic[T]):
                 # A HEAD answer has no body but keeps the length a GET would have had.
                 length = _declared_length(up.raw_headers) if req.method == "HEAD" else None
                 return Answer(up.status, up.reason, headers, body, length)
-            return await self._relay(up, headers, lease, sse, responder)
+            return await self._relay(up, headers, lease, sse, responder, ob)
         except asyncio.CancelledError:
             lease.status = 499
             raise
         except UPSTREAM_ERRORS as exc:
             # Only reachable before anything was sent to the client (connecting, sending, reading a held or
             # JSON body): once _relay has started answering it handles failures itself.
+            if ob is not None:
+                ob.attempt_failed(error=type(exc).__name__)
+                ob.record.error = "upstream_timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
             return self._failed_before_response(exc, lease, req.request_id)
         finally:
             if up is not None:
@@ -304,8 +364,10 @@ class OpenAIPipeline(Generic[T]):
         return failed
 
     async def _relay(self, up: Exchange, headers: CIMultiDict[str], lease: Lease, sse: bool,
-                     responder: Responder[T]) -> T:
+                     responder: Responder[T], ob: RequestObservation | None = None) -> T:
         """Stream the answer as it arrives. From here on bytes reach the client: never retried."""
+        if ob is not None:
+            ob.record.status = up.status
         await responder.start(up, headers)
         try:
             await responder.relay(up)
@@ -313,6 +375,8 @@ class OpenAIPipeline(Generic[T]):
             # Headers are gone already: end the stream with an error the client can parse, or visibly break it.
             self.metrics.error("upstream_midstream")
             lease.status = 502
+            if ob is not None:
+                ob.record.status, ob.record.error = 502, "upstream_midstream"
             if not responder.gone():  # a write to a departed client says nothing about the backend
                 lease.outcome = Outcome.STREAM_FAILURE
             name = lease.backend.name

@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.dataplane.openai import Answer, InboundRequest, OpenAIPipeline
+from proxy.observability.record import H2
 from proxy.dataplane.request_ids import new_request_id
 from proxy.grpc.streams import ClientConnection
 from proxy.upstream.http1 import Exchange
@@ -170,7 +171,7 @@ class HttpBridgeCall:
             method, raw_path, raw_path.split("?", 1)[0], scheme, tuple(raw), peer, request_id, bytes(self.body),
             asked_orca=ORCA_FORMAT_HEADER in regular,
             session_key=regular.get(session_header) if session_header else None,
-            received_at=self.received_at,
+            received_at=self.received_at, protocol=H2,
         )
         await pipeline.handle(req, self)
 

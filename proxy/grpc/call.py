@@ -43,6 +43,8 @@ from proxy.grpc.context import CLIENT_CHOSEN, RelayContext, http_status_for
 from proxy.grpc.extractors import Extractor
 from proxy.grpc.streams import ClientConnection
 from proxy.grpc.upstream import BackendPool, Upstream
+from proxy.observability.lifecycle import strip_trace_headers
+from proxy.observability.record import GRPC
 from proxy.wire import grpc as wire
 from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, UNKNOWN,
                              grpc_message, status_of)
@@ -64,7 +66,7 @@ class Call:
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "lease",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
         "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "timer", "route_key", "summary",
-        "grpc_status", "failure", "admission", "deadline", "holding", "request_id",
+        "grpc_status", "failure", "admission", "deadline", "holding", "request_id", "obs",
     )
 
     def __init__(self, ctx: RelayContext, down: ClientConnection, holding: list["Call"], sid: int,
@@ -121,10 +123,16 @@ class Call:
         self.failure: Outcome | None = None  # how the backend failed this call, for outlier detection
         self.admission: asyncio.Task[None] | None = None  # waiting in the overload queue
         self.deadline: asyncio.TimerHandle | None = None  # the client's grpc-timeout, enforced here too
+        # This call's access-log record and trace (proxy/observability/lifecycle.py); None: off, or a local service.
+        observability = ctx.observability
+        self.obs = None if observability is None or ext is None else observability.begin(
+            self.request_id, GRPC, "POST", path, down.peer(), lambda name: _header(headers, name), self.started)
 
     # ------------------------------------------------------------------------------ client -> proxy
 
     def client_data(self, data: bytes, flow_len: int, ended: bool = False) -> None:
+        if self.obs is not None:
+            self.obs.record.bytes_in += len(data)
         if ended:
             # Known before routing, so the message and END_STREAM leave in one DATA frame.
             self.client_ended = True
@@ -237,6 +245,8 @@ class Call:
                     self.route_key = value.decode("utf-8", "replace")
                     break
         summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key)
+        if self.obs is not None:
+            self.obs.summarised(summary)
         self._pick(summary)
 
     def _pick(self, summary: RequestSummary) -> None:
@@ -300,6 +310,10 @@ class Call:
         self.backend = backend.name
         address = backend.spec.grpc_address
         assert address is not None  # the router picks only backends with one for gRPC leases
+        if self.obs is not None:
+            trace_headers = self.obs.picked(lease, f"http://{address}")
+            if trace_headers:  # tracing on: the upstream span's context replaces the client's
+                self.headers = [*strip_trace_headers(self.headers), *trace_headers]
         self._use_pool(self.ctx.pools.get(backend.name, address))
 
     def _use_pool(self, pool: BackendPool) -> None:
@@ -391,6 +405,8 @@ class Call:
     # ------------------------------------------------------------------------------ backend -> proxy
 
     def up_headers(self, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        if self.obs is not None:
+            self.obs.first_byte()
         self.response_started = True
         self.replay = None
         if ended:
@@ -415,6 +431,8 @@ class Call:
             if self.up is not None:
                 self.up.conn.acknowledge_received_data(flow_len, self.uid)
             return
+        if self.obs is not None:
+            self.obs.record.bytes_out += len(data)
         self.to_down.append([data, flow_len])
 
     def up_trailers(self, trailers: list[tuple[bytes, bytes]]) -> None:
@@ -476,6 +494,8 @@ class Call:
         lease.status = http_status_for(UNAVAILABLE)
         lease.outcome = outcome
         lease.finish()
+        if self.obs is not None:
+            self.obs.attempt_failed(grpc_status=UNAVAILABLE, error=outcome.value)
         self.lease = None
         ctx.router.metrics.error("grpc_retry")
         summary = self.summary
@@ -610,6 +630,8 @@ class Call:
             self.up.release(self.uid)
             self.up = None
         self.down.blocked.pop(self, None)
+        if self.obs is not None:
+            self.obs.finish(200, self.grpc_status, None if self.failure is None else self.failure.value)
         if remove_down:
             self.down.calls.pop(self.sid, None)
             # Anything the client sent that was never forwarded still counts against its windows.
@@ -617,6 +639,14 @@ class Call:
                 if item[1]:
                     self.down.ack(item[1], self.sid)
             self.to_up.clear()
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
+    key = name.encode()
+    for n, v in headers:
+        if n == key:
+            return v.decode("latin-1")
+    return None
 
 
 def take(queue: collections.deque[list[Any]], limit: int) -> tuple[bytes, int]:

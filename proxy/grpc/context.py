@@ -18,6 +18,7 @@ from proxy.grpc.extractors import ExtractorRegistry
 from proxy.grpc.grpc_config import GrpcOptions
 from proxy.grpc.local import LOCAL_PREFIXES
 from proxy.grpc.upstream import BackendPool, Pools
+from proxy.observability.lifecycle import Observability
 from proxy.wire.grpc import CANCELLED, DEADLINE_EXCEEDED
 
 LOCAL_BACKEND = "<proxy>"
@@ -38,6 +39,8 @@ class RelayContext:
         self.local_pool = local_pool
         self.local_prefixes = LOCAL_PREFIXES
         self.openai = openai  # plain HTTP/2 requests on this listener (proxy/grpc/bridge.py)
+        # Access log, hot-spot windows and traces of relayed calls (the pipeline's own); None when all are off.
+        self.observability: Observability | None = openai.observability
         self.downstreams: set[Any] = set()  # the open client connections (proxy/grpc/downstream.py)
         self.retried = 0  # calls sent to another backend after a connection failure
         self.decompressed_for_routing = 0  # compressed first messages inflated (a copy) to be routed

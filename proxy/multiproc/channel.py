@@ -1,6 +1,6 @@
 """The supervisor <-> worker channel: length-prefixed pickle frames over a private socketpair, and the
-messages that travel on it (down: WorkerInit, PublishSnapshot, ApplyConfig, CollectMetrics; up: WorkerReady,
-Outcomes, BackendChanges, OrcaReports, MetricsReply). In-flight work is not sent: it lives in the shared
+messages that travel on it (down: WorkerInit, PublishSnapshot, ApplyConfig, CollectMetrics, CollectWindows; up:
+WorkerReady, Outcomes, BackendChanges, OrcaReports, MetricsReply, WindowsReply). In-flight work is not sent: it lives in the shared
 load block (proxy/multiproc/shared_load.py)."""
 
 from __future__ import annotations
@@ -103,3 +103,18 @@ class CollectMetrics:
 class MetricsReply:
     seq: int
     families: list[FamilyData]
+
+
+@dataclass(frozen=True)
+class CollectWindows:
+    """The supervisor's collection round of heat-map windows (every second): each worker answers with the
+    windows it closed since the last round, so the supervisor's aggregator judges one merged window per
+    index for the whole host (proxy/observability/observer.py, role worker / aggregator)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class WindowsReply:
+    seq: int
+    windows: list[dict[str, Any]]  # proxy.core.hotspots.Window.to_data() each

@@ -90,6 +90,7 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
         config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
         on_outcomes=outcomes, inflight=proxy.inflight, reserve_port=reserve_port, load=load,
         on_orca=orca_reports if orca is not None else None,
+        on_windows=proxy.observer.ingest,  # the host's heat map and hot spots: every worker's windows, merged
     )
     proxy.resilience.reload_listeners.append(supervisor.apply_config)
     proxy.metrics.register_collector(supervisor.collect_own)

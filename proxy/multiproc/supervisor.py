@@ -23,11 +23,13 @@ from proxy.multiproc.channel import (
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
+    CollectWindows,
     MetricsReply,
     OrcaReports,
     Outcomes,
     PublishSnapshot,
     WorkerInit,
+    WindowsReply,
     WorkerReady,
     encode_message,
     read_message,
@@ -83,7 +85,11 @@ class Supervisor:
         reserve_port: Callable[[str, int], socket.socket] | None = None,
         load: SharedLoad | None = None,
         on_orca: Callable[[list[tuple[str, str]]], None] | None = None,
+        on_windows: Callable[[list[list[dict[str, Any]]]], None] | None = None,
+        windows_interval_s: float = 1.0,
     ) -> None:
+        """`on_windows`: every `windows_interval_s`, one collection round of the workers' closed heat-map
+        windows (one list per worker that answered), for the supervisor's aggregator (`Observer.ingest`)."""
         # `reserve_port(host, port)` binds (never listens) the socket that fixes and holds each shared
         # listener's port; it is passed in so that one module opens every socket. Required when there
         # are listeners to share.
@@ -107,6 +113,10 @@ class Supervisor:
         self.retired: dict[str, dict[SampleKey, float]] = {}
         self.on_outcomes = on_outcomes
         self.on_orca = on_orca
+        self.on_windows = on_windows
+        self.windows_interval_s = windows_interval_s
+        self._window_replies: dict[tuple[int, int], asyncio.Future[list[dict[str, Any]]]] = {}
+        self._windows_task: asyncio.Task[None] | None = None
         # The host-wide load block: each worker counts its in-flight work into its own row, every worker
         # routes on the sum, and `inflight` (the admin API, drains, metrics) reads the same sum.
         self.load = load if load is not None else SharedLoad.create(workers)
@@ -152,10 +162,15 @@ class Supervisor:
             raise
         finally:
             self._starting = False
+        if self.on_windows is not None:
+            self._windows_task = asyncio.create_task(self._collect_windows_forever(), name="worker-windows")
 
     async def stop(self) -> None:
         """SIGTERM every worker (each drains its own connections), SIGKILL what outlives the drain."""
         self._stopping = True
+        if self._windows_task is not None:
+            self._windows_task.cancel()
+            self._windows_task = None
         procs = [w.proc for w in self._workers if w.proc is not None and w.proc.returncode is None]
         for proc in procs:
             _signal(proc, signal.SIGTERM)
@@ -272,6 +287,10 @@ class Supervisor:
                 elif isinstance(message, Outcomes):
                     if self.on_outcomes is not None:
                         self.on_outcomes(message.items)
+                elif isinstance(message, WindowsReply):
+                    wfuture = self._window_replies.pop((worker.index, message.seq), None)
+                    if wfuture is not None and not wfuture.done():
+                        wfuture.set_result(message.windows)
                 elif isinstance(message, MetricsReply):
                     future = self._replies.pop((worker.index, message.seq), None)
                     if future is not None and not future.done():
@@ -370,6 +389,36 @@ class Supervisor:
             else:
                 future.cancel()
         return [w.last_families for w in self._workers if w.last_families]
+
+    # -- heat-map windows
+
+    async def collect_windows(self) -> list[list[dict[str, Any]]]:
+        """One round: every live worker's windows closed since the last round (plain data)."""
+        self._seq += 1
+        seq = self._seq
+        loop = asyncio.get_running_loop()
+        asked: list[asyncio.Future[list[dict[str, Any]]]] = []
+        for worker in self._workers:
+            if worker.writer is None or not worker.ready.is_set():
+                continue
+            future: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
+            self._window_replies[(worker.index, seq)] = future
+            write_message(worker.writer, CollectWindows(seq))
+            asked.append(future)
+        if asked:
+            await asyncio.wait(asked, timeout=self.METRICS_TIMEOUT_S)
+        for key in [k for k in self._window_replies if k[1] == seq]:
+            self._window_replies.pop(key).cancel()
+        return [f.result() for f in asked if f.done() and not f.cancelled()]
+
+    async def _collect_windows_forever(self) -> None:
+        assert self.on_windows is not None
+        while True:
+            await asyncio.sleep(self.windows_interval_s)
+            try:
+                self.on_windows(await self.collect_windows())
+            except Exception:
+                log.exception("merging the workers' heat-map windows failed")
 
     async def exposition(self, own: CollectorRegistry) -> bytes:
         """The proxy's metrics across all processes, in Prometheus text format."""

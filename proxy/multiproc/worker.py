@@ -20,17 +20,21 @@ from proxy.multiproc.channel import (
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
+    CollectWindows,
     MetricsReply,
     OrcaReports,
     Outcomes,
     PublishSnapshot,
     WorkerInit,
+    WindowsReply,
     WorkerReady,
     read_message,
     write_message,
 )
 from proxy.multiproc.metrics_merge import families_of
 from proxy.multiproc.shared_load import SharedLoad
+from proxy.observability.config import LoggingConfig
+from proxy.observability.logs import configure_logging
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -113,6 +117,11 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
     init = await read_message(reader)
     if not isinstance(init, WorkerInit):
         raise RuntimeError(f"expected WorkerInit, got {type(init).__name__}")
+    # The configured log format, now that the config is here (the same as the supervisor's), each line
+    # naming this worker.
+    root = logging.getLogger()
+    configure_logging(init.config.logging, logging.getLevelName(root.getEffectiveLevel()).lower(),
+                      fields={"worker": init.index})
     store = WorkerStore(init.snapshot, lambda changes: write_message(writer, BackendChanges(changes)))
     # This worker's row of the host-wide load block: its policy routes on every worker's in-flight work.
     inflight = SharedLoad.attach(shared_fd, init.shared).table(init.index)
@@ -143,6 +152,8 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
                 elif isinstance(message, CollectMetrics):
                     write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
+                elif isinstance(message, CollectWindows):
+                    write_message(writer, WindowsReply(message.seq, proxy.observer.take_closed()))
         except (asyncio.IncompleteReadError, ConnectionError):
             # The supervisor is gone: nobody will restart us or feed us snapshots. Drain and leave rather
             # than serve on a frozen view of the fleet.
@@ -174,10 +185,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     # SIGHUP means "reload" to the supervisor, which forwards the result; a hang-up of the whole process
     # group must not kill the workers (its default action).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s",
-    )
+    # Text until the config arrives (proxy/observability/logs.py; `_worker` then applies `logging.format`).
+    configure_logging(LoggingConfig(format="text"), logging.getLevelName(args.log_level).lower(),
+                      fields={"worker": args.index})
     import uvloop
 
     return uvloop.run(_worker(args.channel_fd, args.shared_fd))

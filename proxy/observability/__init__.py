@@ -16,7 +16,11 @@ record = RequestRecord(request_id=..., client=..., protocol=HTTP1 | H2 | GRPC, m
                   observer.on_finish(record)
 ```
 
-Modules: `record` (the one plain record), `config` (logging/access_log/tracing sections), `access_log`,
+The lifecycle does this through `lifecycle.Observability` (given to the OpenAI pipeline, hence to HTTP/1.1, the
+HTTP/2 bridge and the gRPC relay) and one `lifecycle.RequestObservation` per request; `proxy/app.py` builds the
+Observer (role single / worker / aggregator by process role), the tracing and the routes.
+
+Modules: `lifecycle` (the lifecycle's hook), `demote` (optional: a hot spot's weight lowered), `record` (the one plain record), `config` (logging/access_log/tracing sections), `access_log`,
 `logs` (JSON formatter), `observer`, `admin_routes` + `dashboard_page`, `tracing`. The windows and the
 rules themselves are pure code in `proxy.core.hotspots`.
 """

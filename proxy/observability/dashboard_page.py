@@ -52,7 +52,7 @@ th { color:var(--dim); font-weight:600; font-size:12px; }
 <body>
 <span id="status">loading…</span>
 <h1>affinity-proxy · backends over time</h1>
-<div class="sub">10 s windows over the last 15 minutes. <span id="rule"></span></div>
+<div class="sub"><span id="span"></span> <span id="rule"></span></div>
 <div class="panel">
   <div class="metrics" id="metrics"></div>
   <div id="heatmap" role="grid" aria-label="heatmap of backends by time window"></div>
@@ -143,9 +143,13 @@ function draw(data) {
     }
   });
   const axis = document.getElementById("axis"); axis.textContent = ""; axis.style.marginLeft = "120px";
-  const mins = Math.round(n * h.window_s / 60);
-  for (const label of ["-" + mins + " min", "-" + Math.round(mins * 2 / 3) + " min", "-" + Math.round(mins / 3) + " min", "now"])
+  // The span shown and the window width come from the server (hotspots.window_s, history_windows).
+  const total = n * h.window_s;
+  const ago = s => s >= 120 ? "-" + Math.round(s / 60) + " min" : "-" + Math.round(s) + " s";
+  for (const label of [ago(total), ago(total * 2 / 3), ago(total / 3), "now"])
     axis.appendChild(el("span", "", label));
+  document.getElementById("span").textContent = h.window_s + " s windows over the last "
+    + (total >= 120 ? Math.round(total / 60) + " minutes." : Math.round(total) + " seconds.");
   const legend = document.getElementById("legend"); legend.textContent = "";
   const vs = rows.flat().filter(v => v !== null);
   legend.appendChild(el("span", "", m[1] + ":"));

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import IO, Any
+from typing import IO, Any, Mapping
 
 from proxy.observability.config import LoggingConfig
 
@@ -31,13 +31,40 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def configure_logging(config: LoggingConfig, level: str = "info", stream: IO[str] | None = None) -> logging.Handler:
-    """Replace the root logger's handlers with one writing `config.format` to `stream` (stderr)."""
+_OURS = "_affinity_proxy_handler"
+
+
+class _Fields(logging.Filter):
+    """Adds fixed fields to every record (a worker's index): JSON fields, or `[k v]` after the logger name."""
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.fields = dict(fields)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self.fields.items():
+            if not hasattr(record, key):
+                setattr(record, key, value)
+        return True
+
+
+def configure_logging(config: LoggingConfig, level: str = "info", stream: IO[str] | None = None,
+                      fields: Mapping[str, Any] | None = None) -> logging.Handler:
+    """Install on the root logger one handler writing `config.format` to `stream` (stderr), replacing the
+    one an earlier call installed (a worker configures twice: before and after its config arrives); other
+    handlers (pytest's caplog, an embedding application's) stay. `fields` (e.g. ``{"worker": 2}``) go on
+    every line."""
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(JsonFormatter() if config.format == "json" else logging.Formatter(TEXT_FORMAT))
+    text = TEXT_FORMAT
+    if fields:
+        handler.addFilter(_Fields(fields))
+        text = TEXT_FORMAT.replace("%(name)s", "%(name)s[" + " ".join(f"{k} {v}" for k, v in fields.items()) + "]")
+    handler.setFormatter(JsonFormatter() if config.format == "json" else logging.Formatter(text))
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if getattr(old, _OURS, False):
+            root.removeHandler(old)
+    setattr(handler, _OURS, True)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     return handler

@@ -138,9 +138,12 @@ class Observer:
             self._roll(index)
 
     async def run(self, interval_s: float = 1.0) -> None:
-        """Tick forever (start it as a task next to the data plane; cancel it on shutdown)."""
+        """Tick forever, and write out access-log lines a quiet proxy still holds (start it as a task next
+        to the data plane; cancel it on shutdown)."""
         while True:
             self.tick()
+            if self.access_log is not None:
+                self.access_log.flush(self._clock())
             await asyncio.sleep(interval_s)
 
     def _roll(self, index: int) -> None:

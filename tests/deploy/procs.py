@@ -9,6 +9,7 @@ that inode among /proc/PID/fd. Linux only, like SO_REUSEPORT balancing itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -85,6 +86,11 @@ async def start_proxy(args: Sequence[str], env: dict[str, str] | None = None) ->
         async for raw in proc.stderr:
             line = raw.decode(errors="replace").rstrip()
             pp.log.append(line)
+            if line.startswith("{"):  # logging.format json (the default): match on the line's message
+                try:
+                    line = str(json.loads(line).get("message", line))
+                except ValueError:
+                    pass
             if not ready.done():
                 if m := _SERVING.search(line):
                     pp.http, pp.admin = f"http://{m['host']}:{m['port']}", m["admin"]

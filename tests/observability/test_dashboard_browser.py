@@ -3,7 +3,8 @@
 A small aiohttp app on 127.0.0.1 serves the observability routes over an Observer fed synthetic traffic in
 which gpu-2 stalled (TTFT x12) for eight windows and gpu-4 is stalled now with 15% 5xx. The test finds one
 heat-map cell per backend and window, the hot spot and the spreading anomaly marked on those backends only,
-switches the metric, sees the page update itself, and saves loadtest/results/dashboard.png.
+switches the metric, sees the page update itself, and saves loadtest/results/dashboard-synthetic.png (the running proxy's page is
+test_dashboard_live_browser.py's, in dashboard.png).
 
 Needs `apt-get install -y chromium chromium-driver` (as root); skipped with that reason where they are absent.
 """
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.skipif(
     reason="headless Chromium not found: apt-get install -y chromium chromium-driver",
 )
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "loadtest" / "results" / "dashboard.png"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "loadtest" / "results" / "dashboard-synthetic.png"
 FLEET = ("gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4")
 
 
