@@ -62,7 +62,7 @@ from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, DataSite, listening_socket
 from proxy.tls import ServerTls, server_tls
 from proxy.metrics import ProxyMetrics
 from proxy.resilience import Resilience, panic_view
-from proxy.upstream.factory import create_pool, create_session
+from proxy.upstream.factory import backend_tls, create_pool, create_session
 from proxy.upstream.http1 import UpstreamPool
 
 log = logging.getLogger("affinity_proxy")
@@ -111,7 +111,9 @@ class AffinityProxy:
         self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
         self.session: aiohttp.ClientSession | None = None
         # The data plane's relay pool: requests of every HTTP version go through it (started in start()).
-        self.upstream: UpstreamPool = create_pool(config, self.metrics.upstream)
+        # https:// and grpcs:// backends: one SSLContext per backend section, from the config in force.
+        self.backend_tls = backend_tls(lambda: self.config)
+        self.upstream: UpstreamPool = create_pool(config, self.metrics.upstream, self.backend_tls)
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
@@ -154,7 +156,8 @@ class AffinityProxy:
         self.telemetry_metrics = TelemetryMetrics(self.metrics.registry)
         self.metrics.register_collector(self.telemetry_metrics.snapshot_collector(self.store, time.monotonic))
         if config.telemetry.enabled and control:
-            self.telemetry = Poller(self.store, config.telemetry, metrics=self.telemetry_metrics)
+            self.telemetry = Poller(self.store, config.telemetry, metrics=self.telemetry_metrics,
+                                    tls=self.backend_tls)
             self.add_service(self.telemetry)
         # Resilience's data-plane pieces go into the router: saturation thresholds, panic routing, the
         # overload queue and the passive outlier reports (proxy/resilience.py owns them on reload).
@@ -177,7 +180,7 @@ class AffinityProxy:
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
             metrics=resilience_metrics, build_policy=build_policy, close_idle=self._close_idle,
             control=control, data=data, admin_app=self.admin_app if control else None,
-            admin_token=self.admin_token, config_path=self.config_path,
+            admin_token=self.admin_token, config_path=self.config_path, backend_tls=self.backend_tls,
         )
         # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
         orca = load_report
@@ -205,7 +208,7 @@ class AffinityProxy:
                 router=self.router, retries=self.resilience.retries, openai=self.openai,
                 store=self.store, inflight=self.inflight, admin_token=self.admin_token,
                 connect_timeout_s=config.timeouts.connect_s, drain_s=config.timeouts.drain_s,
-                reuse_port=self.reuse_port, tls=self.tls.get("grpc_listen"),
+                reuse_port=self.reuse_port, tls=self.tls.get("grpc_listen"), backend_tls=self.backend_tls,
             )
             self.add_service(self.grpc, data_plane=True)
         self.add_service(self.resilience, data_plane=self.role == "data")

@@ -14,7 +14,7 @@ import logging
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from proxy.core.bounds import check_config
 
@@ -266,6 +266,48 @@ def client_context(cfg: BackendTlsConfig, alpn: tuple[str, ...] = ("http/1.1",))
     return ctx
 
 
+ClientTlsFor = Callable[[str], "tuple[ssl.SSLContext, str | None] | None"]
+
+
+class ClientTls:
+    """Which SSLContext (and SNI name) a connection to a backend uses: None for plain http:// and h2c.
+
+    `settings(key)` gives a backend's `tls:` section (None: the defaults, system CAs and verification on);
+    the key is an http(s) base URL or a gRPC address (``grpcs://host:port`` is TLS, ``host:port`` is h2c).
+    Contexts are built once per distinct section and ALPN and then shared by every connection to every
+    backend with that section, so a handshake is paid per connection, never per request (the pools keep
+    their connections), and a reload that keeps a backend's section keeps its context.
+    """
+
+    def __init__(self, settings: Callable[[str], BackendTlsConfig | None]) -> None:
+        self._settings = settings
+        self._contexts: dict[tuple[BackendTlsConfig, tuple[str, ...]], ssl.SSLContext] = {}
+
+    def _context(self, cfg: BackendTlsConfig, alpn: tuple[str, ...]) -> ssl.SSLContext:
+        ctx = self._contexts.get((cfg, alpn))
+        if ctx is None:
+            ctx = self._contexts[(cfg, alpn)] = client_context(cfg, alpn)
+        return ctx
+
+    def for_url(self, url: str) -> tuple[ssl.SSLContext, str | None] | None:
+        if not url.startswith("https://"):
+            return None
+        cfg = self._settings(url.rstrip("/")) or DEFAULT_BACKEND_TLS
+        return self._context(cfg, ("http/1.1",)), cfg.server_name
+
+    def for_grpc(self, address: str) -> tuple[ssl.SSLContext, str | None] | None:
+        if not address.startswith("grpcs://"):
+            return None
+        cfg = self._settings(address) or DEFAULT_BACKEND_TLS
+        return self._context(cfg, ("h2",)), cfg.server_name
+
+
+def grpc_host_port(address: str) -> tuple[str, int]:
+    """host and port of a backend's gRPC address (``host:port`` or ``grpcs://host:port``)."""
+    host, _, port = address.removeprefix("grpcs://").rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
 def describe_tls_error(exc: BaseException) -> str | None:
     """A clear sentence for a failed handshake with a backend (None when `exc` is not about TLS)."""
     cur: BaseException | None = exc
@@ -281,6 +323,6 @@ def describe_tls_error(exc: BaseException) -> str | None:
 
 
 __all__ = [
-    "ALPN_PROTOCOLS", "BackendTlsConfig", "DEFAULT_BACKEND_TLS", "ReloadingContext", "ServerTls", "TlsConfig",
+    "ALPN_PROTOCOLS", "BackendTlsConfig", "ClientTls", "ClientTlsFor", "grpc_host_port", "DEFAULT_BACKEND_TLS", "ReloadingContext", "ServerTls", "TlsConfig",
     "client_context", "describe_tls_error", "server_context", "server_tls", "tls_file_errors",
 ]

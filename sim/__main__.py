@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", action="append", default=[], help="a LoRA adapter name the servers know (repeat)")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="override the KV cache size in blocks")
     p.add_argument("--max-model-len", type=int, default=None, help="override the context length (e.g. 131072)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve https:// (and grpcs://) with it")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     g.add_argument("--stall-ms", type=float, default=0.0, help="stall everything this long right after start")
     g.add_argument("--drop-after-chunks", type=int, default=None)
@@ -61,6 +63,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.grpc_port is not None and not grpc_available():
         print("error: --grpc-port needs sim/grpc.py (the simulator's gRPC front end), which is missing",
               file=sys.stderr)
+        return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key are given together", file=sys.stderr)
         return 2
     faults = Faults()
     try:
@@ -96,6 +101,8 @@ async def _run(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             profile_overrides=overrides,
             max_model_len=args.max_model_len,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

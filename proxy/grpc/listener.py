@@ -28,7 +28,7 @@ from proxy.grpc.grpc_config import GrpcOptions
 from proxy.grpc.local import LocalServices
 from proxy.grpc.upstream import BackendPool, PoolOptions, Pools
 from proxy.listen import DATA_BACKLOG, listening_socket
-from proxy.tls import ServerTls
+from proxy.tls import ClientTls, ServerTls
 
 log = logging.getLogger("affinity_proxy.grpc")
 
@@ -40,9 +40,10 @@ class GrpcListener:
         self, host: str | None, port: int, options: GrpcOptions, *, router: Router, retries: RetryController,
         openai: OpenAIPipeline[None], store: SnapshotStore, inflight: Mapping[str, Inflight],
         admin_token: str | None, connect_timeout_s: float, drain_s: float, reuse_port: bool = False,
-        tls: ServerTls | None = None,
+        tls: ServerTls | None = None, backend_tls: ClientTls | None = None,
     ) -> None:
-        """`host` None: no port of its own, only the connections the main listener hands over."""
+        """`host` None: no port of its own, only the connections the main listener hands over. `tls`: this
+        listener's own TLS (grpc_listen.tls); `backend_tls`: the contexts of grpcs:// backends."""
         self.host = host
         self.requested_port = port
         self.options = options
@@ -56,6 +57,7 @@ class GrpcListener:
         self._drain_s = drain_s
         self._reuse_port = reuse_port
         self._tls = tls
+        self._backend_tls = backend_tls
         self._started = False
         self.ctx: RelayContext | None = None
         self.local: LocalServices | None = None
@@ -95,6 +97,7 @@ class GrpcListener:
                 idle_timeout_s=options.upstream_idle_timeout_s,
             ),
             flusher,
+            self._backend_tls,
         )
         self.ctx = ctx = RelayContext(
             options=options, router=self._router, retries=self._retries, registry=ExtractorRegistry(options),

@@ -12,9 +12,31 @@ from __future__ import annotations
 
 import aiohttp
 
+from typing import Callable
+
 from proxy.config import Config
+from proxy.tls import BackendTlsConfig, ClientTls
 from proxy.upstream.http1 import UpstreamPool
 from proxy.metrics import UpstreamCounters
+
+
+def backend_tls(config: Callable[[], Config]) -> ClientTls:
+    """The TLS of every backend, looked up in the configuration in force (`config()`: a reload changes it)
+    by base URL or gRPC address; contexts are built once per backend section (proxy/tls.py `ClientTls`)."""
+    seen: list[tuple[Config, dict[str, BackendTlsConfig | None]]] = []
+
+    def settings(key: str) -> BackendTlsConfig | None:
+        current = config()
+        if not seen or seen[0][0] is not current:
+            table: dict[str, BackendTlsConfig | None] = {}
+            for b in current.backends:
+                table[b.url.rstrip("/")] = b.tls
+                if b.grpc is not None:
+                    table[b.grpc] = b.tls
+            seen[:] = [(current, table)]
+        return seen[0][1].get(key)
+
+    return ClientTls(settings)
 
 
 def create_session(config: Config) -> aiohttp.ClientSession:
@@ -36,11 +58,14 @@ def create_session(config: Config) -> aiohttp.ClientSession:
     )
 
 
-def create_pool(config: Config, counters: UpstreamCounters) -> UpstreamPool:
+def create_pool(config: Config, counters: UpstreamCounters, tls: ClientTls | None = None) -> UpstreamPool:
+    """`tls`: the contexts of https:// backends (`backend_tls`); without it https:// is verified against the
+    system CAs."""
     return UpstreamPool(
         counters,
         connections_per_backend=config.upstream.connections_per_backend,
         keepalive_s=config.upstream.keepalive_s,
         connect_timeout_s=config.timeouts.connect_s,
         request_timeout_s=config.timeouts.request_s,
+        tls=(tls if tls is not None else ClientTls(lambda key: None)).for_url,
     )
