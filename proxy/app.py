@@ -227,7 +227,7 @@ class AffinityProxy:
     async def start(self) -> None:
         self._started = True
         cfg = self.config
-        self.session = create_session(cfg)
+        self.session = create_session(cfg, self.backend_tls)
         self.upstream.start()
         if self.role != "control":
             self.http = HttpDataPlane(

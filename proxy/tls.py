@@ -273,7 +273,8 @@ class ClientTls:
     """Which SSLContext (and SNI name) a connection to a backend uses: None for plain http:// and h2c.
 
     `settings(key)` gives a backend's `tls:` section (None: the defaults, system CAs and verification on);
-    the key is an http(s) base URL or a gRPC address (``grpcs://host:port`` is TLS, ``host:port`` is h2c).
+    the key is the origin (scheme://host:port, as written) of an https URL (the backend's, its metrics URL's,
+    or any URL below them) or a gRPC address (``grpcs://host:port`` is TLS, ``host:port`` is h2c).
     Contexts are built once per distinct section and ALPN and then shared by every connection to every
     backend with that section, so a handshake is paid per connection, never per request (the pools keep
     their connections), and a reload that keeps a backend's section keeps its context.
@@ -292,7 +293,7 @@ class ClientTls:
     def for_url(self, url: str) -> tuple[ssl.SSLContext, str | None] | None:
         if not url.startswith("https://"):
             return None
-        cfg = self._settings(url.rstrip("/")) or DEFAULT_BACKEND_TLS
+        cfg = self._settings(url_origin(url)) or DEFAULT_BACKEND_TLS
         return self._context(cfg, ("http/1.1",)), cfg.server_name
 
     def for_grpc(self, address: str) -> tuple[ssl.SSLContext, str | None] | None:
@@ -300,6 +301,12 @@ class ClientTls:
             return None
         cfg = self._settings(address) or DEFAULT_BACKEND_TLS
         return self._context(cfg, ("h2",)), cfg.server_name
+
+
+def url_origin(url: str) -> str:
+    """scheme://netloc of a URL, as written (the key `ClientTls` looks a backend's section up by)."""
+    scheme, sep, rest = url.partition("://")
+    return scheme + sep + rest.split("/", 1)[0].split("?", 1)[0]
 
 
 def grpc_host_port(address: str) -> tuple[str, int]:
@@ -323,6 +330,6 @@ def describe_tls_error(exc: BaseException) -> str | None:
 
 
 __all__ = [
-    "ALPN_PROTOCOLS", "BackendTlsConfig", "ClientTls", "ClientTlsFor", "grpc_host_port", "DEFAULT_BACKEND_TLS", "ReloadingContext", "ServerTls", "TlsConfig",
+    "ALPN_PROTOCOLS", "BackendTlsConfig", "ClientTls", "ClientTlsFor", "grpc_host_port", "url_origin", "DEFAULT_BACKEND_TLS", "ReloadingContext", "ServerTls", "TlsConfig",
     "client_context", "describe_tls_error", "server_context", "server_tls", "tls_file_errors",
 ]

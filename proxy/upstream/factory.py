@@ -10,12 +10,16 @@
 
 from __future__ import annotations
 
+import ssl
+from typing import Any
+
 import aiohttp
+from aiohttp.client_reqrep import ClientRequest
 
 from typing import Callable
 
 from proxy.config import Config
-from proxy.tls import BackendTlsConfig, ClientTls
+from proxy.tls import BackendTlsConfig, ClientTls, url_origin
 from proxy.upstream.http1 import UpstreamPool
 from proxy.metrics import UpstreamCounters
 
@@ -30,7 +34,9 @@ def backend_tls(config: Callable[[], Config]) -> ClientTls:
         if not seen or seen[0][0] is not current:
             table: dict[str, BackendTlsConfig | None] = {}
             for b in current.backends:
-                table[b.url.rstrip("/")] = b.tls
+                table[url_origin(b.url)] = b.tls
+                if b.metrics_url is not None:
+                    table.setdefault(url_origin(b.metrics_url), b.tls)
                 if b.grpc is not None:
                     table[b.grpc] = b.tls
             seen[:] = [(current, table)]
@@ -39,10 +45,32 @@ def backend_tls(config: Callable[[], Config]) -> ClientTls:
     return ClientTls(settings)
 
 
-def create_session(config: Config) -> aiohttp.ClientSession:
-    """Nothing is decompressed, redirected or re-headed: bytes pass as they are."""
+class _BackendTlsConnector(aiohttp.TCPConnector):
+    """aiohttp's connector with each https:// backend's own context (CA bundle, client certificate).
+
+    aiohttp picks the context of a connection in `_get_ssl_context`, a private hook, so overriding it is
+    the one place that changes; a request that brings its own `ssl=` keeps it. (The SNI name override of
+    a backend's `tls.server_name` is not applied on this session, whose calls are the proxy's own.)
+    """
+
+    def __init__(self, tls: ClientTls, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._backend_tls = tls
+
+    def _get_ssl_context(self, req: ClientRequest) -> ssl.SSLContext | None:
+        if req.is_ssl() and not isinstance(req.ssl, ssl.SSLContext) and req.ssl is True:
+            found = self._backend_tls.for_url(str(req.url.origin()))
+            if found is not None:
+                return found[0]
+        return super()._get_ssl_context(req)
+
+
+def create_session(config: Config, tls: ClientTls | None = None) -> aiohttp.ClientSession:
+    """Nothing is decompressed, redirected or re-headed: bytes pass as they are. `tls`: the contexts of
+    https:// backends (`backend_tls`)."""
     up = config.upstream
-    connector = aiohttp.TCPConnector(
+    connector = _BackendTlsConnector(
+        tls if tls is not None else ClientTls(lambda key: None),
         limit=0,  # the per-backend cap is what protects a backend
         limit_per_host=up.connections_per_backend,
         keepalive_timeout=up.keepalive_s,

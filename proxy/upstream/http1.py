@@ -507,7 +507,8 @@ class UpstreamPool:
         except asyncio.TimeoutError:
             raise UpstreamConnectError(f"connect to {b.host}:{b.port} timed out") from None
         except ssl.SSLError as exc:  # before OSError, its base: a certificate from another CA, a bad handshake
-            reason = exc.verify_message if isinstance(exc, ssl.SSLCertVerificationError) else exc.reason
+            reason = (f"certificate verify failed: {exc.verify_message}"
+                      if isinstance(exc, ssl.SSLCertVerificationError) else exc.reason)
             raise UpstreamConnectError(
                 f"TLS handshake with {b.host}:{b.port} failed: {reason or exc}") from exc
         except OSError as exc:
