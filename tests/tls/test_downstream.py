@@ -179,3 +179,19 @@ async def test_replaced_certificate_is_served_to_new_connections_while_an_open_s
                 chunks.append(chunk)
     text = b"".join(chunks).decode()
     assert text.count("data: ") == backend.events + 1 and "[DONE]" in text
+
+
+async def test_grpc_listen_with_its_own_tls(pki: Pki, make_proxy: ProxyFactory) -> None:
+    echo = EchoBackend("echo-0")
+    await echo.start()
+    try:
+        tls = f"{{cert_file: '{pki.cert_file}', key_file: '{pki.key_file}'}}"
+        proxy = await make_proxy(f"listen: {{port: 0}}\ngrpc_listen: {{port: 0, tls: {tls}}}\n"
+                                 + backend_line("http://127.0.0.1:9", "echo-0", echo.address))
+        assert proxy.grpc is not None
+        creds = grpc.ssl_channel_credentials(root_certificates=pki.ca_file.read_bytes())
+        async with grpc.aio.secure_channel(f"localhost:{proxy.grpc.port}", creds) as ch:
+            reply = await stubs.generate(ch)(gen.GenerateRequest(prompt="a b", max_tokens=2), timeout=10)
+        assert reply is not None and echo.calls == 1
+    finally:
+        await echo.stop()
