@@ -106,15 +106,16 @@ def tls_file_errors(cert_file: str | None, key_file: str | None, ca_file: str | 
     return errors
 
 
-def server_context(cfg: TlsConfig) -> ssl.SSLContext:
-    """One generation of a listener's TLS: the pair, client verification, minimum version, ALPN h2 + 1.1."""
+def server_context(cfg: TlsConfig, alpn: tuple[str, ...] = ALPN_PROTOCOLS) -> ssl.SSLContext:
+    """One generation of a listener's TLS: the pair, client verification, minimum version and ALPN (h2 and
+    http/1.1 on the main data listener; http/1.1 alone on the admin listener, h2 alone on grpc_listen)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = TLS_VERSIONS[cfg.min_version]
     ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
     if cfg.client_ca_file is not None:
         ctx.load_verify_locations(cafile=cfg.client_ca_file)
     ctx.verify_mode = _CLIENT_AUTH[cfg.client_auth]
-    ctx.set_alpn_protocols(list(ALPN_PROTOCOLS))
+    ctx.set_alpn_protocols(list(alpn))
     ctx.options |= ssl.OP_NO_COMPRESSION
     return ctx
 
@@ -156,11 +157,12 @@ class ServerTls:
     old one stays in force.
     """
 
-    def __init__(self, cfg: TlsConfig, name: str = "listener") -> None:
+    def __init__(self, cfg: TlsConfig, name: str = "listener", alpn: tuple[str, ...] = ALPN_PROTOCOLS) -> None:
         self.cfg = cfg
         self.name = name
+        self.alpn = alpn
         self._stamp = self._stamps()
-        self.context = ReloadingContext(server_context(cfg))
+        self.context = ReloadingContext(server_context(cfg, alpn))
         self.generation = 1
         self._task: asyncio.Task[None] | None = None
 
@@ -187,7 +189,7 @@ class ServerTls:
                         "; ".join(m for _, m in errors))
             return False
         try:
-            fresh = server_context(self.cfg)
+            fresh = server_context(self.cfg, self.alpn)
         except (OSError, ssl.SSLError) as exc:
             log.warning("%s TLS files changed but cannot be loaded: %s", self.name, exc)
             return False
@@ -217,8 +219,12 @@ class ServerTls:
             self._task = None
 
 
+_LISTENER_ALPN = {"listen": ALPN_PROTOCOLS, "admin": ("http/1.1",), "grpc_listen": ("h2",)}
+
+
 def server_tls(cfg: TlsConfig | None, name: str) -> ServerTls | None:
-    return None if cfg is None else ServerTls(cfg, name)
+    """The TLS of the listener `name` (listen, admin or grpc_listen), with the ALPN that listener speaks."""
+    return None if cfg is None else ServerTls(cfg, name, _LISTENER_ALPN.get(name, ALPN_PROTOCOLS))
 
 
 # ------------------------------------------------------------------------------------------ upstream TLS

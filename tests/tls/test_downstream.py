@@ -132,9 +132,10 @@ async def test_admin_listener_over_tls(pki: Pki, backend: FakeBackend, make_prox
     await proxy.start()
     try:
         assert proxy.admin_url.startswith("https://")
-        async with httpx.AsyncClient(verify=pki.client_context()) as http:
+        # The admin listener offers http/1.1 alone: an h2-capable client (curl, httpx http2) stays on 1.1.
+        async with httpx.AsyncClient(verify=pki.client_context(), http2=True) as http:
             r = await http.get(proxy.admin_url + "/healthz")
-            assert r.status_code == 200
+            assert r.status_code == 200 and r.http_version == "HTTP/1.1"
     finally:
         await proxy.stop()
 
