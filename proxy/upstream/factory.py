@@ -49,8 +49,9 @@ class _BackendTlsConnector(aiohttp.TCPConnector):
     """aiohttp's connector with each https:// backend's own context (CA bundle, client certificate).
 
     aiohttp picks the context of a connection in `_get_ssl_context`, a private hook, so overriding it is
-    the one place that changes; a request that brings its own `ssl=` keeps it. (The SNI name override of
-    a backend's `tls.server_name` is not applied on this session, whose calls are the proxy's own.)
+    the one place that changes; a request that brings its own `ssl=` keeps it. A backend's
+    `tls.server_name` becomes the request's `server_hostname` (SNI and the name verified), which aiohttp
+    reads right after choosing the context.
     """
 
     def __init__(self, tls: ClientTls, **kwargs: Any) -> None:
@@ -61,6 +62,8 @@ class _BackendTlsConnector(aiohttp.TCPConnector):
         if req.is_ssl() and not isinstance(req.ssl, ssl.SSLContext) and req.ssl is True:
             found = self._backend_tls.for_url(str(req.url.origin()))
             if found is not None:
+                if found[1] is not None and req.server_hostname is None:
+                    req.server_hostname = found[1]
                 return found[0]
         return super()._get_ssl_context(req)
 

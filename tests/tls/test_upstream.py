@@ -111,3 +111,45 @@ async def test_health_checks_and_metric_scrapes_over_tls(pki: Pki, tls_fleet: Fl
             tls_fleet.servers[0].name).signals is not None, timeout=10)
     finally:
         await proxy.stop()
+
+
+async def test_client_certificate_and_server_name_override(pki: Pki, make_proxy: ProxyFactory) -> None:
+    """A backend behind mTLS whose certificate names only `backend.internal`, reached by IP address."""
+    import ssl
+
+    from aiohttp import web
+
+    cert, key = pki.issue("backend", "backend.internal")
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki.ca_file))
+    server_ctx.load_cert_chain(str(cert), str(key))
+    server_ctx.verify_mode = ssl.CERT_REQUIRED
+    seen: list[object] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        sslobj = request.transport.get_extra_info("ssl_object") if request.transport else None  # type: ignore[union-attr]
+        seen.append(sslobj.getpeercert() if sslobj is not None else None)
+        return web.json_response({"path": request.path})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        client_cert, client_key = pki.issue("proxy-client", "proxy.internal")
+        proxy = await make_proxy(
+            "listen: {port: 0}\nbackends:\n  - name: mtls\n"
+            f"    url: 'https://127.0.0.1:{port}'\n"
+            f"    tls: {{ca_file: '{pki.ca_file}', server_name: backend.internal, cert_file: '{client_cert}', "
+            f"key_file: '{client_key}'}}\n")
+        async with httpx.AsyncClient() as http:
+            r = await http.post(proxy.http_url + "/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200, r.text
+            r = await http.get(proxy.http_url + "/v1/models")  # the proxy's own session: the same context
+            assert r.status_code == 200
+        assert len(seen) == 2, seen  # both reached it: the relay pool and the proxy's own session
+        assert all(peer is not None for peer in seen)  # with the proxy's client certificate
+    finally:
+        await runner.cleanup()
