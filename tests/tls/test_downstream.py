@@ -16,12 +16,12 @@ import openai
 import pytest
 
 from proxy.app import AffinityProxy
+from proxy.config import parse_config
+from proxy.protos import generate_pb2 as gen
 from tests.grpc import stubs
 from tests.grpc.echo import EchoBackend
 from tests.support import FakeBackend, until
 from tests.tls.conftest import Pki, ProxyFactory, backend_line, tls_listen
-
-from proxy.protos import generate_pb2 as gen
 
 
 def _port(proxy: AffinityProxy) -> int:
@@ -125,8 +125,8 @@ async def test_mtls_required_refuses_a_client_without_a_certificate(pki: Pki, ba
 
 async def test_admin_listener_over_tls(pki: Pki, backend: FakeBackend, make_proxy: ProxyFactory) -> None:
     tls = f"{{cert_file: '{pki.cert_file}', key_file: '{pki.key_file}'}}"
-    # QUIET's `admin: {port: 0}` comes first; this one, later in the text, would be a duplicate key.
-    proxy = AffinityProxy(__import__("proxy.config", fromlist=["parse_config"]).parse_config(
+    # Not make_proxy: its `admin: {port: 0}` would make this `admin` a duplicate key.
+    proxy = AffinityProxy(parse_config(
         "telemetry: {enabled: false}\nhealth_checks: {enabled: false}\nlisten: {port: 0}\n"
         f"admin: {{port: 0, tls: {tls}}}\n" + backend_line(backend.url)))
     await proxy.start()
