@@ -196,3 +196,15 @@ async def test_grpc_listen_with_its_own_tls(pki: Pki, make_proxy: ProxyFactory) 
         assert reply is not None and echo.calls == 1
     finally:
         await echo.stop()
+
+
+async def test_min_version_and_optional_client_auth(pki: Pki, backend: FakeBackend, make_proxy: ProxyFactory) -> None:
+    extra = f"min_version: '1.3'\nclient_ca_file: '{pki.ca_file}'\nclient_auth: optional\n"
+    proxy = await make_proxy(tls_listen(pki, extra) + backend_line(backend.url))
+    old = pki.client_context()
+    old.maximum_version = ssl.TLSVersion.TLSv1_2
+    async with httpx.AsyncClient(verify=old) as tls12:
+        with pytest.raises(httpx.ConnectError):
+            await tls12.get(proxy.http_url + "/v1/models")
+    async with httpx.AsyncClient(verify=pki.client_context()) as anonymous:  # optional: no certificate is fine
+        assert (await anonymous.get(proxy.http_url + "/v1/models")).status_code == 200
