@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import ssl
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp.client_reqrep import ClientRequest
@@ -19,28 +22,50 @@ from aiohttp.client_reqrep import ClientRequest
 from typing import Callable
 
 from proxy.config import Config
-from proxy.tls import BackendTlsConfig, ClientTls, url_origin
+from proxy.tls import DEFAULT_BACKEND_TLS, BackendTlsConfig, ClientTls, url_origin
 from proxy.upstream.http1 import UpstreamPool
 from proxy.metrics import UpstreamCounters
 
 
 def backend_tls(config: Callable[[], Config]) -> ClientTls:
     """The TLS of every backend, looked up in the configuration in force (`config()`: a reload changes it)
-    by base URL or gRPC address; contexts are built once per backend section (proxy/tls.py `ClientTls`)."""
-    seen: list[tuple[Config, dict[str, BackendTlsConfig | None]]] = []
+    by URL origin or gRPC address; contexts are built once per backend section (proxy/tls.py `ClientTls`).
 
-    def settings(key: str) -> BackendTlsConfig | None:
+    With discovery on, a backend found through DNS has its pod's address in its URL, which no config entry
+    names: it gets the section of the one configured backend with a DNS name, the same scheme and the same
+    port, with that DNS name as its `server_name` unless the section sets one (a headless Service's pods
+    present the Service's certificate, not one per pod address).
+    """
+    seen: list[tuple[Config, dict[str, BackendTlsConfig | None], dict[tuple[str, str], list[BackendTlsConfig]]]] = []
+
+    def tables() -> tuple[dict[str, BackendTlsConfig | None], dict[tuple[str, str], list[BackendTlsConfig]]]:
         current = config()
         if not seen or seen[0][0] is not current:
             table: dict[str, BackendTlsConfig | None] = {}
+            by_port: dict[tuple[str, str], list[BackendTlsConfig]] = {}
             for b in current.backends:
                 table[url_origin(b.url)] = b.tls
                 if b.metrics_url is not None:
                     table.setdefault(url_origin(b.metrics_url), b.tls)
                 if b.grpc is not None:
                     table[b.grpc] = b.tls
-            seen[:] = [(current, table)]
-        return seen[0][1].get(key)
+                if current.discovery.enabled:
+                    for address in (b.url, b.grpc):
+                        found = _dns_name(address) if address is not None else None
+                        if found is not None:
+                            tls = b.tls or DEFAULT_BACKEND_TLS
+                            by_port.setdefault(found[1], []).append(
+                                tls if tls.server_name else dataclasses.replace(tls, server_name=found[0]))
+            seen[:] = [(current, table, by_port)]
+        return seen[0][1], seen[0][2]
+
+    def settings(key: str) -> BackendTlsConfig | None:
+        table, by_port = tables()
+        if key in table:
+            return table[key]
+        parsed = _scheme_port(key)
+        candidates = by_port.get(parsed) if parsed is not None else None
+        return candidates[0] if candidates and len(candidates) == 1 else None
 
     return ClientTls(settings)
 
@@ -87,6 +112,33 @@ def create_session(config: Config, tls: ClientTls | None = None) -> aiohttp.Clie
         cookie_jar=aiohttp.DummyCookieJar(),
         read_bufsize=2**16,
     )
+
+
+def _scheme_port(address: str) -> tuple[str, str] | None:
+    """(scheme, port) of an http(s) URL or a grpcs:// address; None without an explicit port and scheme."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        return None
+    netloc = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    host, _, port = netloc.rpartition(":")
+    if not host or not port.isdigit():
+        port = {"https": "443", "http": "80"}.get(scheme, "")
+    return (scheme, port) if port else None
+
+
+def _dns_name(address: str) -> tuple[str, tuple[str, str]] | None:
+    """(host, (scheme, port)) of an https:// URL or grpcs:// address whose host is a DNS name, else None."""
+    parsed = _scheme_port(address)
+    if parsed is None or parsed[0] not in ("https", "grpcs"):
+        return None
+    host = urlsplit(address.replace("grpcs://", "https://", 1)).hostname
+    if not host:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return host, parsed
+    return None
 
 
 def create_pool(config: Config, counters: UpstreamCounters, tls: ClientTls | None = None) -> UpstreamPool:
