@@ -61,7 +61,8 @@ from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.router import Router
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
-from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
+from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, DataSite, listening_socket
+from proxy.tls import ServerTls, server_tls
 from proxy.metrics import ProxyMetrics
 from proxy.observability.admin_routes import observability_routes
 from proxy.observability.demote import HotspotWeights
@@ -69,7 +70,7 @@ from proxy.observability.lifecycle import Observability
 from proxy.observability.observer import Observer
 from proxy.observability.tracing import Tracing, build_tracing
 from proxy.resilience import Resilience, panic_view
-from proxy.upstream.factory import create_pool, create_session
+from proxy.upstream.factory import backend_tls, create_pool, create_session
 from proxy.upstream.http1 import UpstreamPool
 
 log = logging.getLogger("affinity_proxy")
@@ -122,7 +123,9 @@ class AffinityProxy:
         self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
         self.session: aiohttp.ClientSession | None = None
         # The data plane's relay pool: requests of every HTTP version go through it (started in start()).
-        self.upstream: UpstreamPool = create_pool(config, self.metrics.upstream)
+        # https:// and grpcs:// backends: one SSLContext per backend section, from the config in force.
+        self.backend_tls = backend_tls(lambda: self.config)
+        self.upstream: UpstreamPool = create_pool(config, self.metrics.upstream, self.backend_tls)
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
@@ -198,7 +201,8 @@ class AffinityProxy:
         self.telemetry_metrics = TelemetryMetrics(self.metrics.registry)
         self.metrics.register_collector(self.telemetry_metrics.snapshot_collector(self.store, time.monotonic))
         if config.telemetry.enabled and control:
-            self.telemetry = Poller(self.store, config.telemetry, metrics=self.telemetry_metrics)
+            self.telemetry = Poller(self.store, config.telemetry, metrics=self.telemetry_metrics,
+                                    tls=self.backend_tls)
             self.add_service(self.telemetry)
         # Resilience's data-plane pieces go into the router: saturation thresholds, panic routing, the
         # overload queue and the passive outlier reports (proxy/resilience.py owns them on reload).
@@ -226,7 +230,7 @@ class AffinityProxy:
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
             metrics=resilience_metrics, build_policy=make_policy, close_idle=self._close_idle,
             control=control, data=data, admin_app=self.admin_app if control else None,
-            admin_token=self.admin_token, config_path=self.config_path,
+            admin_token=self.admin_token, config_path=self.config_path, backend_tls=self.backend_tls,
         )
         # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
         orca = load_report
@@ -237,15 +241,24 @@ class AffinityProxy:
             load_report=orca, debug_headers=config.debug_headers, max_body_bytes=config.limits.max_body_bytes,
             session_header=config.routing.session_header, observability=self.observability,
         )
-        # gRPC/h2c listener (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
+        # The HTTP/2 side (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
+        # It serves the HTTP/2 connections of the main listener (one port for every protocol) and, with
+        # `grpc_listen`, a port of its own. TLS contexts are built here, in each process (they do not pickle).
         self.grpc: GrpcListener | None = None
-        if config.grpc_listen is not None and data:
+        self.tls: dict[str, ServerTls] = {}
+        for name, tls_cfg in (("listen", config.listen.tls), ("admin", config.admin.tls),
+                              ("grpc_listen", config.grpc_listen.tls if config.grpc_listen else None)):
+            built = server_tls(tls_cfg, name)
+            if built is not None and (data if name != "admin" else control):
+                self.tls[name] = built
+        if data:
+            grpc_listen = config.grpc_listen
             self.grpc = GrpcListener(
-                config.grpc_listen.host, config.grpc_listen.port, config.grpc,
+                grpc_listen.host if grpc_listen else None, grpc_listen.port if grpc_listen else 0, config.grpc,
                 router=self.router, retries=self.resilience.retries, openai=self.openai,
                 store=self.store, inflight=self.inflight, admin_token=self.admin_token,
                 connect_timeout_s=config.timeouts.connect_s, drain_s=config.timeouts.drain_s,
-                reuse_port=self.reuse_port,
+                reuse_port=self.reuse_port, tls=self.tls.get("grpc_listen"), backend_tls=self.backend_tls,
             )
             self.add_service(self.grpc, data_plane=True)
         if self.precise is not None:  # KV-event subscriber: a data-plane service, one per routing process
@@ -266,7 +279,7 @@ class AffinityProxy:
     async def start(self) -> None:
         self._started = True
         cfg = self.config
-        self.session = create_session(cfg)
+        self.session = create_session(cfg, self.backend_tls)
         self.upstream.start()
         if self.role != "control":
             self.http = HttpDataPlane(
@@ -275,13 +288,22 @@ class AffinityProxy:
             )
             self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
             await self._http_runner.setup()
+            if self.grpc is not None:
+                await self.grpc.start()  # before the main listener hands it HTTP/2 connections
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
-            await web.SockSite(self._http_runner, sock, backlog=DATA_BACKLOG).start()
+            tls = self.tls.get("listen")
+            await DataSite(self._http_runner, sock, h2=self.grpc.protocol if self.grpc else None,
+                           ssl_context=tls.context if tls else None, backlog=DATA_BACKLOG).start()
         if self.role != "data":
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
             sock = listening_socket(cfg.admin.host, cfg.admin.port, backlog=ADMIN_BACKLOG)
-            await web.SockSite(self._admin_runner, sock, backlog=ADMIN_BACKLOG).start()
+            tls = self.tls.get("admin")
+            await web.SockSite(self._admin_runner, sock, backlog=ADMIN_BACKLOG,
+                               ssl_context=tls.context if tls else None).start()
+        for name in ("listen", "admin"):  # grpc_listen's is the gRPC listener's own
+            if name in self.tls:
+                self.tls[name].start()
         for service, data_plane in self._services:
             if self._runs(data_plane):
                 await service.start()
@@ -336,6 +358,8 @@ class AffinityProxy:
             await asyncio.to_thread(self.tracing.shutdown)
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
+        for tls in self.tls.values():
+            await tls.stop()
         if self.session is not None:
             await self.session.close()
         await self.upstream.close()
@@ -359,17 +383,17 @@ class AffinityProxy:
     # ------------------------------------------------------------------------------------------ addresses
 
     @staticmethod
-    def _url(runner: web.BaseRunner | None) -> str:
+    def _url(runner: web.BaseRunner | None, tls: bool = False) -> str:
         if runner is None or not runner.addresses:
             raise RuntimeError("not started")
         host, port = runner.addresses[0][:2]
         host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{port}"
+        return f"{'https' if tls else 'http'}://{host}:{port}"
 
     @property
     def http_url(self) -> str:
-        return self._url(self._http_runner)
+        return self._url(self._http_runner, "listen" in self.tls)
 
     @property
     def admin_url(self) -> str:
-        return self._url(self._admin_runner)
+        return self._url(self._admin_runner, "admin" in self.tls)

@@ -167,7 +167,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             proxy = AffinityProxy(config)
             async def announce() -> None:
                 model = fleet.servers[0].backend.engine.model_name
-                grpc_address = proxy.grpc.address if proxy.grpc is not None else None
+                own_port = config.grpc_listen is not None  # (HTTP/2 and gRPC are on the main port too)
+                grpc_address = proxy.grpc.address if proxy.grpc is not None and own_port else None
                 print(demo_banner(proxy.http_url, proxy.admin_url, backends, args.policy, model, grpc_address),
                       flush=True)
 

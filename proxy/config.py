@@ -46,6 +46,7 @@ from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import WEIGHT_BOUNDS, BackendSpec, duplicate_urls
 from proxy.grpc.grpc_config import GrpcOptions
 from proxy.observability.config import LoggingConfig, TracingConfig
+from proxy.tls import BackendTlsConfig, TlsConfig
 
 __all__ = [
     "AdminConfig",
@@ -80,6 +81,7 @@ class ConfigError(ValueError):
 class ListenConfig:
     host: str = "127.0.0.1"
     port: int = field(default=8080, metadata={"ge": 0, "le": 65535})
+    tls: TlsConfig | None = None  # serve TLS with this certificate (proxy/tls.py)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -93,6 +95,7 @@ class AdminConfig:
     # secret need not live in the file.
     token: str | None = None
     token_env: str | None = None
+    tls: TlsConfig | None = None  # serve the admin listener over TLS (proxy/tls.py)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -114,17 +117,17 @@ class BackendConfig:
     metrics_url: str | None = None
     models: tuple[str, ...] = ()
     max_inflight: int | None = field(default=None, metadata={"ge": 1})
+    # How https:// and grpcs:// are verified (CA bundle, SNI name, client certificate); system CAs if unset.
+    tls: BackendTlsConfig | None = None
 
     def __post_init__(self) -> None:
         check_config(self)
 
     def validate(self) -> Iterable[tuple[str, str]]:
-        if not self.url.startswith("http://"):
-            # The relay pool (proxy/upstream/http1.py) speaks plain HTTP/1.1, as GPU servers do inside a cluster;
-            # TLS to a backend belongs in a sidecar or the service mesh.
-            yield "url", f"must start with http:// (TLS to backends is not supported), got {self.url!r}"
-        if self.grpc is not None and ":" not in self.grpc:
-            yield "grpc", f"must be host:port, got {self.grpc!r}"
+        if not self.url.startswith(("http://", "https://")):
+            yield "url", f"must start with http:// or https://, got {self.url!r}"
+        if self.grpc is not None and ":" not in self.grpc.removeprefix("grpcs://"):
+            yield "grpc", f"must be host:port or grpcs://host:port (TLS), got {self.grpc!r}"
 
     def to_spec(self) -> BackendSpec:
         return BackendSpec(

@@ -2,12 +2,23 @@
 admin listener, and the ports the --workers processes share.
 
 The servers are handed a bound, listening socket (aiohttp's `web.SockSite`, asyncio's
-`create_server(sock=...)`), so socket options, and later TLS and ALPN, have this one place to go.
+`create_server(sock=...)`), so socket options, TLS (proxy/tls.py) and ALPN have this one place to go.
+
+One port for every protocol: the main data listener accepts HTTP/1.1, HTTP/2 over TLS (ALPN `h2`), h2c
+with prior knowledge (the 24-byte connection preface) and gRPC. `ProtocolSniffer` is the tiny adapter
+that decides per connection, from the negotiated ALPN or the first bytes, and hands the transport to the
+HTTP/1.1 protocol or to the HTTP/2 side (proxy/grpc/downstream.py), both generically:
+``proto = factory(); transport.set_protocol(proto); proto.connection_made(transport); proto.data_received(first)``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import ssl
+from typing import Callable
+
+from aiohttp import web
 
 DATA_BACKLOG = 4096  # the data listeners take bursts of new connections (many clients, short requests)
 ADMIN_BACKLOG = 128
@@ -78,4 +89,104 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-__all__ = ["ADMIN_BACKLOG", "DATA_BACKLOG", "listening_socket", "reserve_port"]
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SNIFF_TIMEOUT_S = 30.0  # a connection that sends no byte for this long is closed (as aiohttp's idle timeout would)
+
+ProtocolFactory = Callable[[], asyncio.BaseProtocol]
+
+
+class ProtocolSniffer(asyncio.Protocol):
+    """The first protocol of every main-listener connection: picks HTTP/1.1 or HTTP/2, then steps aside.
+
+    Over TLS the negotiated ALPN decides at once (the handshake is over when `connection_made` runs);
+    without ALPN (plaintext, or a TLS client that offered none) the first bytes do: the exact HTTP/2
+    connection preface means h2c with prior knowledge, anything else is HTTP/1.1. At most 24 bytes are
+    held back, and they are handed to the chosen protocol as its first `data_received`.
+    """
+
+    __slots__ = ("_http1", "_h2", "_transport", "_buf", "_timer")
+
+    def __init__(self, http1: ProtocolFactory, h2: ProtocolFactory) -> None:
+        self._http1 = http1
+        self._h2 = h2
+        self._transport: asyncio.BaseTransport | None = None
+        self._buf = b""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
+        sslobj = transport.get_extra_info("ssl_object")
+        alpn = sslobj.selected_alpn_protocol() if sslobj is not None else None
+        if alpn == "h2":
+            self._hand(self._h2, b"")
+        elif alpn == "http/1.1":
+            self._hand(self._http1, b"")
+        else:
+            self._timer = asyncio.get_running_loop().call_later(SNIFF_TIMEOUT_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        n = min(len(buf), len(H2_PREFACE))
+        if buf[:n] != H2_PREFACE[:n]:
+            self._hand(self._http1, buf)
+        elif n == len(H2_PREFACE):
+            self._hand(self._h2, buf)
+        else:
+            self._buf = buf
+
+    def eof_received(self) -> bool:
+        return False  # closed before a protocol was chosen: nothing to answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _hand(self, factory: ProtocolFactory, first: bytes) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        transport = self._transport
+        assert transport is not None
+        self._buf = b""
+        proto = factory()
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        if first:
+            proto.data_received(first)  # type: ignore[attr-defined]  # both sides are stream protocols
+
+
+def sniffing(http1: ProtocolFactory, h2: ProtocolFactory | None) -> ProtocolFactory:
+    """The protocol factory of a listener that serves HTTP/1.1 and, when `h2` is given, HTTP/2 too."""
+    if h2 is None:
+        return http1
+    return lambda: ProtocolSniffer(http1, h2)
+
+
+class DataSite(web.SockSite):
+    """aiohttp's SockSite, serving its runner's HTTP/1.1 protocol through the sniffer (one port for all).
+
+    The aiohttp runner still tracks the HTTP/1.1 connections and drains them on cleanup; the HTTP/2 ones
+    belong to the h2 side (proxy/grpc/listener.py), which drains them itself.
+    """
+
+    __slots__ = ("_h2",)
+
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, h2: ProtocolFactory | None,
+                 ssl_context: ssl.SSLContext | None = None, backlog: int = DATA_BACKLOG) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context, backlog=backlog)
+        self._h2 = h2
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)  # what BaseSite.start does
+        http1 = self._runner.server
+        assert http1 is not None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            sniffing(http1, self._h2), sock=self._sock, ssl=self._ssl_context, backlog=self._backlog
+        )
+
+
+__all__ = [
+    "ADMIN_BACKLOG", "DATA_BACKLOG", "DataSite", "H2_PREFACE", "ProtocolSniffer", "listening_socket",
+    "reserve_port", "sniffing",
+]

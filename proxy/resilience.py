@@ -41,6 +41,7 @@ from proxy.core.snapshot import BackendSpec
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.retry import RetryController
 from proxy.dataplane.router import Router
+from proxy.tls import ClientTls
 
 log = logging.getLogger("affinity_proxy.resilience")
 
@@ -71,7 +72,7 @@ class Resilience:
         close_idle: Callable[[BackendSpec], Awaitable[None]],
         control: bool = True, data: bool = True,
         admin_app: web.Application | None = None, admin_token: str | None = None,
-        config_path: str | None = None,
+        config_path: str | None = None, backend_tls: ClientTls | None = None,
     ) -> None:
         self.config = config  # the configuration in force; a reload replaces it
         self.config_path = config_path
@@ -83,7 +84,7 @@ class Resilience:
         self._build_policy = build_policy
         cfg = config
         self.monitor = monitor
-        self.checker = HealthChecker(store, self.monitor)
+        self.checker = HealthChecker(store, self.monitor, tls=backend_tls)
         self.membership = Membership(
             store, self.monitor, inflight, drain_timeout_s=cfg.timeouts.drain_s,
             close_idle=close_idle, metrics=self.metrics,

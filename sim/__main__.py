@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-events-encoding", default="map", choices=ENCODINGS,
                    help="map: tagged maps keyed by 'type' (vLLM main); array: positional arrays (vLLM <= 0.10)")
     k.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve https:// (and grpcs://) with it")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     g = p.add_argument_group("faults (also settable at run time: POST /sim/faults)")
     g.add_argument("--stall-ms", type=float, default=0.0, help="stall everything this long right after start")
     g.add_argument("--drop-after-chunks", type=int, default=None)
@@ -70,6 +72,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.grpc_port is not None and not grpc_available():
         print("error: --grpc-port needs sim/grpc.py (the simulator's gRPC front end), which is missing",
               file=sys.stderr)
+        return 2
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key are given together", file=sys.stderr)
         return 2
     faults = Faults()
     try:
@@ -117,6 +122,8 @@ async def _run(args: argparse.Namespace) -> int:
             profile_overrides=overrides or None,
             max_model_len=args.max_model_len,
             kv_events=kv_events,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -50,8 +51,11 @@ class SimServer:
     """One simulated GPU server: backend + HTTP listener (+ gRPC listener)."""
 
     def __init__(self, backend: SimBackend, *, host: str, port: int, grpc_port: int | None, flavor: str,
-                 fleet: Fleet | None = None) -> None:
+                 fleet: Fleet | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        """`tls_cert`/`tls_key`: PEM chain and key; HTTP (https://) and gRPC (grpcs://) are then served over TLS."""
         self.backend = backend
+        self.tls_cert = tls_cert
+        self.tls_key = tls_key
         self.host = host
         self.port = port
         self.grpc_port = grpc_port
@@ -71,14 +75,14 @@ class SimServer:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{self.port}"
 
     @property
     def grpc_address(self) -> str | None:
         if self.grpc_port is None:
             return None
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.grpc_port}"
+        return f"{'grpcs://' if self.tls_cert else ''}{host}:{self.grpc_port}"
 
     @property
     def grpc_server(self) -> Any:
@@ -101,15 +105,22 @@ class SimServer:
         assert self._runner is not None
         sock = _listen(self.host, self.port)
         self.port = sock.getsockname()[1]
-        self._site = web.SockSite(self._runner, sock)
+        self._site = web.SockSite(self._runner, sock, ssl_context=self._tls_context())
         await self._site.start()
         if self.grpc_port is not None:
             from .grpc import start_grpc_server
 
-            self._grpc = await start_grpc_server(self.backend, self.host, self.grpc_port)
+            self._grpc = await start_grpc_server(self.backend, self.host, self.grpc_port, ssl=self._tls_context())
             self.grpc_port = self._grpc.port
             self._grpc.set_serving(not self.backend.faults.health_fail)
         self._listening = True
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if self.tls_cert is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
 
     async def _close_listeners(self) -> None:
         if self._site is not None:
@@ -186,6 +197,8 @@ async def start_fleet(
     profile_overrides: Mapping[str, Any] | None = None,
     max_model_len: int | None = None,
     kv_events: KVEventsConfig | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> Fleet:
     """Start `n` simulated servers; HTTP on `port`, `port+1`, ... (0 = free ports), gRPC likewise.
 
@@ -195,6 +208,7 @@ async def start_fleet(
     context length (same architecture, longer context). `kv_events` turns on vLLM-style KV-cache event
     publishing (`sim/kv_events.py`); server i publishes on `kv_events.for_server(i)` and
     `server.backend.kv_publisher.endpoint` says where.
+    `tls_cert`/`tls_key` (PEM files): every server speaks TLS (https:// and grpcs://) with that pair.
     """
     if n < 1:
         raise ValueError("a fleet needs at least one server")
@@ -227,6 +241,8 @@ async def start_fleet(
                 grpc_port=(grpc_port + i if grpc_port else 0) if grpc_port is not None else None,
                 flavor=flavors[i],
                 fleet=fleet,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
             )
             fleet.servers.append(server)
             await server.start()

@@ -509,14 +509,14 @@ class SimGrpcServer:
 
 
 async def start_grpc_server(
-    backend: GenerateBackend, host: str, port: int, *, model: str | None = None
+    backend: GenerateBackend, host: str, port: int, *, model: str | None = None, ssl: Any = None
 ) -> SimGrpcServer:
     """Serve `backend` over gRPC on host:port (0 = a free port) until `close()`.
 
     `model` names the model ModelReady/ModelMetadata accept (default: the backend's ``model`` attribute,
     if any; None accepts every name).
     """
-    stats = CallStats()
+    stats = CallStats()  # `ssl`: an SSLContext to serve gRPC over TLS (ALPN h2 is set on it)
     ready = ServiceStatus()
     ready.set(True)
     tracked = _Tracked(backend, stats, itertools.count(1))
@@ -525,7 +525,9 @@ async def start_grpc_server(
     inference = InferenceService(tracked, model_name if isinstance(model_name, str) else None, ready)
     health = Health({generation: [ready], inference: [ready], OVERALL: [ready]})
     server = _TrackingServer([generation, inference, health])
-    await server.start(host, port)
+    if ssl is not None:
+        ssl.set_alpn_protocols(["h2"])
+    await server.start(host, port, ssl=ssl)
     sockets = server._server.sockets if server._server is not None else ()  # noqa: SLF001
     bound = sockets[0].getsockname()[1] if sockets else port
     return SimGrpcServer(server, bound, stats, ready)

@@ -105,7 +105,7 @@ routing:
   policy: round_robn
 """)
     assert "listen.prot (line 1): unknown key (did you mean 'port'?)" in errs
-    assert "backends[1].url (line 4): must start with http:// (TLS to backends is not supported), got 'ftp://x'" in errs
+    assert "backends[1].url (line 4): must start with http:// or https://, got 'ftp://x'" in errs
     assert "backends[2].name (line 5): is required" in errs
     assert any(e.startswith("routing.policy (line 7): must be one of") for e in errs)
 

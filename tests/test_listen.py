@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from proxy.listen import listening_socket, reserve_port
+from proxy.listen import H2_PREFACE, ProtocolSniffer, listening_socket, reserve_port
 
 
 def test_port_zero_gets_a_real_listening_port() -> None:
@@ -46,3 +46,62 @@ def test_host_names_resolve_to_one_address() -> None:
         assert sock.family in (socket.AF_INET, socket.AF_INET6)
     finally:
         sock.close()
+
+
+class _Recorder:
+    def __init__(self, kind: str, made: list[tuple[str, bytes]]) -> None:
+        self.kind = kind
+        self.made = made
+        self.transport: object = None
+
+    def connection_made(self, transport: object) -> None:
+        self.transport = transport
+        self.made.append((self.kind, b""))
+
+    def data_received(self, data: bytes) -> None:
+        self.made.append((self.kind, data))
+
+
+class _Transport:
+    def __init__(self, alpn: str | None = None) -> None:
+        self.protocol: object = None
+        self.closed = False
+        self._alpn = alpn
+
+    def get_extra_info(self, name: str) -> object:
+        if name == "ssl_object" and self._alpn is not None:
+            alpn = self._alpn
+
+            class _Ssl:
+                def selected_alpn_protocol(self) -> str:
+                    return alpn
+            return _Ssl()
+        return None
+
+    def set_protocol(self, protocol: object) -> None:
+        self.protocol = protocol
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(("alpn", "chunks", "kind", "first"), [
+    (None, [b"GET / HTTP/1.1\r\n"], "http1", b"GET / HTTP/1.1\r\n"),
+    (None, [b"P", b"OST / HTTP/1.1\r\n"], "http1", b"POST / HTTP/1.1\r\n"),  # 'P' alone could be either
+    (None, [H2_PREFACE[:10], H2_PREFACE[10:] + b"\x00\x00"], "h2", H2_PREFACE + b"\x00\x00"),
+    ("h2", [], "h2", b""),  # TLS: ALPN decides before any byte
+    ("http/1.1", [], "http1", b""),
+])
+async def test_sniffer_hands_the_transport_to_the_right_protocol(alpn: str | None, chunks: list[bytes],
+                                                                  kind: str, first: bytes) -> None:
+    made: list[tuple[str, bytes]] = []
+    sniffer = ProtocolSniffer(lambda: _Recorder("http1", made), lambda: _Recorder("h2", made))  # type: ignore[arg-type, return-value]  # duck-typed test doubles
+    transport = _Transport(alpn)
+    sniffer.connection_made(transport)  # type: ignore[arg-type]  # a duck-typed transport
+    for c in chunks:
+        if transport.protocol is None:
+            sniffer.data_received(c)
+    assert made[0] == (kind, b"")  # connection_made on the chosen protocol, then the held-back bytes
+    assert b"".join(d for _, d in made[1:]) == first
+    assert isinstance(transport.protocol, _Recorder) and transport.protocol.kind == kind
+    sniffer.connection_lost(None)

@@ -1,11 +1,12 @@
-"""A minimal keep-alive HTTP/1.1 GET client for metrics scrapes over plain http://.
+"""A minimal keep-alive HTTP/1.1 GET client for metrics scrapes over http:// and https://.
 
 Why not aiohttp for this: a scrape is the control plane's hottest operation (64 backends at 5 Hz is 320
 GETs a second, forever) and aiohttp's client machinery costs ~90 us of CPU per GET here against ~20 us for
 this protocol, which is most of the poller's budget (measured side by side in loadtest/bench_control.py).
 A scrape needs very little of HTTP: one GET on a kept-alive connection per backend, one request at a
 time, a body delimited by Content-Length, chunked encoding or the connection's end. Anything else
-(https://, redirects) goes through the aiohttp session the poller keeps for it.
+(redirects) goes through the aiohttp session the poller keeps for it. https:// scrapes use the backend's
+context (proxy/tls.py, `tls` below), built once, on connections that are kept like plain ones.
 
 A connection whose request timed out or failed is closed, never reused: its state is unknown. A GET sent
 on a kept-alive connection that the server had already closed is retried once on a fresh one (safe: GET
@@ -15,7 +16,9 @@ is idempotent), which is the race every keep-alive client has with a server's id
 from __future__ import annotations
 
 import asyncio
+import ssl
 import zlib
+from typing import Callable
 from urllib.parse import urlsplit
 
 # ProtocolError is the codec's own: "the server's answer is not HTTP/1.x we can read" (re-exported for callers).
@@ -164,8 +167,12 @@ class MetricsHttpClient:
     Raises HttpStatusError (non-200), ProtocolError, OSError (connect/reset) or TimeoutError.
     """
 
-    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, timeout_s: float, headers: dict[str, str] | None = None,
+                 tls: Callable[[str], tuple[ssl.SSLContext, str | None] | None] | None = None) -> None:
+        """`tls(url)`: the SSLContext and SNI name for an https:// URL (system CAs when not given)."""
         self.timeout_s = timeout_s
+        self._tls = tls
+        self._ssl: dict[tuple[str, int], tuple[ssl.SSLContext, str]] = {}
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._extra = extra
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
@@ -175,9 +182,13 @@ class MetricsHttpClient:
         cached = self._requests.get(url)
         if cached is None:
             parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ValueError(f"not a plain http:// URL: {url}")
-            host, port = parts.hostname, parts.port or 80
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"not an http:// or https:// URL: {url}")
+            host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+            if parts.scheme == "https":
+                tls = self._tls(url) if self._tls is not None else None
+                ctx = tls[0] if tls is not None else ssl.create_default_context()
+                self._ssl[(host, port)] = (ctx, (tls[1] if tls is not None else None) or host)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host_header = parts.netloc.rsplit("@", 1)[-1]
             raw = f"GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{self._extra}\r\n".encode("latin-1")
@@ -225,7 +236,11 @@ class MetricsHttpClient:
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Conn, key[0], key[1])
+        tls = self._ssl.get(key)
+        if tls is None:
+            _, conn = await loop.create_connection(_Conn, key[0], key[1])
+        else:
+            _, conn = await loop.create_connection(_Conn, key[0], key[1], ssl=tls[0], server_hostname=tls[1])
         return conn
 
     def close(self) -> None:

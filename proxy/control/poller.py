@@ -30,6 +30,7 @@ import aiohttp
 
 from proxy.control.adapters import MetricsReader, Reading, compile_metric_map
 from proxy.control.httpget import HttpStatusError, MetricsHttpClient, ProtocolError
+from proxy.tls import ClientTls
 from proxy.control.orca import parse_orca
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -145,6 +146,7 @@ class Poller:
         session: aiohttp.ClientSession | None = None,
         clock: Clock = time.monotonic,
         orca_flush_s: float = 0.02,
+        tls: ClientTls | None = None,  # the contexts of https:// metrics URLs (proxy/tls.py)
     ) -> None:
         self.store = store
         self.config = config
@@ -160,7 +162,8 @@ class Poller:
         self._orca_handle: asyncio.TimerHandle | None = None
         self.rounds = 0
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_s)
-        self._http = MetricsHttpClient(config.timeout_s, headers=dict(_SCRAPE_HEADERS))
+        self._http = MetricsHttpClient(config.timeout_s, headers=dict(_SCRAPE_HEADERS),
+                                       tls=tls.for_url if tls is not None else None)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -261,7 +264,7 @@ class Poller:
         return deriver.signals(reading, t)
 
     async def _fetch(self, url: str) -> str:
-        if self.fast_http and url.startswith("http://"):
+        if self.fast_http and url.startswith(("http://", "https://")):
             try:
                 body = await self._http.get(url)
             except HttpStatusError as exc:

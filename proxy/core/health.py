@@ -56,6 +56,9 @@ class HealthCheckConfig:
     adaptive_k: float = at_least(4.0, 1)  # timeout >= k x p99 of this backend's recent check latencies
     adaptive_max_timeout_ms: int = above(10000, 0)
     latency_window: int = at_least(64, 1)  # recent check latencies kept per backend for the p99
+    # TLS checks (proxy/control/checks.py): the handshake gets its own budget, >= this x the p95 of the
+    # backend's recent handshakes (the whole adaptive_max_timeout_ms before there is one), apart from the above.
+    handshake_k: float = at_least(2.5, 1)
     fail_fast_on_refused: bool = True  # a refused/reset connection marks the backend unhealthy at once
 
     def __post_init__(self) -> None:

@@ -1,6 +1,8 @@
-"""The h2c (prior knowledge) listener: gRPC calls relayed per stream, plain HTTP/2 requests bridged.
+"""The HTTP/2 side: gRPC calls relayed per stream, plain HTTP/2 requests bridged to the OpenAI pipeline.
 
-`GrpcListener` is a data-plane service (``grpc_listen`` in the config). It is given the process's `Router`
+`GrpcListener` is a data-plane service. It always serves the HTTP/2 connections that the main data
+listener hands over (ALPN h2 or the h2c preface, proxy/listen.py `ProtocolSniffer`, through `protocol()`),
+and when ``grpc_listen`` is configured it also binds a port of its own (h2c, or TLS with ``grpc_listen.tls``). It is given the process's `Router`
 (same policy, same in-flight table, same metrics as HTTP, so gRPC and HTTP traffic are balanced as one),
 the shared `RetryController`, and the OpenAI pipeline that plain HTTP/2 requests go through; at start it
 builds the `RelayContext` every connection and call of the listener reads.
@@ -26,6 +28,7 @@ from proxy.grpc.grpc_config import GrpcOptions
 from proxy.grpc.local import LocalServices
 from proxy.grpc.upstream import BackendPool, PoolOptions, Pools
 from proxy.listen import DATA_BACKLOG, listening_socket
+from proxy.tls import ClientTls, ServerTls
 
 log = logging.getLogger("affinity_proxy.grpc")
 
@@ -34,10 +37,13 @@ class GrpcListener:
     """Data-plane service: ``async start()`` binds host:port; ``async stop()`` drains then closes."""
 
     def __init__(
-        self, host: str, port: int, options: GrpcOptions, *, router: Router, retries: RetryController,
+        self, host: str | None, port: int, options: GrpcOptions, *, router: Router, retries: RetryController,
         openai: OpenAIPipeline[None], store: SnapshotStore, inflight: Mapping[str, Inflight],
         admin_token: str | None, connect_timeout_s: float, drain_s: float, reuse_port: bool = False,
+        tls: ServerTls | None = None, backend_tls: ClientTls | None = None,
     ) -> None:
+        """`host` None: no port of its own, only the connections the main listener hands over. `tls`: this
+        listener's own TLS (grpc_listen.tls); `backend_tls`: the contexts of grpcs:// backends."""
         self.host = host
         self.requested_port = port
         self.options = options
@@ -50,6 +56,9 @@ class GrpcListener:
         self._connect_timeout_s = connect_timeout_s
         self._drain_s = drain_s
         self._reuse_port = reuse_port
+        self._tls = tls
+        self._backend_tls = backend_tls
+        self._started = False
         self.ctx: RelayContext | None = None
         self.local: LocalServices | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -59,7 +68,16 @@ class GrpcListener:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def protocol(self) -> Downstream:
+        """A server connection for an HTTP/2 transport (the main listener's hand-over; start() first)."""
+        assert self.ctx is not None, "start() first"
+        return Downstream(self.ctx)
+
     async def start(self) -> None:
+        """Idempotent: the proxy starts it before the main listener, which hands it connections."""
+        if self._started:
+            return
+        self._started = True
         quiet_hpack_logging()  # after logging is configured: hpack keeps its debug lines when asked for
         options = self.options
         self.local = LocalServices(self._store, self._inflight, admin=options.admin_service,
@@ -79,6 +97,7 @@ class GrpcListener:
                 idle_timeout_s=options.upstream_idle_timeout_s,
             ),
             flusher,
+            self._backend_tls,
         )
         self.ctx = ctx = RelayContext(
             options=options, router=self._router, retries=self._retries, registry=ExtractorRegistry(options),
@@ -86,11 +105,17 @@ class GrpcListener:
             local_pool=BackendPool(LOCAL_BACKEND, self.local.address, pools.options, flusher),
             openai=self._openai,
         )
-        sock = listening_socket(self.host, self.requested_port, reuse_port=self._reuse_port)
-        self._server = await loop.create_server(lambda: Downstream(ctx), sock=sock, backlog=DATA_BACKLOG)
-        self.port = self._server.sockets[0].getsockname()[1]
         pools.start()
-        log.info("gRPC/h2c listener on %s", self.address)
+        if self.host is None:
+            return
+        sock = listening_socket(self.host, self.requested_port, reuse_port=self._reuse_port)
+        ssl_context = self._tls.context if self._tls is not None else None
+        self._server = await loop.create_server(lambda: Downstream(ctx), sock=sock, backlog=DATA_BACKLOG,
+                                                ssl=ssl_context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        if self._tls is not None:
+            self._tls.start()
+        log.info("gRPC/%s listener on %s", "h2 over TLS" if self._tls else "h2c", self.address)
 
     async def stop(self) -> None:
         """Stop accepting; let calls in flight finish for up to timeouts.drain_s; then close everything."""
@@ -111,6 +136,8 @@ class GrpcListener:
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
+        if self._tls is not None:
+            await self._tls.stop()
         if self.local is not None:
             await self.local.stop()
             self.local = None

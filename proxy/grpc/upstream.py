@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import ssl
 from typing import Any, Callable
 
 import h2.events
@@ -19,6 +20,7 @@ import h2.exceptions
 
 from proxy.grpc.connection import FastData, Flusher, H2Side
 from proxy.grpc.streams import BackendStream
+from proxy.tls import ClientTls, describe_tls_error, grpc_host_port
 
 log = logging.getLogger(__name__)
 
@@ -233,11 +235,13 @@ class Upstream(H2Side):
 class BackendPool:
     """The HTTP/2 connections to one backend address."""
 
-    def __init__(self, name: str, address: str, options: "PoolOptions", flusher: Flusher) -> None:
+    def __init__(self, name: str, address: str, options: "PoolOptions", flusher: Flusher,
+                 tls: tuple[ssl.SSLContext, str | None] | None = None) -> None:
+        """`address`: host:port (h2c) or grpcs://host:port, whose `tls` context and SNI name are given."""
         self.name = name
-        host, _, port = address.rpartition(":")
-        self.host = host.strip("[]") or "127.0.0.1"
-        self.port = int(port)
+        self.host, self.port = grpc_host_port(address)
+        self.ssl = tls[0] if tls is not None else None
+        self.server_hostname = ((tls[1] if tls is not None else None) or self.host) if self.ssl else None
         self.address = address
         self.options = options
         self.flusher = flusher
@@ -275,12 +279,14 @@ class BackendPool:
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(
-                loop.create_connection(lambda: Upstream(self), self.host, self.port),
+                loop.create_connection(lambda: Upstream(self), self.host, self.port, ssl=self.ssl,
+                                       server_hostname=self.server_hostname),
                 self.options.connect_timeout_s,
             )
         except (OSError, asyncio.TimeoutError) as err:
             self.connecting -= 1
-            reason = f"cannot connect to backend {self.name} at {self.address}: {err or type(err).__name__}"
+            why = describe_tls_error(err) or err or type(err).__name__
+            reason = f"cannot connect to backend {self.name} at {self.address}: {why}"
             waiters, self.waiters = self.waiters, collections.deque()
             for call in waiters:
                 call.connect_failed(reason)
@@ -374,9 +380,11 @@ class PoolOptions:
 class Pools:
     """Every backend's pool, keyed by backend name; an address change (reload) replaces the pool."""
 
-    def __init__(self, options: PoolOptions, flusher: Flusher) -> None:
+    def __init__(self, options: PoolOptions, flusher: Flusher, tls: ClientTls | None = None) -> None:
+        """`tls`: the contexts of grpcs:// backends (proxy/upstream/factory.py `backend_tls`)."""
         self.options = options
         self.flusher = flusher
+        self.tls = tls if tls is not None else ClientTls(lambda key: None)
         self._pools: dict[str, BackendPool] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -402,7 +410,8 @@ class Pools:
         if pool is None or pool.address != address:
             if pool is not None:
                 pool.close()
-            pool = self._pools[name] = BackendPool(name, address, self.options, self.flusher)
+            pool = self._pools[name] = BackendPool(name, address, self.options, self.flusher,
+                                                   self.tls.for_grpc(address))
         return pool
 
     def prune(self, keep: Callable[[str], bool]) -> None:

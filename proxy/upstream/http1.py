@@ -20,6 +20,7 @@ expired ones, so a backend that went away keeps no ghost connections.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from typing import AsyncIterator, Callable
@@ -63,15 +64,18 @@ class UpstreamTimeout(asyncio.TimeoutError):
 class Backend:
     """Where one base URL's connections live."""
 
-    __slots__ = ("key", "host", "port", "host_header", "idle", "open", "waiters")
+    __slots__ = ("key", "host", "port", "host_header", "idle", "open", "waiters", "ssl", "server_hostname")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tls: tuple[ssl.SSLContext, str | None] | None = None) -> None:
         parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"only http:// backends are supported by the relay pool, got {url!r}")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"only http:// and https:// backends are supported by the relay pool, got {url!r}")
         self.key = url
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        # https://: the backend's context (built once, proxy/tls.py) and SNI name (the URL's host by default).
+        self.ssl = tls[0] if tls is not None else (ssl.create_default_context() if parts.scheme == "https" else None)
+        self.server_hostname = (tls[1] if tls is not None else None) or (self.host if self.ssl else None)
         self.host_header = parts.netloc.encode("latin-1")
         self.idle: deque[_Connection] = deque()
         self.open = 0
@@ -397,8 +401,11 @@ class UpstreamPool:
         keepalive_s: float,
         connect_timeout_s: float,
         request_timeout_s: float,
+        tls: Callable[[str], tuple[ssl.SSLContext, str | None] | None] | None = None,
     ) -> None:
+        """`tls(url)`: the SSLContext and SNI name of an https:// backend (proxy/upstream/factory.py)."""
         self.counters = counters
+        self._tls = tls
         self.limit = connections_per_backend
         self.keepalive_s = keepalive_s
         self.connect_timeout_s = connect_timeout_s
@@ -410,7 +417,7 @@ class UpstreamPool:
     def backend(self, url: str) -> Backend:
         b = self._backends.get(url)
         if b is None:
-            b = self._backends[url] = Backend(url)
+            b = self._backends[url] = Backend(url, self._tls(url) if self._tls is not None else None)
         return b
 
     def start(self) -> None:
@@ -494,10 +501,16 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, b), b.host, b.port), self.connect_timeout_s
+                loop.create_connection(lambda: _Connection(self, b), b.host, b.port, ssl=b.ssl,
+                                       server_hostname=b.server_hostname), self.connect_timeout_s
             )
         except asyncio.TimeoutError:
             raise UpstreamConnectError(f"connect to {b.host}:{b.port} timed out") from None
+        except ssl.SSLError as exc:  # before OSError, its base: a certificate from another CA, a bad handshake
+            reason = (f"certificate verify failed: {exc.verify_message}"
+                      if isinstance(exc, ssl.SSLCertVerificationError) else exc.reason)
+            raise UpstreamConnectError(
+                f"TLS handshake with {b.host}:{b.port} failed: {reason or exc}") from exc
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {b.host}:{b.port}: {exc.strerror or exc}") from exc
         self.counters.new_connections += 1

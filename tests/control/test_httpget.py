@@ -192,7 +192,8 @@ async def test_interim_100_continue_is_skipped(serve) -> None:  # type: ignore[n
     assert srv.connections == 1
 
 
-def test_only_plain_http() -> None:
+def test_only_http_and_https() -> None:
     client = MetricsHttpClient(1.0)
     with pytest.raises(ValueError):
-        client._target("https://example.invalid/metrics")
+        client._target("ftp://example.invalid/metrics")
+    client._target("https://example.invalid/metrics")  # https:// scrapes are TLS connections (tests/tls)
