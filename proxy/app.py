@@ -56,6 +56,8 @@ from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.router import Router
+from proxy.experiments.admin import add_experiment_routes
+from proxy.experiments.runtime import ExperimentRuntime
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
 from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
@@ -162,6 +164,13 @@ class AffinityProxy:
         queue = AdmissionQueue(config.overload, resilience_metrics)
         if on_outcome is None and self.role == "all":
             on_outcome = monitor.report
+        # Live experiments (proxy/experiments): arms of policies or canary groups, judged by guardrails; the
+        # runtime runs where requests are routed (each worker of --workers N judges its own traffic).
+        self.experiments = ExperimentRuntime(config.experiments, build_policy=build_policy, admin_token=self.admin_token)
+        self.metrics.register_collector(self.experiments.collect)
+        add_experiment_routes(self.admin_app, self.experiments)
+        if data:
+            self.add_service(self.experiments, data_plane=True)
         self.router = Router(
             self.store, policy if policy is not None else build_policy(config.routing), self.inflight, self.metrics,
             max_inflight_total=config.limits.max_inflight_total,
@@ -169,6 +178,7 @@ class AffinityProxy:
             panic=panic_view(config.overload, monitor) if data else None,
             queue=queue if data else None,
             on_outcome=on_outcome if data else None,
+            experiments=self.experiments if data else None,
         )
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
