@@ -42,6 +42,7 @@ from loadtest.workloads import CHAT, Workload, build_body
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
+from proxy.core.decision import Policy
 from proxy.core.registry import build_policy
 from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
@@ -158,8 +159,10 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
     )
 
 
-async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
-    """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
+async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None = None) -> RunResult:
+    """Replay `workload` through policy + engines in virtual time; same result shape as a live run.
+    `policy`: pick with this object instead of `cfg.policy` (loadtest/experiment_replay.py passes one that
+    splits the requests between an experiment's arms)."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
     # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
@@ -170,7 +173,7 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
     clock = [0.0]
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
     poller = _VirtualPoller(store, telemetry, backends, lambda: clock[0])
-    policy = build_policy(routing_config(cfg))
+    policy = policy if policy is not None else build_policy(routing_config(cfg))
     inflight = InflightTable()
     text = workload.text()
     adapters = frozenset(cfg.adapters)
