@@ -124,9 +124,11 @@ class Lease:
         self._hold(*await queue.wait_for(self._pick, first))
 
     def _pick(self) -> tuple[Decision, BackendState]:
+        if self.arm is not None:
+            return self.router.pick(self.summary, self.exclude, grpc=self.grpc, arm=self.arm)
         if self.grpc:
-            return self.router.pick(self.summary, self.exclude, grpc=True, arm=self.arm)
-        return self.router.pick(self.summary, self.exclude, arm=self.arm)
+            return self.router.pick(self.summary, self.exclude, grpc=True)
+        return self.router.pick(self.summary, self.exclude)
 
     def _hold(self, decision: Decision, backend: BackendState) -> None:
         self.decision = decision

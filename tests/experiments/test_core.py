@@ -181,3 +181,12 @@ def test_auto_promote_and_reload_keeps_unchanged_arms() -> None:
     assert kept.weights() == {"rr": pytest.approx(0.15)}
     reset = carry_state(cut_cfg, st, ab(share=0.4))
     assert reset.weights() == {"rr": 0.4}
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_experiment_numbers_must_be_finite(bad: float) -> None:
+    for name in ("floor", "cooldown_s", "restore_after_s", "restore_factor", "auto_promote_after_s"):
+        with pytest.raises(ConfigValueError, match=f"{name}: must be a finite number"):
+            ab(**{name: bad})
+    with pytest.raises(ConfigValueError, match="share: must be a finite number"):
+        ArmConfig("x", share=bad)
