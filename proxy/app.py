@@ -166,10 +166,11 @@ class AffinityProxy:
             on_outcome = monitor.report
         # Live experiments (proxy/experiments): arms of policies or canary groups, judged by guardrails; the
         # runtime runs where requests are routed (each worker of --workers N judges its own traffic).
-        self.experiments = ExperimentRuntime(config.experiments, build_policy=build_policy, admin_token=self.admin_token)
-        self.metrics.register_collector(self.experiments.collect)
+        self.experiments = ExperimentRuntime(config.experiments, build_policy=build_policy, admin_token=self.admin_token,
+                                             routes=data)
         add_experiment_routes(self.admin_app, self.experiments)
-        if data:
+        if data:  # a --workers supervisor routes nothing: its /metrics merges the workers' per-arm series
+            self.metrics.register_collector(self.experiments.collect)
             self.add_service(self.experiments, data_plane=True)
         self.router = Router(
             self.store, policy if policy is not None else build_policy(config.routing), self.inflight, self.metrics,
@@ -188,6 +189,8 @@ class AffinityProxy:
             control=control, data=data, admin_app=self.admin_app if control else None,
             admin_token=self.admin_token, config_path=self.config_path,
         )
+        if not data:  # the supervisor's copy of the definitions (its /admin/experiments) follows reloads too
+            self.resilience.reload_listeners.append(lambda new: self.experiments.reconfigure(new.experiments))
         # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
         orca = load_report
         if orca is None and self.telemetry is not None and config.telemetry.orca:

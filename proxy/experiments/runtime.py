@@ -116,8 +116,10 @@ class _Experiment:
 class ExperimentRuntime:
     def __init__(self, cfg: ExperimentsConfig, *, build_policy: Callable[[RoutingConfig], Policy],
                  admin_token: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, routes: bool = True) -> None:
+        """`routes`: False in a --workers supervisor, which holds the definitions but routes nothing."""
         self._build_policy = build_policy
+        self.routes = routes
         self.admin_token = admin_token
         self.clock = clock
         self.wall_clock = wall_clock
@@ -350,7 +352,9 @@ class ExperimentRuntime:
             if timeline:
                 item["timeline"] = list(exp.timeline)
             out.append(item)
-        return {"evaluate_every_s": self.cfg.evaluate_every_s, "window_s": self.cfg.window_s,
+        note = {} if self.routes else {"note": "this process routes no requests (the --workers supervisor): the "
+                                                "per-arm series of every worker are merged in /metrics"}
+        return {**note, "evaluate_every_s": self.cfg.evaluate_every_s, "window_s": self.cfg.window_s,
                 "pin_header": self.cfg.pin_header, "prometheus_query_errors": self.query_errors, "experiments": out}
 
     def collect(self) -> Iterable[Metric]:
