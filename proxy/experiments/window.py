@@ -148,7 +148,7 @@ class ArmStats:
 
     def window(self, now: float) -> ArmWindow:
         """The aggregates of the buckets that lie wholly or partly in (now - window_s, now]."""
-        first = int((now - self.window_s) // self.bucket_s) + 1
+        first = int((now - self.window_s) // self.bucket_s)  # the oldest bucket may be partly inside
         last = int(now // self.bucket_s)
         requests = errors = prompt = cached = 0
         ttft: dict[int, int] = {}
