@@ -141,6 +141,9 @@ def markdown(table: dict[str, dict[str, Any]], title: str, command: str) -> str:
         backends = ", ".join(f"{b}: {n}" for b, n in sorted(row["backends"].items()))
         lines.append(f"| {arm} | {row['requests']} | {100 * row['share']:.1f}% | {row['errors']} | "
                      f"{ms(row['ttft_p50_s'])} | {ms(row['ttft_p99_s'])} | {ms(row['e2e_p99_s'])} | {hit} | {backends} |")
+    lines += ["", "Arms that share backends share their queues and caches (one arm's requests evict the other's",
+              "prefixes), exactly as they do live; a canary group (`backends:`) isolates them. The split is the",
+              "configured one: guardrails are not simulated offline (see loadtest/guardrail_demo.py)."]
     return "\n".join(lines) + "\n"
 
 
@@ -150,13 +153,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--experiments", type=Path, required=True, help="YAML file with an `experiments:` section")
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--profile", default="llama3-8b-h100")
+    ap.add_argument("--max-model-len", type=int, default=131072, help="context limit of the simulated model (as replay)")
     ap.add_argument("--speed", type=float, default=1.0)
     ap.add_argument("--out", type=Path, help="write the per-arm table here (markdown) and a .json beside it")
     args = ap.parse_args(argv)
     experiments, routing = load_experiments(args.experiments)
     workload = prepare_workload(args)
     # policy "affinity" only makes the replay poll telemetry, which the arms' load-aware policies read
-    cfg = ReplayConfig(policy="affinity", backends=args.backends, profile=args.profile, speed=args.speed, seed=args.seed)
+    cfg = ReplayConfig(policy="affinity", backends=args.backends, profile=args.profile,
+                       max_model_len=args.max_model_len, speed=args.speed, seed=args.seed)
     result, table = asyncio.run(replay_experiment(workload, experiments, routing, cfg))
     command = "python -m loadtest.experiment_replay " + " ".join(argv if argv is not None else sys.argv[1:])
     text = markdown(table, f"offline experiment replay: {workload.name}", command)
