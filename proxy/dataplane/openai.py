@@ -273,6 +273,8 @@ class OpenAIPipeline(Generic[T]):
             headers["x-request-id"] = req.request_id
             if self.debug_headers:
                 headers["x-affinity-backend"] = backend.name
+                if lease.arm is not None:
+                    headers["x-affinity-arm"] = f"{lease.arm.experiment}/{lease.arm.name}"
             lease.status = up.status
             if self.retries is not None and self.retries.retry_status(up.status):
                 # Held back, not forwarded: if another backend is tried, the client never sees this one.

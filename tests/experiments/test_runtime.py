@@ -74,9 +74,14 @@ async def test_pin_header_needs_the_admin_token_when_one_is_configured(fleet: Fl
                 r = await send(s, proxy.http_url, model, conv, 0,
                                headers={"x-affinity-arm": "knobs/eps", "x-affinity-arm-token": "s3cret"})
                 assert r.status == 200
+            async with s.post(proxy.http_url + "/v1/chat/completions", json={"model": model, "messages": [
+                    {"role": "user", "content": "which arm?"}]}) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-affinity-arm"] in ("knobs/base", "knobs/eps")  # debug_headers: true
         data = await admin_json(proxy.admin_url)
         arms = {a["name"]: a for a in data["experiments"][0]["arms"]}
-        assert arms["eps"]["totals"]["requests"] == 20 and arms["base"]["totals"]["requests"] == 0
+        assert arms["eps"]["totals"]["requests"] + arms["base"]["totals"]["requests"] == 21
+        assert arms["eps"]["totals"]["requests"] >= 20
     finally:
         await proxy.stop()
 
