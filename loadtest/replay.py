@@ -46,6 +46,7 @@ from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core import kv_index
 from proxy.core.affinity import AffinityPolicy
+from proxy.core.decision import Policy
 from proxy.core.registry import build_policy
 from proxy.core.work_ledger import WorkLedger
 from sim.tokenizer import token_ids
@@ -199,8 +200,10 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
     )
 
 
-async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
-    """Replay `workload` through policy + engines in virtual time; same result shape as a live run."""
+async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None = None) -> RunResult:
+    """Replay `workload` through policy + engines in virtual time; same result shape as a live run.
+    `policy`: pick with this object instead of `cfg.policy` (loadtest/experiment_replay.py passes one that
+    splits the requests between an experiment's arms)."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
     # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
@@ -232,7 +235,9 @@ async def replay(workload: Workload, cfg: ReplayConfig) -> RunResult:
 
     # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`.
     procs: list[tuple[Any, InflightTable]] = []
-    for r in range(cfg.replicas):
+    if policy is not None:  # a caller's own policy (loadtest/experiment_replay.py): one process routes with it
+        procs.append((policy, InflightTable()))
+    for r in range(cfg.replicas if policy is None else 0):
         replica_table, replica_ledger = InflightTable(), WorkLedger()
         for w in range(cfg.workers):
             table = replica_table if cfg.shared_worker_load else InflightTable()

@@ -59,6 +59,8 @@ from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.router import Router
+from proxy.experiments.admin import add_experiment_routes
+from proxy.experiments.runtime import ExperimentRuntime
 from proxy.grpc.listener import GrpcListener
 from proxy.http.server import HttpDataPlane
 from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, DataSite, listening_socket
@@ -216,6 +218,14 @@ class AffinityProxy:
         queue = AdmissionQueue(config.overload, resilience_metrics)
         if on_outcome is None and self.role == "all":
             on_outcome = monitor.report
+        # Live experiments (proxy/experiments): arms of policies or canary groups, judged by guardrails; the
+        # runtime runs where requests are routed (each worker of --workers N judges its own traffic).
+        self.experiments = ExperimentRuntime(config.experiments, build_policy=build_policy, admin_token=self.admin_token,
+                                             routes=data)
+        add_experiment_routes(self.admin_app, self.experiments)
+        if data:  # a --workers supervisor routes nothing: its /metrics merges the workers' per-arm series
+            self.metrics.register_collector(self.experiments.collect)
+            self.add_service(self.experiments, data_plane=True)
         self.router = Router(
             self.store, policy if policy is not None else make_policy(config.routing), self.inflight, self.metrics,
             max_inflight_total=config.limits.max_inflight_total,
@@ -223,6 +233,7 @@ class AffinityProxy:
             panic=panic_view(config.overload, monitor) if data else None,
             queue=queue if data else None,
             on_outcome=on_outcome if data else None,
+            experiments=self.experiments if data else None,
         )
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
@@ -232,6 +243,8 @@ class AffinityProxy:
             control=control, data=data, admin_app=self.admin_app if control else None,
             admin_token=self.admin_token, config_path=self.config_path, backend_tls=self.backend_tls,
         )
+        if not data:  # the supervisor's copy of the definitions (its /admin/experiments) follows reloads too
+            self.resilience.reload_listeners.append(lambda new: self.experiments.reconfigure(new.experiments))
         # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
         orca = load_report
         if orca is None and self.telemetry is not None and config.telemetry.orca:

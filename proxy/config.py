@@ -37,6 +37,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.bounds import ConfigValueError, above, check_config, config_errors, value_errors
+from proxy.core.experiments import ExperimentsConfig, backend_group_errors
 from proxy.core.health import HealthCheckConfig, OutlierConfig
 from proxy.core.overload import OverloadConfig
 from proxy.core.registry import policy_name_error
@@ -209,6 +210,7 @@ class Config:
     logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
     hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
     tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans over OTLP/HTTP (proxy/observability/tracing.py)
+    experiments: ExperimentsConfig = ExperimentsConfig()  # live A/B arms and canary groups (proxy/core/experiments.py)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -228,6 +230,8 @@ class Config:
         if policy is not None:
             yield "routing.policy", policy
         yield from self._port_clashes()
+        if not self.discovery.enabled:  # discovered backends are not known yet: their names cannot be checked
+            yield from backend_group_errors(self.experiments, [b.name for b in self.backends])
 
     def _port_clashes(self) -> Iterable[tuple[str, str]]:
         """Two listeners on one port: the second bind would fail at start (or, with SO_REUSEPORT, the two

@@ -176,6 +176,8 @@ class Resilience:
             policy = self._build_policy(new.routing)
             log.info("reload: routing policy rebuilt (%s)", new.routing.policy)
         self.router.reconfigure(policy=policy, overload=new.overload, panic=panic_view(new.overload, self.monitor))
+        if self.router.experiments is not None and new.experiments != old.experiments:
+            self.router.experiments.reconfigure(new.experiments)  # unchanged arms keep their state
         self.config = new
 
     # ------------------------------------------------------------------------------------------ admin API

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from http import HTTPStatus
 from typing import Any, Callable, Generic, Protocol, TypeVar
 
@@ -261,6 +262,10 @@ class OpenAIPipeline(Generic[T]):
     async def proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
         request_id = req.request_id
         error = None
+        experiments = self.router.experiments
+        if experiments is not None and (refused := experiments.pin_request(req.raw_headers)) is not None:
+            return await responder.send(error_answer(refused[0], refused[1], "invalid_request_error",
+                                                     "arm_pin_refused", request_id=request_id))
         try:
             result: Answer | T = await run_with_retries(
                 self.retries, self.router, summary, lambda lease: self._exchange(req, lease, responder),
@@ -310,6 +315,8 @@ class OpenAIPipeline(Generic[T]):
             up = await self.pool.request(url, head, req.body, head_only=req.method == "HEAD")
             if ob is not None:
                 ob.first_byte()
+            if lease.arm is not None:
+                lease.first_byte_at = time.monotonic()  # experiments: the arm's TTFT (streams: head = first token)
             headers = up.headers  # end-to-end fields only; this exchange's own copy
             if load_report is not None:
                 report = headers.get(ORCA_HEADER)
@@ -321,6 +328,8 @@ class OpenAIPipeline(Generic[T]):
             headers["x-request-id"] = req.request_id
             if self.debug_headers:
                 headers["x-affinity-backend"] = backend.name
+                if lease.arm is not None:
+                    headers["x-affinity-arm"] = f"{lease.arm.experiment}/{lease.arm.name}"
             lease.status = up.status
             if self.retries is not None and self.retries.retry_status(up.status):
                 # Held back, not forwarded: if another backend is tried, the client never sees this one.
@@ -331,6 +340,8 @@ class OpenAIPipeline(Generic[T]):
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
                 body = await up.read()
+                if lease.arm is not None:
+                    lease.body = body  # experiments: the arm's prompt and cached tokens from `usage`
                 # A HEAD answer has no body but keeps the length a GET would have had.
                 length = _declared_length(up.raw_headers) if req.method == "HEAD" else None
                 return Answer(up.status, up.reason, headers, body, length)

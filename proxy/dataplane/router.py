@@ -27,6 +27,7 @@ from proxy.core.overload import OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
 from proxy.core.inflight import InflightTable
+from proxy.experiments.runtime import ArmRuntime, ExperimentRuntime
 from proxy.metrics import ProxyMetrics
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class Lease:
     """
 
     __slots__ = ("router", "summary", "exclude", "grpc", "decision", "backend", "status", "outcome",
-                 "client_chosen", "tokens", "received_at", "_open")
+                 "client_chosen", "tokens", "received_at", "_open", "arm", "first_byte_at", "body")
 
     def __init__(self, router: Router, summary: RequestSummary, exclude: frozenset[str],
                  received_at: float | None = None, grpc: bool = False) -> None:
@@ -99,6 +100,11 @@ class Lease:
         self.tokens = tokens_of(summary)
         self.received_at = time.monotonic() if received_at is None else received_at
         self._open = False
+        # Experiments (proxy/experiments): the request's arm, and what its measurement needs from the data
+        # plane: when the backend's response head arrived (time.monotonic) and a JSON answer's body (usage).
+        self.arm: ArmRuntime | None = router.experiments.arm_for(summary) if router.experiments is not None else None
+        self.first_byte_at: float | None = None
+        self.body: bytes | None = None
 
     @property
     def tried(self) -> frozenset[str]:
@@ -118,6 +124,8 @@ class Lease:
         self._hold(*await queue.wait_for(self._pick, first))
 
     def _pick(self) -> tuple[Decision, BackendState]:
+        if self.arm is not None:
+            return self.router.pick(self.summary, self.exclude, grpc=self.grpc, arm=self.arm)
         if self.grpc:
             return self.router.pick(self.summary, self.exclude, grpc=True)
         return self.router.pick(self.summary, self.exclude)
@@ -137,7 +145,11 @@ class Lease:
         router = self.router
         status = self.status
         router.inflight.release(name, self.tokens)
-        router.metrics.finished(name, status, time.monotonic() - self.received_at)
+        elapsed = time.monotonic() - self.received_at
+        router.metrics.finished(name, status, elapsed)
+        if self.arm is not None:
+            ttft = None if self.first_byte_at is None else self.first_byte_at - self.received_at
+            self.arm.finished(status, self.outcome, elapsed, ttft, self.body)
         if router.queue is not None:
             router.queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
         report = router.on_outcome
@@ -187,6 +199,7 @@ class Router:
         panic: PanicView | None = None,
         queue: AdmissionQueue | None = None,
         on_outcome: Callable[[str, Outcome], None] | None = None,
+        experiments: ExperimentRuntime | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
@@ -199,6 +212,7 @@ class Router:
         self.panic = panic
         self.queue = queue
         self.on_outcome = on_outcome
+        self.experiments = experiments  # live A/B arms and canary groups: each arm picks with its own policy
 
     def reconfigure(self, *, policy: Policy | None = None, overload: OverloadConfig | None = None,
                     panic: PanicView | None = None) -> None:
@@ -225,9 +239,11 @@ class Router:
             index = self._models = _ModelIndex(snapshot)
         return index
 
-    def pick(self, summary: RequestSummary, exclude: frozenset[str], grpc: bool = False) -> tuple[Decision, BackendState]:
+    def pick(self, summary: RequestSummary, exclude: frozenset[str], grpc: bool = False,
+             arm: ArmRuntime | None = None) -> tuple[Decision, BackendState]:
         """Choose a backend for `summary` against the current snapshot, honouring in-flight limits; with
-        `grpc`, only among backends that have a gRPC address."""
+        `grpc`, only among backends that have a gRPC address; with an experiment `arm`, with the arm's
+        policy among the arm's backends."""
         if self.max_inflight_total is not None and self.inflight.total_requests >= self.max_inflight_total:
             self.metrics.error("overloaded")
             raise self._overloaded(f"the proxy is at its limit of {self.max_inflight_total} requests in flight")
@@ -248,10 +264,14 @@ class Router:
                 excluded = index.excluded_for(snapshot, model)
                 if excluded:
                     exclude = exclude | excluded
+        policy = self.policy
+        if arm is not None:
+            policy = arm.policy or policy
+            exclude = exclude | arm.outside(snapshot)
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:
-                decision = self.policy.pick(summary, snapshot, self.inflight, exclude)
+                decision = policy.pick(summary, snapshot, self.inflight, exclude)
             except NoBackendAvailable as exc:
                 if limited:
                     break
@@ -259,7 +279,7 @@ class Router:
                 raise NoBackendAvailable(str(exc) or "no backend is available") from None
             backend = snapshot.get(decision.backend)
             if backend is None:
-                raise RuntimeError(f"policy {self.policy.name} picked {decision.backend!r}, not in the snapshot")
+                raise RuntimeError(f"policy {policy.name} picked {decision.backend!r}, not in the snapshot")
             if not saturated(backend, self.inflight.get(backend.name), self.overload):
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, backend

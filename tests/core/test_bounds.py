@@ -10,6 +10,7 @@ import pytest
 from proxy.config import AdminConfig, Config, DiscoveryConfig, LimitsConfig, ListenConfig, TimeoutsConfig, UpstreamConfig
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.bounds import ConfigValueError, check_value, config_errors, value_errors
+from proxy.core.experiments import ExperimentsConfig, GuardrailConfig
 from proxy.core.health import HealthCheckConfig, OutlierConfig
 from proxy.core.hotspots import HotspotConfig
 from proxy.core.overload import OverloadConfig
@@ -21,7 +22,8 @@ from proxy.observability.config import AccessLogConfig, LoggingConfig, TracingCo
 
 SECTIONS = (HealthCheckConfig, OutlierConfig, RetryConfig, OverloadConfig, RoutingConfig, AffinityConfig,
             LoadConfig, ScoreConfig, TelemetryConfig, DiscoveryConfig, ListenConfig, LimitsConfig, TimeoutsConfig,
-            UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig)
+            UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig,
+            ExperimentsConfig, GuardrailConfig)
 NON_FINITE = (math.inf, -math.inf, math.nan)
 
 
