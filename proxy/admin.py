@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -88,9 +88,13 @@ def require_token(token: str | None, handler: Handler) -> Handler:
     return guarded
 
 
-def build_admin_app(store: SnapshotStore, inflight: InflightTable, metrics: ProxyMetrics) -> web.Application:
+def build_admin_app(
+    store: SnapshotStore, inflight: InflightTable, metrics: ProxyMetrics,
+    ready_checks: Sequence[Callable[[], list[str]]] = (),
+) -> web.Application:
+    """`ready_checks`: more reasons /readyz may answer 503 (the --workers supervisor: workers not ready)."""
     app = web.Application()
-    app[READY_CHECKS] = []
+    app[READY_CHECKS] = list(ready_checks)
 
     async def get_metrics(request: web.Request) -> web.Response:
         return web.Response(body=await metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

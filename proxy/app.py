@@ -36,10 +36,12 @@ import signal
 import time
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Literal, Protocol
+from typing import Any, Awaitable, Callable, Iterable, Literal, Protocol, Sequence
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from proxy.admin import build_admin_app, snapshot_json
 from proxy.config import Config
@@ -94,6 +96,17 @@ class _Task:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass(frozen=True)
+class HostHooks:
+    """What the --workers supervisor (proxy/multiproc/serve.py) adds to its control-plane AffinityProxy:
+    /metrics merged from every worker, its own metrics, its readiness, and the reloads it forwards."""
+
+    render_metrics: Callable[[CollectorRegistry], Awaitable[bytes]]
+    collectors: Sequence[Callable[[], Iterable[Metric]]] = ()
+    ready_checks: Sequence[Callable[[], list[str]]] = ()
+    on_reload: Sequence[Callable[[Config], None]] = ()
+
+
 class AffinityProxy:
     def __init__(
         self, config: Config, *, policy: Policy | None = None, reuse_port: bool = False, role: Role = "all",
@@ -101,6 +114,7 @@ class AffinityProxy:
         on_outcome: Callable[[str, Outcome], None] | None = None,
         load_report: Callable[[str, str], None] | None = None,
         tracing: Tracing | None = None,
+        host: HostHooks | None = None,
     ) -> None:
         """`tracing`: the span exporter to use instead of one built from `config.tracing` (tests pass
         one with an in-memory exporter). `on_outcome`: where passive outlier reports go; default: this process's health monitor (role
@@ -119,10 +133,14 @@ class AffinityProxy:
         self.inflight = inflight if inflight is not None else InflightTable()
         # Precise routing on the engines' KV events (telemetry.kv_events): every routing process holds the index.
         self.precise = build_precise_routing(config) if role != "control" else None
-        self.metrics = ProxyMetrics()
+        self.metrics = ProxyMetrics(render=host.render_metrics if host is not None else None)
         self.metrics.watch(self.store, self.inflight)
+        for collector in host.collectors if host is not None else ():
+            self.metrics.register_collector(collector)
         self.admin_token = config.admin.resolved_token()
-        self.admin_app = build_admin_app(self.store, self.inflight, self.metrics)
+        self.admin_app = build_admin_app(self.store, self.inflight, self.metrics,
+                                         ready_checks=host.ready_checks if host is not None else ())
+        self._host = host
         self.session: aiohttp.ClientSession | None = None
         # The data plane's relay pool: requests of every HTTP version go through it (started in start()).
         # https:// and grpcs:// backends: one SSLContext per backend section, from the config in force.
@@ -237,14 +255,20 @@ class AffinityProxy:
         )
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
+        # Called with every configuration a reload swapped in: the supervisor's copy of the experiment
+        # definitions (its /admin/experiments) follows reloads, and the --workers supervisor forwards them.
+        on_reload: list[Callable[[Config], None]] = []
+        if not data:
+            on_reload.append(lambda new: self.experiments.reconfigure(new.experiments))
+        if self._host is not None:
+            on_reload.extend(self._host.on_reload)
         self.resilience = Resilience(
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
             metrics=resilience_metrics, build_policy=make_policy, close_idle=self._close_idle,
             control=control, data=data, admin_app=self.admin_app if control else None,
             admin_token=self.admin_token, config_path=self.config_path, backend_tls=self.backend_tls,
+            on_reload=on_reload,
         )
-        if not data:  # the supervisor's copy of the definitions (its /admin/experiments) follows reloads too
-            self.resilience.reload_listeners.append(lambda new: self.experiments.reconfigure(new.experiments))
         # The OpenAI pipeline (proxy/dataplane/openai.py), shared by HTTP/1.1 and the HTTP/2 bridge.
         orca = load_report
         if orca is None and self.telemetry is not None and config.telemetry.orca:

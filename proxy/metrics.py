@@ -73,7 +73,13 @@ class UpstreamCounters:
 
 
 class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None,
+        render: Callable[[CollectorRegistry], Awaitable[bytes]] | None = None,
+    ) -> None:
+        """`render`: what the admin /metrics endpoint serves, given this registry; default: this registry's
+        own exposition. The --workers supervisor passes an exposition merged from every worker process
+        (collected asynchronously over their channels)."""
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         # Hot-path counts are plain ints in dicts, turned into metric families at scrape time: a
@@ -89,9 +95,12 @@ class ProxyMetrics:
         # process_cpu_seconds_total, resident memory, open fds: the proxy's own cost on the dashboard. With
         # --workers N every process reports its own and the supervisor's merge adds them up.
         ProcessCollector(registry=r)
-        # What the admin /metrics endpoint serves. proxy/multiproc/serve.py points it, in the supervisor, at an
-        # exposition merged from every worker process (collected asynchronously over their channels).
-        self.render: Callable[[], Awaitable[bytes]] = self._render_own
+        self._render_with = render
+
+    async def render(self) -> bytes:
+        if self._render_with is not None:
+            return await self._render_with(self.registry)
+        return await self._render_own()
 
     def register_collector(self, fn: Callable[[], Iterable[Metric]]) -> None:
         """Add metrics computed at scrape time from state owned elsewhere."""

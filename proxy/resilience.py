@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -73,7 +73,10 @@ class Resilience:
         control: bool = True, data: bool = True,
         admin_app: web.Application | None = None, admin_token: str | None = None,
         config_path: str | None = None, backend_tls: ClientTls | None = None,
+        on_reload: Sequence[Callable[[Config], None]] = (),
     ) -> None:
+        """`on_reload`: called with every configuration a reload swapped in (the --workers supervisor forwards
+        it to its workers; the supervisor's experiment definitions follow it)."""
         self.config = config  # the configuration in force; a reload replaces it
         self.config_path = config_path
         self.store = store
@@ -103,8 +106,7 @@ class Resilience:
         self.retries = RetryController(cfg.retries, metrics=self.metrics)
         self.queue = queue
         self._tasks: list[asyncio.Task[None]] = []
-        # Called with every configuration a reload swapped in (proxy/multiproc/serve.py forwards it to the workers).
-        self.reload_listeners: list[Callable[[Config], None]] = []
+        self._on_reload = tuple(on_reload)
         if self.data:
             store.subscribe(lambda _s: self.queue.notify_all())
         if self.control and admin_app is not None:
@@ -161,7 +163,7 @@ class Resilience:
         snapshot = self.membership.set_source("config", static)
         self.config = new
         self.checker.refresh()
-        for listener in self.reload_listeners:
+        for listener in self._on_reload:
             listener(new)
         return snapshot.version
 

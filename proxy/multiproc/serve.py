@@ -45,9 +45,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
 from typing import Any
 
+from proxy.control.store import SnapshotStore
+from proxy.core.snapshot import Snapshot
 from proxy.listen import reserve_port
 from proxy.multiproc.shared_load import SharedLoad
 from proxy.multiproc.supervisor import Supervisor
@@ -67,40 +68,40 @@ def data_listeners(config: Any) -> dict[str, tuple[str, int]]:
 
 async def serve(config: Any, workers: int, config_path: str | None = None) -> None:
     """Supervisor + `workers` data-plane processes until SIGTERM/SIGINT, then drain everything."""
-    from proxy.admin import READY_CHECKS
-    from proxy.app import AffinityProxy
+    from proxy.app import AffinityProxy, HostHooks
 
     load = SharedLoad.create(workers)
-    proxy = AffinityProxy(config, role="control", config_path=config_path, inflight=load.table(None))
-    monitor = proxy.resilience.monitor
-    telemetry = proxy.telemetry
-    orca = telemetry.observe_orca if telemetry is not None and config.telemetry.orca else None
+    inflight = load.table(None)
+    store = SnapshotStore(Snapshot.initial(config.backend_specs()))
 
+    # The supervisor and the control-plane proxy each take the other's hooks in their constructors; the
+    # calls below reach the proxy through `proxy`, bound once it exists (before anything starts).
     def orca_reports(items: list[tuple[str, str]]) -> None:
-        assert orca is not None
-        for name, header in items:
-            orca(name, header)
+        telemetry = proxy.telemetry
+        if telemetry is not None:
+            for name, header in items:
+                telemetry.observe_orca(name, header)
 
     def outcomes(items: list[tuple[str, Any]]) -> None:
+        monitor = proxy.resilience.monitor
         for name, outcome in items:
-            if name in proxy.store.current:
+            if name in store.current:
                 monitor.report(name, outcome)
 
     supervisor = Supervisor(
-        config, proxy.store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
-        on_outcomes=outcomes, inflight=proxy.inflight, reserve_port=reserve_port, load=load,
-        on_orca=orca_reports if orca is not None else None,
-        on_windows=proxy.observer.ingest,  # the host's heat map and hot spots: every worker's windows, merged
+        config, store, workers, data_listeners(config), drain_s=config.timeouts.drain_s,
+        on_outcomes=outcomes, inflight=inflight, reserve_port=reserve_port, load=load,
+        on_orca=orca_reports if config.telemetry.enabled and config.telemetry.orca else None,
+        # the host's heat map and hot spots: every worker's windows, merged
+        on_windows=lambda windows: proxy.observer.ingest(windows),
     )
-    proxy.resilience.reload_listeners.append(supervisor.apply_config)
-    proxy.metrics.register_collector(supervisor.collect_own)
-    own = proxy.metrics.registry
-
-    async def render() -> bytes:
-        return await supervisor.exposition(own)
-
-    proxy.metrics.render = render
-    proxy.admin_app[READY_CHECKS].append(supervisor.readiness_problems)
+    proxy = AffinityProxy(
+        config, role="control", config_path=config_path, store=store, inflight=inflight,
+        host=HostHooks(
+            render_metrics=supervisor.exposition, collectors=(supervisor.collect_own,),
+            ready_checks=(supervisor.readiness_problems,), on_reload=(supervisor.apply_config,),
+        ),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
