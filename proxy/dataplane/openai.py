@@ -30,7 +30,7 @@ from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.decision import Outcome
-from proxy.core.request import RequestError, RequestSummary, summary_from_openai
+from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.errors import error_body, sse_error_event
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
@@ -41,7 +41,8 @@ from proxy.upstream.http1 import Exchange, UpstreamPool
 
 log = logging.getLogger("affinity_proxy.http")
 
-ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+# The paths routed on their content: exactly those proxy/core/request.py knows how to summarise.
+ROUTED_ENDPOINTS = frozenset(SUMMARISERS)
 RETRY_AFTER_S = "1"
 # Deeper request JSON is refused with a 400. OpenAI request bodies nest a handful of levels (messages ->
 # content parts -> image_url; tool schemas a few more); Python's json parser itself gives up with a
