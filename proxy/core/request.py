@@ -178,6 +178,15 @@ def prompt_from_turns(turns: list[tuple[str, str]]) -> tuple[str, int | None]:
     return out.prompt, out.key_end
 
 
+def prompt_from_messages(messages: Any) -> tuple[str, int | None, tuple[int, ...]]:
+    """OpenAI-shaped chat messages (from any protocol: a KServe tensor holding chat JSON, say) as the
+    routing prompt, its key-prefix end and its media hashes, exactly as `/v1/chat/completions` reads them.
+    Raises RequestError."""
+    out = _Content()
+    _messages(messages, out)
+    return out.prompt, out.key_end, tuple(out.media)
+
+
 def _tools(tools: Any, out: _Content) -> None:
     """Tool schemas are rendered into the prompt ahead of the conversation (chat templates put them in the
     system turn): a shared turn, as stable bytes (sorted keys)."""
