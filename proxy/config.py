@@ -114,6 +114,7 @@ class BackendConfig:
     metrics_url: str | None = None
     models: tuple[str, ...] = ()
     max_inflight: int | None = field(default=None, metadata={"ge": 1})
+    adapters: tuple[str, ...] = ()  # LoRA adapters loaded there (served as models of their own)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -133,8 +134,10 @@ class BackendConfig:
             weight=self.weight,
             grpc_address=self.grpc,
             metrics_url=self.metrics_url,
-            models=self.models,
+            # A backend restricted to some models also serves its declared adapters.
+            models=self.models + tuple(a for a in self.adapters if a not in self.models) if self.models else (),
             max_inflight=self.max_inflight,
+            adapters=self.adapters,
         )
 
 

@@ -11,6 +11,10 @@ Fault endpoints (not part of any real engine; every response carries `x-sim-back
                               {"refuse_connections": true, "refuse_ms": 1000}; `?server=NAME` addresses
                               another server of the same fleet (useful while this one refuses)
   GET  /sim/stats             engine counters and gauges (JSON)
+
+Runtime LoRA API (vLLM's, enabled there by VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter
+{"lora_name", "lora_path"} registers an adapter after LORA_REGISTER_S engine seconds, refused (400) beyond
+the profile's `max_loras` slots; POST /v1/unload_lora_adapter {"lora_name"} removes one (404 if unknown).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ SIM_HEADER = "x-sim-backend"
 ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
 ORCA_RESPONSE_HEADER = "endpoint-load-metrics"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+LORA_REGISTER_S = 0.5  # reading an adapter's weights from disk into host memory (engine seconds)
 
 _dumps = json.dumps
 
@@ -112,6 +117,8 @@ class SimHttpApp:
             r.add_post(path, self.rerank)
         for path in ("/score", "/v1/score"):
             r.add_post(path, self.score)
+        r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/v1/completions/render", self.render_completions)
         r.add_post("/v1/chat/completions/render", self.render_chat_completions)
@@ -378,6 +385,31 @@ class SimHttpApp:
                 }
             )
         return web.json_response({"object": "list", "data": data})
+
+    # ---- runtime LoRA adapters -------------------------------------------------------------------------
+    def _lora_name(self, body: dict[str, Any]) -> str:
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise _bad("'lora_name' must be a non-empty string", "lora_name")
+        return name
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        name = self._lora_name(body)
+        e = self.backend.engine
+        if name in e.known_adapters:
+            raise _bad(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        if len(e.known_adapters) >= e.profile.max_loras:
+            e.register_adapter(name)  # raises: every slot taken, refused before the load delay
+        await asyncio.sleep(LORA_REGISTER_S / self.backend.speed)
+        e.register_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        name = self._lora_name(body)
+        self.backend.engine.unregister_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- the other generation and pooling APIs -------------------------------------------------------
     def _plain_request(self, body: dict[str, Any], prompt: str, prefix: str, request: web.Request,

@@ -114,11 +114,13 @@ class _Ring:
         self.score_sum = sum(fresh)
         self.score_n = len(fresh)
         self.indexes: list[PrefixIndex] | None = None  # filled by the policy that owns the indexes
-        # name -> LoRA adapters its fresh telemetry reports loaded (absent: no fresh telemetry)
+        # name -> LoRA adapters it has loaded (absent: unknown): declared in the config (then known for every
+        # backend: those declaring none have none) or reported by its fresh telemetry.
+        declared = any(s.spec.adapters for s in states)
         self.adapters = {
-            s.name: s.signals.loaded_adapters
+            s.name: s.adapters
             for s in states
-            if s.signals is not None and telemetry_score(s) is not None
+            if declared or (s.signals is not None and telemetry_score(s) is not None)
         }
 
     def scores(self, key: int) -> list[float]:

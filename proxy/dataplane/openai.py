@@ -207,7 +207,8 @@ class OpenAIPipeline(Generic[T]):
             return error_answer(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
                                 "invalid_json", request_id=req.request_id)
         try:
-            return summary_from_openai(req.path, parsed, session_key=req.session_key)
+            return summary_from_openai(req.path, parsed, session_key=req.session_key,
+                                       adapters=self.router.adapter_names())
         except RequestError as exc:
             self.metrics.error("invalid_request")
             return error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,

@@ -50,7 +50,7 @@ class Overloaded(NoBackendAvailable):
 class _ModelIndex:
     """Per snapshot version: which backends cannot serve a model (to exclude) and which models exist."""
 
-    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc")
+    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters")
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.version = snapshot.version
@@ -58,6 +58,15 @@ class _ModelIndex:
         self.any_model = any(not b.spec.models for b in snapshot.backends)
         self.known = frozenset(m for b in snapshot.backends for m in b.spec.models)
         self.exclude: dict[str, frozenset[str]] = {}
+        # LoRA adapter -> the backends that have it loaded (declared or discovered); the adapter names are
+        # what a request's `model` is matched against to set its summary's `adapter`.
+        self.names = frozenset(b.name for b in snapshot.backends)
+        holders: dict[str, set[str]] = {}
+        for b in snapshot.backends:
+            for a in b.adapters:
+                holders.setdefault(a, set()).add(b.name)
+        self.holders = {a: frozenset(n) for a, n in holders.items()}
+        self.adapters = frozenset(holders)
 
     def excluded_for(self, snapshot: Snapshot, model: str) -> frozenset[str]:
         ex = self.exclude.get(model)
@@ -219,6 +228,10 @@ class Router:
         index = self._index(snapshot)
         return model is None or index.any_model or model in index.known or not snapshot.backends
 
+    def adapter_names(self) -> frozenset[str]:
+        """The LoRA adapters loaded anywhere in the fleet now (for `summary_from_openai(adapters=...)`)."""
+        return self._index(self.store.current).adapters
+
     def _index(self, snapshot: Snapshot) -> _ModelIndex:
         index = self._models
         if index.version != snapshot.version:
@@ -248,6 +261,13 @@ class Router:
                 excluded = index.excluded_for(snapshot, model)
                 if excluded:
                     exclude = exclude | excluded
+        if summary.adapter is not None:
+            # An adapter is served where it is loaded; only when none of those can be tried does the
+            # request go elsewhere (an engine that can load adapters at run time, or an adapter pool).
+            index = self._index(snapshot)
+            holders = index.holders.get(summary.adapter)
+            if holders and not holders <= exclude:
+                exclude = exclude | (index.names - holders)
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:

@@ -236,7 +236,7 @@ class Call:
                 if name == key_header:
                     self.route_key = value.decode("utf-8", "replace")
                     break
-        summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key)
+        summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key, ctx.router.adapter_names())
         self._pick(summary)
 
     def _pick(self, summary: RequestSummary) -> None:

@@ -398,11 +398,13 @@ class ExtractorRegistry:
         return self._table.get(method, _NO_MESSAGE)
 
     def summarize(
-        self, method: str, ext: Extractor, payload: bytes | None, metadata_key: str | None
+        self, method: str, ext: Extractor, payload: bytes | None, metadata_key: str | None,
+        adapters: frozenset[str] = frozenset(),
     ) -> RequestSummary:
         """The summary of one call. `payload` is the (decompressed) first message, or None when the
         method has no extractor or its message could not be had; `metadata_key` is the route key read
-        from the call's metadata, which a session field in the message overrides."""
+        from the call's metadata, which a session field in the message overrides. `adapters` names the
+        LoRA adapters loaded in the fleet: a call for one of them gets the summary's `adapter` set."""
         fields = Fields()
         if payload is not None and ext.parse is not None:
             try:
@@ -413,6 +415,7 @@ class ExtractorRegistry:
         return RequestSummary(
             prompt=prompt,
             model=fields.model,
+            adapter=fields.model if fields.model is not None and fields.model in adapters else None,
             max_tokens=fields.max_tokens,
             temperature=fields.temperature,
             stream=ext.stream,
