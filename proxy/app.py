@@ -169,6 +169,7 @@ class AffinityProxy:
             panic=panic_view(config.overload, monitor) if data else None,
             queue=queue if data else None,
             on_outcome=on_outcome if data else None,
+            aliases=config.model_aliases(),
         )
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.

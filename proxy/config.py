@@ -142,6 +142,15 @@ class BackendConfig:
 
 
 @dataclass(frozen=True)
+class ModelAliasConfig:
+    """`models.<public name>`: the model the backends serve under that name, and one to use instead when
+    no backend of it is routable (down, drained or ejected)."""
+
+    served: str = field(metadata={"min_len": 1})
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     max_body_bytes: int = field(default=10 * 1024 * 1024, metadata={"ge": 1})
     max_header_bytes: int = field(default=16384, metadata={"ge": 256})
@@ -196,6 +205,9 @@ class Config:
     admin: AdminConfig = AdminConfig()
     debug_headers: bool = False
     backends: tuple[BackendConfig, ...] = ()
+    # Public model names -> served names (+ fallback): the request body's `model` is rewritten on the way
+    # (HTTP/1.1 and the HTTP/2 bridge; proxy/dataplane/router.py `Router.resolve_model`).
+    models: dict[str, ModelAliasConfig] = field(default_factory=dict)
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -224,6 +236,9 @@ class Config:
         specs = self.backend_specs()
         for i, j in duplicate_urls(specs):
             yield f"backends[{i}].url", f"duplicate backend URL {specs[i].url!r} (also backends[{j}])"
+        for name, alias in self.models.items():
+            if alias.fallback is not None and alias.fallback in (name, alias.served):
+                yield f"models.{name}.fallback", "must name another model than the alias and its served model"
         policy = policy_name_error(self.routing.policy)
         if policy is not None:
             yield "routing.policy", policy
@@ -243,6 +258,10 @@ class Config:
 
     def backend_specs(self) -> tuple[BackendSpec, ...]:
         return tuple(b.to_spec() for b in self.backends)
+
+    def model_aliases(self) -> dict[str, tuple[str, str | None]]:
+        """`models` as the router takes it: public name -> (served name, fallback or None)."""
+        return {name: (a.served, a.fallback) for name, a in self.models.items()}
 
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})

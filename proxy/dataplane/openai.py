@@ -206,6 +206,13 @@ class OpenAIPipeline(Generic[T]):
             self.metrics.error("invalid_json")
             return error_answer(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
                                 "invalid_json", request_id=req.request_id)
+        if self.router.aliases and isinstance(parsed, dict):
+            model = parsed.get("model")
+            served = self.router.resolve_model(model) if isinstance(model, str) else model
+            if served != model:
+                # The backends know the served name only: the forwarded body says it.
+                parsed["model"] = served
+                req.body = json.dumps(parsed, separators=(",", ":")).encode()
         try:
             return summary_from_openai(req.path, parsed, session_key=req.session_key,
                                        adapters=self.router.adapter_names())

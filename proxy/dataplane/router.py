@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy
@@ -196,8 +196,11 @@ class Router:
         panic: PanicView | None = None,
         queue: AdmissionQueue | None = None,
         on_outcome: Callable[[str, Outcome], None] | None = None,
+        aliases: Mapping[str, tuple[str, str | None]] | None = None,
     ) -> None:
         self.store = store
+        # Public model name -> (served name, fallback): YAML `models` (see resolve_model).
+        self.aliases: dict[str, tuple[str, str | None]] = dict(aliases or {})
         self.policy = policy
         self.inflight = inflight
         self.metrics = metrics
@@ -227,6 +230,24 @@ class Router:
         snapshot = snapshot or self.store.current
         index = self._index(snapshot)
         return model is None or index.any_model or model in index.known or not snapshot.backends
+
+    def resolve_model(self, model: str) -> str:
+        """The model to ask the backends for when a client asks for `model`: itself unless it is an alias;
+        an alias's served model, or its fallback when no backend of the served model is routable now."""
+        alias = self.aliases.get(model)
+        if alias is None:
+            return model
+        served, fallback = alias
+        if fallback is not None and not self._any_routable_for(served):
+            return fallback
+        return served
+
+    def _any_routable_for(self, model: str) -> bool:
+        snapshot = self.store.current
+        if self.panic is not None:
+            snapshot = self.panic(snapshot)
+        return any(b.routable and (not b.spec.models or model in b.spec.models or model in b.adapters)
+                   for b in snapshot.backends)
 
     def adapter_names(self) -> frozenset[str]:
         """The LoRA adapters loaded anywhere in the fleet now (for `summary_from_openai(adapters=...)`)."""
