@@ -149,6 +149,9 @@ class ModelAliasConfig:
     served: str = field(metadata={"min_len": 1})
     fallback: str | None = None
 
+    def __post_init__(self) -> None:
+        check_config(self)
+
 
 @dataclass(frozen=True)
 class LimitsConfig:

@@ -24,6 +24,7 @@ from proxy.core.eligibility import NO_INFLIGHT, eligible, session_home, stream_s
 from proxy.core.load import assumed_score, effective_load
 from proxy.core.request import RequestSummary
 from proxy.core.routing_config import RoutingConfig
+from proxy.core.score import ScoreConfig, request_cost_s
 from proxy.core.snapshot import BackendState, Snapshot
 
 class RoundRobin:
@@ -225,3 +226,49 @@ class LeastLoad(_LeastLoaded):
             effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight
             for b in states
         ]
+
+
+class LeastCost:
+    """The design's request-aware score: the backend where THIS request is estimated to finish soonest.
+
+    Per candidate, `score.request_cost_s` with the request's own prompt length and `max_tokens`: the
+    backend's waiting queue, the prompt's prefill, and `max_tokens` decode steps slowed by the batch it
+    joins over its life: the proxy's in-flight requests there, each counted by how long it overlaps this
+    one (from their estimated tokens), plus whatever else telemetry reports running; per unit of weight.
+    So a 2,048-token generation goes where the batch holds short requests that will soon leave, rather than
+    long ones, while short requests see every in-flight request as their batch (least request). The engine constants (prefill rate, ITL, slowdown per sequence) are `ScoreConfig`'s. A request
+    without `max_tokens` is priced at `reference_max_tokens`. Ties rotate, as in least_request.
+    """
+
+    name = "least_cost"
+
+    def __init__(self, cfg: RoutingConfig = RoutingConfig(), score: ScoreConfig = ScoreConfig()) -> None:
+        self._cfg = cfg
+        self._score = score
+        self._rot = 0
+
+    def pick(
+        self,
+        req: RequestSummary,
+        snapshot: Snapshot,
+        inflight: Mapping[str, Inflight],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
+        n = len(states)
+        start = self._rot % n
+        self._rot = (self._rot + 1) % (1 << 62)
+        score = self._score
+        max_tokens = req.max_tokens if req.max_tokens is not None else score.reference_max_tokens
+        prompt_tokens = req.prompt_tokens_est
+        costs = []
+        for i, b in enumerate(states):
+            mine = inflight.get(b.name, NO_INFLIGHT)
+            cost = request_cost_s(prompt_tokens, max_tokens, None if b.stale else b.signals, score,
+                                  mine.requests, mine.tokens)
+            costs.append((cost / b.effective_weight, (i - start) % n, b.name))
+        best = min(costs)
+        return Decision(best[2], Reason.BALANCED, self.name)

@@ -11,7 +11,8 @@ from typing import Callable, Mapping
 
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Policy
-from proxy.core.policies import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin, WeightedRoundRobin
+from proxy.core.policies import (LeastCost, LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin,
+                                 WeightedRoundRobin)
 from proxy.core.routing_config import RoutingConfig
 
 __all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
@@ -29,6 +30,7 @@ POLICIES: Mapping[str, PolicyFactory] = {
     RandomPolicy.name: RandomPolicy,
     PowerOfTwo.name: PowerOfTwo,
     LeastLoad.name: lambda cfg, instance: LeastLoad(cfg),
+    LeastCost.name: lambda cfg, instance: LeastCost(cfg),
 }
 
 
