@@ -35,6 +35,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy.control.lora_pool import LoraPoolConfig
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.bounds import ConfigValueError, above, check_config, config_errors, value_errors
 from proxy.core.health import HealthCheckConfig, OutlierConfig
@@ -221,6 +222,7 @@ class Config:
     overload: OverloadConfig = OverloadConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    lora_pool: LoraPoolConfig = LoraPoolConfig()  # LoRA adapter loads/unloads by demand (proxy/control/lora_pool.py)
     logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
     hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
     tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans over OTLP/HTTP (proxy/observability/tracing.py)

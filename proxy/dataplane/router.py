@@ -197,10 +197,15 @@ class Router:
         queue: AdmissionQueue | None = None,
         on_outcome: Callable[[str, Outcome], None] | None = None,
         aliases: Mapping[str, tuple[str, str | None]] | None = None,
+        adapter_catalog: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         # Public model name -> (served name, fallback): YAML `models` (see resolve_model).
         self.aliases: dict[str, tuple[str, str | None]] = dict(aliases or {})
+        # Adapters the LoRA pool may load (proxy/control/lora_pool.py): requests for them are adapter
+        # requests even where none has them loaded yet, and their demand is counted for the pool.
+        self.adapter_catalog = adapter_catalog
+        self._adapter_demand: dict[str, int] = {}
         self.policy = policy
         self.inflight = inflight
         self.metrics = metrics
@@ -250,8 +255,15 @@ class Router:
                    for b in snapshot.backends)
 
     def adapter_names(self) -> frozenset[str]:
-        """The LoRA adapters loaded anywhere in the fleet now (for `summary_from_openai(adapters=...)`)."""
-        return self._index(self.store.current).adapters
+        """The LoRA adapters loaded anywhere in the fleet now, and the pool's catalog (for
+        `summary_from_openai(adapters=...)`)."""
+        loaded = self._index(self.store.current).adapters
+        return loaded | self.adapter_catalog if self.adapter_catalog else loaded
+
+    def take_adapter_demand(self) -> dict[str, int]:
+        """Requests per LoRA adapter routed since the last call (the adapter pool's input)."""
+        demand, self._adapter_demand = self._adapter_demand, {}
+        return demand
 
     def _index(self, snapshot: Snapshot) -> _ModelIndex:
         index = self._models
@@ -283,6 +295,8 @@ class Router:
                 if excluded:
                     exclude = exclude | excluded
         if summary.adapter is not None:
+            demand = self._adapter_demand
+            demand[summary.adapter] = demand.get(summary.adapter, 0) + 1
             # An adapter is served where it is loaded; only when none of those can be tried does the
             # request go elsewhere (an engine that can load adapters at run time, or an adapter pool).
             index = self._index(snapshot)

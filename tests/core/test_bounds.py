@@ -9,6 +9,7 @@ import pytest
 
 from proxy.config import AdminConfig, Config, DiscoveryConfig, LimitsConfig, ListenConfig, TimeoutsConfig, UpstreamConfig
 from proxy.control.telemetry_config import TelemetryConfig
+from proxy.control.lora_pool import LoraPoolConfig
 from proxy.core.bounds import ConfigValueError, check_value, config_errors, value_errors
 from proxy.core.health import HealthCheckConfig, OutlierConfig
 from proxy.core.hotspots import HotspotConfig
@@ -21,7 +22,7 @@ from proxy.observability.config import AccessLogConfig, LoggingConfig, TracingCo
 
 SECTIONS = (HealthCheckConfig, OutlierConfig, RetryConfig, OverloadConfig, RoutingConfig, AffinityConfig,
             LoadConfig, ScoreConfig, TelemetryConfig, DiscoveryConfig, ListenConfig, LimitsConfig, TimeoutsConfig,
-            UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig)
+            UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig, LoraPoolConfig)
 NON_FINITE = (math.inf, -math.inf, math.nan)
 
 
