@@ -43,6 +43,7 @@ log = logging.getLogger("affinity_proxy.http")
 
 # The paths routed on their content: exactly those proxy/core/request.py knows how to summarise.
 ROUTED_ENDPOINTS = frozenset(SUMMARISERS)
+ANTHROPIC_MESSAGES = "/v1/messages"
 RETRY_AFTER_S = "1"
 # Deeper request JSON is refused with a 400. OpenAI request bodies nest a handful of levels (messages ->
 # content parts -> image_url; tool schemas a few more); Python's json parser itself gives up with a
@@ -218,8 +219,13 @@ class OpenAIPipeline(Generic[T]):
                                        adapters=self.router.adapter_names())
         except RequestError as exc:
             self.metrics.error("invalid_request")
-            return error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
-                                request_id=req.request_id)
+            answer = error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
+                                  request_id=req.request_id)
+            if req.path == ANTHROPIC_MESSAGES:
+                # Anthropic's clients read their own error shape.
+                answer.body = json.dumps({"type": "error", "error": {
+                    "type": "invalid_request_error", "message": str(exc)}}).encode()
+            return answer
 
     async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
         summary = self.summarise(req)

@@ -156,3 +156,14 @@ async def test_requests_differing_only_in_an_image_are_not_exact_repeats(fleet: 
         resp = await c.post("/v1/chat/completions", json=body("https://example.com/dog.png"))
         assert resp.status_code == 200
         assert (await decisions(proxy))["exact_hit"] == 1  # the same image again is a repeat
+
+
+async def test_a_bad_body_gets_the_error_shape_of_its_api(fleet: Fleet, proxy: AffinityProxy) -> None:
+    async with anthropic.AsyncAnthropic(base_url=proxy.http_url, api_key="k", max_retries=0) as c:
+        with pytest.raises(anthropic.BadRequestError) as err:
+            await c.messages.create(model=model_of(fleet), max_tokens=3, messages=[])
+    assert err.value.body["type"] == "error" and "'messages'" in err.value.body["error"]["message"]
+    async with _openai(proxy) as oc:
+        with pytest.raises(openai.BadRequestError) as oerr:
+            await oc.responses.create(model=model_of(fleet), input=3)  # type: ignore[arg-type]  # a bad body on purpose
+    assert oerr.value.body["param"] == "input"
