@@ -48,6 +48,7 @@ from proxy.config import Config
 from proxy.control.checks import HealthMonitor
 from proxy.control.kv_events import build_precise_routing
 from proxy.control.membership import close_idle_connections
+from proxy.control.lora_pool import LoraPool
 from proxy.control.poller import Poller
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
@@ -252,7 +253,13 @@ class AffinityProxy:
             queue=queue if data else None,
             on_outcome=on_outcome if data else None,
             experiments=self.experiments if data else None,
+            aliases=config.model_aliases(),
+            adapter_catalog=frozenset(config.lora_pool.adapters) if config.lora_pool.enabled else frozenset(),
         )
+        # The LoRA adapter pool (off unless configured): a control-plane service acting on the router's demand.
+        if config.lora_pool.enabled and control:
+            self.add_service(LoraPool(self.store, self.router.take_adapter_demand, self.inflight, config.lora_pool,
+                                      self.metrics.registry))
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
         # Called with every configuration a reload swapped in: the supervisor's copy of the experiment

@@ -35,6 +35,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy.control.lora_pool import LoraPoolConfig
 from proxy.control.telemetry_config import TelemetryConfig
 from proxy.core.bounds import ConfigValueError, above, check_config, config_errors, value_errors
 from proxy.core.experiments import ExperimentsConfig, backend_group_errors
@@ -120,6 +121,7 @@ class BackendConfig:
     max_inflight: int | None = field(default=None, metadata={"ge": 1})
     # How https:// and grpcs:// are verified (CA bundle, SNI name, client certificate); system CAs if unset.
     tls: BackendTlsConfig | None = None
+    adapters: tuple[str, ...] = ()  # LoRA adapters loaded there (served as models of their own)
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -137,9 +139,23 @@ class BackendConfig:
             weight=self.weight,
             grpc_address=self.grpc,
             metrics_url=self.metrics_url,
-            models=self.models,
+            # A backend restricted to some models also serves its declared adapters.
+            models=self.models + tuple(a for a in self.adapters if a not in self.models) if self.models else (),
             max_inflight=self.max_inflight,
+            adapters=self.adapters,
         )
+
+
+@dataclass(frozen=True)
+class ModelAliasConfig:
+    """`models.<public name>`: the model the backends serve under that name, and one to use instead when
+    no backend of it is routable (down, drained or ejected)."""
+
+    served: str = field(metadata={"min_len": 1})
+    fallback: str | None = None
+
+    def __post_init__(self) -> None:
+        check_config(self)
 
 
 @dataclass(frozen=True)
@@ -197,6 +213,9 @@ class Config:
     admin: AdminConfig = AdminConfig()
     debug_headers: bool = False
     backends: tuple[BackendConfig, ...] = ()
+    # Public model names -> served names (+ fallback): the request body's `model` is rewritten on the way
+    # (HTTP/1.1 and the HTTP/2 bridge; proxy/dataplane/router.py `Router.resolve_model`).
+    models: dict[str, ModelAliasConfig] = field(default_factory=dict)
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -207,6 +226,7 @@ class Config:
     overload: OverloadConfig = OverloadConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    lora_pool: LoraPoolConfig = LoraPoolConfig()  # LoRA adapter loads/unloads by demand (proxy/control/lora_pool.py)
     logging: LoggingConfig = LoggingConfig()  # log format and the access log (proxy/observability)
     hotspots: HotspotConfig = HotspotConfig()  # heat-map windows and hot-spot rules (proxy/core/hotspots.py)
     tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans over OTLP/HTTP (proxy/observability/tracing.py)
@@ -226,6 +246,9 @@ class Config:
         specs = self.backend_specs()
         for i, j in duplicate_urls(specs):
             yield f"backends[{i}].url", f"duplicate backend URL {specs[i].url!r} (also backends[{j}])"
+        for name, alias in self.models.items():
+            if alias.fallback is not None and alias.fallback in (name, alias.served):
+                yield f"models.{name}.fallback", "must name another model than the alias and its served model"
         policy = policy_name_error(self.routing.policy)
         if policy is not None:
             yield "routing.policy", policy
@@ -247,6 +270,10 @@ class Config:
 
     def backend_specs(self) -> tuple[BackendSpec, ...]:
         return tuple(b.to_spec() for b in self.backends)
+
+    def model_aliases(self) -> dict[str, tuple[str, str | None]]:
+        """`models` as the router takes it: public name -> (served name, fallback or None)."""
+        return {name: (a.served, a.fallback) for name, a in self.models.items()}
 
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "*"})

@@ -135,6 +135,43 @@ def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
     return "".join(parts)
 
 
+def _blocks_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p) for p in content
+                         if isinstance(p, str) or (isinstance(p, Mapping) and "text" in p))
+    return ""
+
+
+def render_responses(body: Mapping[str, Any]) -> str:
+    """An OpenAI Responses API request (`instructions`, `input` as a string or items) as one prompt."""
+    turns: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        turns.append({"role": "system", "content": body["instructions"]})
+    data = body.get("input")
+    if isinstance(data, str):
+        turns.append({"role": "user", "content": data})
+    elif isinstance(data, list):
+        for item in data:
+            if isinstance(item, str):
+                turns.append({"role": "user", "content": item})
+            elif isinstance(item, Mapping) and isinstance(item.get("role"), str):
+                turns.append({"role": item["role"], "content": _blocks_text(item.get("content"))})
+    return render_chat(turns)
+
+
+def render_anthropic(body: Mapping[str, Any]) -> str:
+    """An Anthropic Messages request (`system` + `messages` of text blocks) as one prompt."""
+    turns: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        turns.append({"role": "system", "content": _blocks_text(body["system"])})
+    for m in body.get("messages") or []:
+        if isinstance(m, Mapping):
+            turns.append({"role": str(m.get("role", "user")), "content": _blocks_text(m.get("content"))})
+    return render_chat(turns)
+
+
 def count_tokens(text: str) -> int:
     """Tokens in the simulator are whitespace-separated words."""
     return len(text.split())

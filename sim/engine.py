@@ -221,6 +221,28 @@ class Engine:
         """Running requests that have not produced their first token yet (TensorRT-LLM's "context")."""
         return sum(1 for s in self._running if s.num_output == 0)
 
+    # ---- runtime LoRA API (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) --------------------
+    def register_adapter(self, name: str) -> bool:
+        """Make `name` servable. False if it already was; raises InvalidRequest when every adapter slot
+        (`profile.max_loras`, the simulator's limit on registered adapters) is taken."""
+        if name in self.known_adapters:
+            return False
+        if len(self.known_adapters) >= self.profile.max_loras:
+            raise InvalidRequest(
+                f"Cannot load LoRA adapter '{name}': all {self.profile.max_loras} adapter slots are in use.",
+                "lora_name")
+        self.known_adapters = (*self.known_adapters, name)
+        return True
+
+    def unregister_adapter(self, name: str) -> None:
+        """Stop serving `name`; refused while a request for it is running or waiting."""
+        if name not in self.known_adapters:
+            raise ModelNotFound(f"The lora adapter '{name}' cannot be found.", "lora_name")
+        if name in self.running_adapters() or name in self.waiting_adapters():
+            raise InvalidRequest(f"LoRA adapter '{name}' has requests in flight.", "lora_name")
+        self.known_adapters = tuple(a for a in self.known_adapters if a != name)
+        self.loaded_adapters.pop(name, None)
+
     def running_adapters(self) -> list[str]:
         return sorted({s.adapter for s in self._running if s.adapter})
 

@@ -11,6 +11,10 @@ Fault endpoints (not part of any real engine; every response carries `x-sim-back
                               {"refuse_connections": true, "refuse_ms": 1000}; `?server=NAME` addresses
                               another server of the same fleet (useful while this one refuses)
   GET  /sim/stats             engine counters and gauges (JSON)
+
+Runtime LoRA API (vLLM's, enabled there by VLLM_ALLOW_RUNTIME_LORA_UPDATING): POST /v1/load_lora_adapter
+{"lora_name", "lora_path"} registers an adapter after LORA_REGISTER_S engine seconds, refused (400) beyond
+the profile's `max_loras` slots; POST /v1/unload_lora_adapter {"lora_name"} removes one (404 if unknown).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from . import metrics as sim_metrics
-from .api import ConnectionDropped, InvalidRequest, SimError, SimRequest, TokenChunk, Usage, render_chat
+from .api import (ConnectionDropped, InvalidRequest, SimError, SimRequest, TokenChunk, Usage, count_tokens, render_anthropic,
+                  render_chat, render_responses)
 from .backend import SimBackend
 from .tokenizer import TOKENIZER_DIR, token_ids, token_str
 
@@ -32,6 +37,7 @@ SIM_HEADER = "x-sim-backend"
 ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
 ORCA_RESPONSE_HEADER = "endpoint-load-metrics"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+LORA_REGISTER_S = 0.5  # reading an adapter's weights from disk into host memory (engine seconds)
 
 _dumps = json.dumps
 
@@ -103,6 +109,16 @@ class SimHttpApp:
             r.add_get(path, self.model_info)
         r.add_get("/get_load", self.get_load)
         r.add_post("/tokenize", self.tokenize)
+        r.add_post("/v1/embeddings", self.embeddings)
+        r.add_post("/pooling", self.pooling)
+        r.add_post("/v1/responses", self.responses)
+        r.add_post("/v1/messages", self.anthropic_messages)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            r.add_post(path, self.rerank)
+        for path in ("/score", "/v1/score"):
+            r.add_post(path, self.score)
+        r.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        r.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         r.add_post("/v1/completions/render", self.render_completions)
@@ -370,6 +386,303 @@ class SimHttpApp:
                 }
             )
         return web.json_response({"object": "list", "data": data})
+
+    # ---- runtime LoRA adapters -------------------------------------------------------------------------
+    def _lora_name(self, body: dict[str, Any]) -> str:
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise _bad("'lora_name' must be a non-empty string", "lora_name")
+        return name
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        name = self._lora_name(body)
+        e = self.backend.engine
+        if name in e.known_adapters:
+            raise _bad(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        if len(e.known_adapters) >= e.profile.max_loras:
+            e.register_adapter(name)  # raises: every slot taken, refused before the load delay
+        await asyncio.sleep(LORA_REGISTER_S / self.backend.speed)
+        e.register_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        name = self._lora_name(body)
+        self.backend.engine.unregister_adapter(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    # ---- the other generation and pooling APIs -------------------------------------------------------
+    def _plain_request(self, body: dict[str, Any], prompt: str, prefix: str, request: web.Request,
+                       max_key: str) -> SimRequest:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _bad("'model' must be a string", "model")
+        max_tokens = body.get(max_key)
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise _bad(f"'{max_key}' must be a positive integer", max_key)
+        temperature = body.get("temperature", 1.0)
+        if temperature is None:
+            temperature = 1.0
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise _bad("'temperature' must be a non-negative number", "temperature")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("'stream' must be a boolean", "stream")
+        rid = request.headers.get("x-request-id") or self._new_id(prefix)
+        return SimRequest(rid, prompt, max_tokens, float(temperature), model)
+
+    async def _chunks(self, req: SimRequest) -> AsyncIterator[TokenChunk]:
+        """The engine's chunks for `req`; errors before the first chunk raise here (become JSON errors)."""
+        agen = self.backend.generate(req)
+        try:
+            first = await agen.__anext__()
+        except BaseException:
+            await agen.aclose()
+            raise
+
+        async def rest() -> AsyncIterator[TokenChunk]:
+            try:
+                yield first
+                if first.finish_reason is None:
+                    async for chunk in agen:
+                        yield chunk
+            finally:
+                await agen.aclose()
+
+        return rest()
+
+    async def _prefill_only(self, body: dict[str, Any], text: str, request: web.Request) -> Usage:
+        """Pooling requests (embeddings, score, rerank) run their prompt through the engine's prefill (and
+        its prefix cache) with a one-token generation, as a pooling model's forward pass."""
+        req = self._plain_request({"model": body.get("model")}, text, "pool", request, "max_tokens")
+        req = SimRequest(req.request_id, text, 1, 1.0, req.model)
+        usage: Usage | None = None
+        async for chunk in await self._chunks(req):
+            usage = chunk.usage or usage
+        assert usage is not None
+        return usage
+
+    @staticmethod
+    def _vector(text: str, dims: int = 8) -> list[float]:
+        import hashlib
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        return [round((b - 127.5) / 127.5, 6) for b in digest[:dims]]
+
+    @staticmethod
+    def _relevance(a: str, b: str) -> float:
+        wa, wb = set(a.lower().split()), set(b.lower().split())
+        return round(len(wa & wb) / max(1, len(wa | wb)), 6)
+
+    @staticmethod
+    def _texts(value: Any, name: str) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise _bad(f"'{name}' must be a string or a non-empty list of strings", name)
+
+    def _model(self, body: dict[str, Any]) -> str:
+        return body.get("model") or self.backend.engine.model_name
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if "input" not in body:
+            raise _bad("'input' is required", "input")
+        inputs = self._texts(body["input"], "input")
+        usage = await self._prefill_only(body, "\n".join(inputs), request)
+        data = [{"object": "embedding", "index": i, "embedding": self._vector(t)} for i, t in enumerate(inputs)]
+        return web.json_response({"object": "list", "data": data, "model": self._model(body),
+                                  "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}})
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        if "messages" in body:
+            texts = [self._chat_prompt(body)]
+        elif "input" in body:
+            texts = self._texts(body["input"], "input")
+        else:
+            raise _bad("'input' or 'messages' is required", "input")
+        usage = await self._prefill_only(body, "\n".join(texts), request)
+        return web.json_response({"id": self._new_id("pool"), "object": "list", "created": int(time.time()),
+                                  "model": self._model(body),
+                                  "data": [{"index": i, "object": "pooling", "data": self._vector(t)} for i, t in enumerate(texts)],
+                                  "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}})
+
+    async def score(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        a = self._texts(body.get("text_1"), "text_1")
+        b = self._texts(body.get("text_2"), "text_2")
+        if len(a) == 1:
+            a = a * len(b)
+        if len(a) != len(b):
+            raise _bad("'text_1' must have one text or as many as 'text_2'", "text_1")
+        usage = await self._prefill_only(body, "\n".join(x + "\n" + y for x, y in zip(a, b)), request)
+        return web.json_response({"id": self._new_id("score"), "object": "list", "created": int(time.time()),
+                                  "model": self._model(body),
+                                  "data": [{"index": i, "object": "score", "score": self._relevance(x, y)}
+                                           for i, (x, y) in enumerate(zip(a, b))],
+                                  "usage": {"prompt_tokens": usage.prompt_tokens, "total_tokens": usage.prompt_tokens}})
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        body = await self._json_body(request)
+        query = body.get("query")
+        if not isinstance(query, str):
+            raise _bad("'query' must be a string", "query")
+        docs = body.get("documents")
+        if not isinstance(docs, list) or not docs:
+            raise _bad("'documents' must be a non-empty list", "documents")
+        texts = [d if isinstance(d, str) else str(d.get("text", "")) if isinstance(d, dict) else "" for d in docs]
+        usage = await self._prefill_only(body, query + "\n" + "\n".join(texts), request)
+        results = sorted(({"index": i, "document": {"text": t}, "relevance_score": self._relevance(query, t)}
+                          for i, t in enumerate(texts)), key=lambda r: -r["relevance_score"])
+        top_n = body.get("top_n")
+        if isinstance(top_n, int) and top_n > 0:
+            results = results[:top_n]
+        return web.json_response({"id": self._new_id("rerank"), "model": self._model(body),
+                                  "usage": {"total_tokens": usage.prompt_tokens}, "results": results})
+
+    # Responses API (OpenAI): one message output item with one output_text part.
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        prompt = render_responses(body)
+        if not prompt.strip():
+            raise _bad("'input' is required", "input")
+        req = self._plain_request(body, prompt + "assistant\n", "resp", request, "max_output_tokens")
+        chunks = await self._chunks(req)
+        model = self._model(body)
+        rid = "resp_" + req.request_id.replace("-", "")
+        mid = "msg_" + req.request_id.replace("-", "")
+        created = int(time.time())
+
+        def response(status: str, text: str | None, usage: Usage | None, reason: str | None) -> dict[str, Any]:
+            content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            return {
+                "id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+                "output": [] if text is None else [{"type": "message", "id": mid, "status": "completed",
+                                                   "role": "assistant", "content": content}],
+                "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+                "instructions": body.get("instructions"), "metadata": body.get("metadata") or {},
+                "parallel_tool_calls": True, "temperature": req.temperature, "tool_choice": "auto",
+                "tools": body.get("tools") or [], "top_p": 1.0,
+                "max_output_tokens": body.get("max_output_tokens"),
+                "previous_response_id": body.get("previous_response_id"),
+                "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "usage": None if usage is None else {
+                    "input_tokens": usage.prompt_tokens,
+                    "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                    "output_tokens": usage.completion_tokens,
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": usage.total_tokens,
+                },
+            }
+
+        if not body.get("stream"):
+            parts: list[str] = []
+            last: TokenChunk | None = None
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                last = chunk
+            assert last is not None
+            status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+            return web.json_response(response(status, "".join(parts), last.usage, last.finish_reason),
+                                     headers=self._orca(request))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._orca(request)})
+        await resp.prepare(request)
+        seq = itertools.count()
+
+        async def event(kind: str, data: dict[str, Any]) -> None:
+            data = {"type": kind, "sequence_number": next(seq), **data}
+            await resp.write(f"event: {kind}\ndata: {_dumps(data)}\n\n".encode())
+
+        await event("response.created", {"response": response("in_progress", None, None, None)})
+        await event("response.in_progress", {"response": response("in_progress", None, None, None)})
+        item = {"type": "message", "id": mid, "status": "in_progress", "role": "assistant", "content": []}
+        await event("response.output_item.added", {"output_index": 0, "item": item})
+        where = {"item_id": mid, "output_index": 0, "content_index": 0}
+        await event("response.content_part.added", {**where, "part": {"type": "output_text", "text": "", "annotations": []}})
+        parts = []
+        last = None
+        try:
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                last = chunk
+                await event("response.output_text.delta", {**where, "delta": chunk.text, "logprobs": []})
+        except ConnectionDropped:
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError() from None
+        assert last is not None
+        text = "".join(parts)
+        await event("response.output_text.done", {**where, "text": text, "logprobs": []})
+        done_part = {"type": "output_text", "text": text, "annotations": []}
+        await event("response.content_part.done", {**where, "part": done_part})
+        await event("response.output_item.done", {"output_index": 0, "item": {**item, "status": "completed", "content": [done_part]}})
+        status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+        await event(f"response.{status}", {"response": response(status, text, last.usage, last.finish_reason)})
+        await resp.write_eof()
+        return resp
+
+    # Anthropic Messages API (as vLLM and SGLang serve it at /v1/messages).
+    async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json_body(request)
+        if not isinstance(body.get("max_tokens"), int):
+            raise _bad("'max_tokens' is required", "max_tokens")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty list", "messages")
+        req = self._plain_request(body, render_anthropic(body) + "assistant\n", "msg", request, "max_tokens")
+        chunks = await self._chunks(req)
+        mid = "msg_" + req.request_id.replace("-", "")
+        model = self._model(body)
+        input_tokens = count_tokens(req.prompt)
+
+        def stop(reason: str | None) -> str:
+            return "max_tokens" if reason == "length" else "end_turn"
+
+        if not body.get("stream"):
+            parts: list[str] = []
+            last: TokenChunk | None = None
+            async for chunk in chunks:
+                parts.append(chunk.text)
+                last = chunk
+            assert last is not None and last.usage is not None
+            return web.json_response({
+                "id": mid, "type": "message", "role": "assistant", "model": model,
+                "content": [{"type": "text", "text": "".join(parts)}],
+                "stop_reason": stop(last.finish_reason), "stop_sequence": None,
+                "usage": {"input_tokens": last.usage.prompt_tokens, "output_tokens": last.usage.completion_tokens,
+                          "cache_read_input_tokens": last.usage.cached_tokens, "cache_creation_input_tokens": 0},
+            }, headers=self._orca(request))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._orca(request)})
+        await resp.prepare(request)
+
+        async def event(kind: str, data: dict[str, Any]) -> None:
+            await resp.write(f"event: {kind}\ndata: {_dumps({'type': kind, **data})}\n\n".encode())
+
+        await event("message_start", {"message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": 1}}})
+        await event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        await event("ping", {})
+        last = None
+        try:
+            async for chunk in chunks:
+                last = chunk
+                await event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": chunk.text}})
+        except ConnectionDropped:
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError() from None
+        assert last is not None and last.usage is not None
+        await event("content_block_stop", {"index": 0})
+        await event("message_delta", {"delta": {"stop_reason": stop(last.finish_reason), "stop_sequence": None},
+                                      "usage": {"output_tokens": last.usage.completion_tokens}})
+        await event("message_stop", {})
+        await resp.write_eof()
+        return resp
 
     # ---- health and metrics --------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

@@ -13,6 +13,10 @@ Staleness: a backend whose last good scrape is older than `stale_after_intervals
 stale and its load score set to None; the policies then fall back to the proxy's own in-flight accounting
 for it. Its last signals stay visible (admin API) with their age, but are never read as "idle".
 
+LoRA adapters: every `ADAPTER_DISCOVERY_ROUNDS` rounds (the first included) each backend's `/v1/models` is read
+too; its entries with a `parent` (vLLM lists every loaded LoRA adapter so, with its base model as parent)
+join the `loaded_adapters` its metrics report. A failed read keeps what the last one found.
+
 ORCA: `observe_orca(backend, header)` takes a response's `endpoint-load-metrics` header from the data plane
 and folds it into that backend's signals between scrapes; reports are coalesced so a busy proxy publishes
 at most one snapshot per `orca_flush_s`, not one per response.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -131,6 +136,19 @@ def _has_signal(r: Reading) -> bool:
     )
 
 
+# Adapters change when an operator or the adapter pool loads one, not per request: every 25 rounds (5 s at
+# the default 200 ms interval) is fresh enough and costs one small GET per backend per 5 s.
+ADAPTER_DISCOVERY_ROUNDS = 25
+
+
+def adapters_from_models(body: str) -> frozenset[str]:
+    """The LoRA adapters in an OpenAI `/v1/models` answer: the entries with a `parent` model (vLLM)."""
+    data = json.loads(body).get("data")
+    if not isinstance(data, list):
+        raise ValueError("no 'data' list")
+    return frozenset(str(m["id"]) for m in data if isinstance(m, dict) and m.get("parent") and "id" in m)
+
+
 class Poller:
     """The telemetry control-plane service (`start`/`stop`), plus `poll_once` for tests and benchmarks."""
 
@@ -157,6 +175,7 @@ class Poller:
         self._session = session
         self._own_session = session is None
         self._derivers: dict[str, Deriver] = {}
+        self._adapters: dict[str, frozenset[str]] = {}  # backend -> adapters its /v1/models lists
         self._task: asyncio.Task[None] | None = None
         self._orca_pending: dict[str, dict[str, float]] = {}
         self._orca_handle: asyncio.TimerHandle | None = None
@@ -219,12 +238,24 @@ class Poller:
         snap = self.store.current
         specs = [b.spec for b in snap.backends]
         started = self.clock()
-        results = await asyncio.gather(*(self._scrape(spec) for spec in specs))
-        fresh = {spec.name: sig for spec, sig in zip(specs, results) if sig is not None}
+        if self.rounds % ADAPTER_DISCOVERY_ROUNDS == 0:
+            results, _ = await asyncio.gather(asyncio.gather(*(self._scrape(spec) for spec in specs)),
+                                              asyncio.gather(*(self._discover_adapters(spec) for spec in specs)))
+        else:
+            results = await asyncio.gather(*(self._scrape(spec) for spec in specs))
+        adapters = self._adapters
+        fresh = {
+            spec.name: sig if not adapters.get(spec.name) else dataclasses.replace(
+                sig, loaded_adapters=sig.loaded_adapters | adapters[spec.name])
+            for spec, sig in zip(specs, results) if sig is not None
+        }
         live = {b.name for b in self.store.current.backends}
         for name in list(self._derivers):
             if name not in live:
                 del self._derivers[name]
+        for name in list(adapters):
+            if name not in live:
+                del adapters[name]
         now = self.clock()
         self.rounds += 1  # before publishing, so store listeners see the number of the round they got
         published = self.store.update(lambda current: self._apply(current, fresh, now))
@@ -262,6 +293,22 @@ class Poller:
         if deriver is None:
             deriver = self._derivers[spec.name] = Deriver()
         return deriver.signals(reading, t)
+
+    async def _discover_adapters(self, spec: BackendSpec) -> None:
+        try:
+            found = adapters_from_models(await self._fetch(spec.url.rstrip("/") + "/v1/models"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine without /v1/models, or a page we cannot read: keep the last list
+            log.debug("adapter discovery on %s failed: %r", spec.name, exc)
+            return
+        if found != self._adapters.get(spec.name, frozenset()):
+            log.info("backend %s has LoRA adapters %s", spec.name, sorted(found))
+        self._adapters[spec.name] = found
+
+    def discovered_adapters(self, backend: str) -> frozenset[str]:
+        """What the last read of `backend`'s /v1/models listed (for tests and the admin API)."""
+        return self._adapters.get(backend, frozenset())
 
     async def _fetch(self, url: str) -> str:
         if self.fast_http and url.startswith(("http://", "https://")):

@@ -15,6 +15,8 @@ One decision, in order:
    every request to one GPU. Ties go to the backend ranked higher for this prompt by rendezvous hashing.
 4. **Hash** — otherwise the top backend in the rendezvous ranking of the prompt's distinguishing prefix.
 
+A request with no prompt at all (and no session) skips all four: it is placed by least request (BALANCED).
+
 Then the **bounded-load rule** (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads")
 on that primary choice: it must be routable and not excluded (else UNHEALTHY_FALLBACK), not saturated
 (its `max_inflight` reached or telemetry score >= `saturation`), and within the bounds: its fresh
@@ -91,6 +93,7 @@ from proxy.core.fingerprint import Fingerprinter
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.eligibility import eligible
+from proxy.core.policies import LeastRequest
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
@@ -146,11 +149,13 @@ class _Ring:
             for s in states
             if s.signals is not None and s.signals.running is not None and telemetry_score(s) is not None
         }
-        # name -> LoRA adapters its fresh telemetry reports loaded (absent: no fresh telemetry)
+        # name -> LoRA adapters it has loaded (absent: unknown): declared in the config (then known for every
+        # backend: those declaring none have none) or reported by its fresh telemetry.
+        declared = any(s.spec.adapters for s in states)
         self.adapters = {
-            s.name: s.signals.loaded_adapters
+            s.name: s.adapters
             for s in states
-            if s.signals is not None and telemetry_score(s) is not None
+            if declared or (s.signals is not None and telemetry_score(s) is not None)
         }
 
     def scores(self, key: int) -> list[float]:
@@ -200,6 +205,9 @@ class AffinityPolicy:
         self._shared_backends = cfg.shared_backends
         self._cost_factor = 1.0 + a.cost_epsilon
         self._block_tokens = a.block_bytes / BYTES_PER_TOKEN_ESTIMATE
+        # A request with no routable content (a GET, an unparsed path, an empty input) has no cache to
+        # find: placed by load, never all on the hash home of the empty prompt.
+        self._no_content = LeastRequest(cfg)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -271,6 +279,9 @@ class AffinityPolicy:
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
+        if not req.prompt and not (self._a.session_affinity and req.session_key is not None):
+            return Decision(self._no_content.pick(req, snapshot, inflight, exclude).backend, Reason.BALANCED,
+                            self.name)
         self._sync(snapshot)
         ring = self._ring(snapshot, req.model)
         if not ring.names:

@@ -5,7 +5,8 @@ All three are xxh3_64 (the `xxhash` package) of the UTF-8 prompt bytes: fast in 
 for the same request (`PYTHONHASHSEED` plays no part anywhere in routing).
 
 **Exact fingerprint** — the design's "prompt hash + max_tokens + temperature": xxh3 of the prompt bytes,
-then xxh3 of the other configured fields (`AffinityConfig.fingerprint_fields`) seeded with it. A repeat of
+then of the request's media parts (`RequestSummary.media`: image/audio/file references), then xxh3 of the
+other configured fields (`AffinityConfig.fingerprint_fields`) seeded with it. A repeat of
 the very same request finds the backend that served it (exact-repeat affinity).
 
 **Prefix blocks** — the prompt bytes cut into fixed-size blocks; block i's hash is xxh3(block i) seeded by
@@ -84,6 +85,9 @@ def exact_fingerprint(req: RequestSummary, fields: tuple[str, ...], data: bytes 
     h = _xxh3(_FP_DOMAIN)
     if "prompt" in fields:
         h = _xxh3(req.prompt_bytes if data is None else data, h)
+        if req.media:
+            # Images, audio, files: part of the content though not of the prompt bytes (see RequestSummary).
+            h = _xxh3(b"".join(m.to_bytes(8, "little") for m in req.media), h)
     rest: list[bytes] = []
     for name in fields:
         if name == "prompt":

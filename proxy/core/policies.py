@@ -6,6 +6,11 @@ none reads a clock or draws unseeded randomness, so a sequence of picks is repro
 the offline replay. Eligibility is the same for all (proxy/core/eligibility.py). A retry asks the policy
 again with the backends already tried excluded (proxy/dataplane/retry.py), so its choice is made on the
 load of that moment, not on a list of alternates drawn up before the first attempt.
+
+Every policy honours the session key the same way (`eligibility.session_home`): a request with one goes
+to the key's rendezvous home under the bounded in-flight cap (reason SESSION), and only a request without
+one (or one whose every candidate is at its cap) is placed by the policy's own rule. `affinity` places
+sessions by the same hashing in proxy/core/affinity.py.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ import random
 from typing import Mapping
 
 from proxy.core.decision import Decision, Inflight, Reason
-from proxy.core.eligibility import NO_INFLIGHT, eligible, stream_seed
+from proxy.core.eligibility import NO_INFLIGHT, eligible, session_home, stream_seed
 from proxy.core.load import assumed_score, effective_load
 from proxy.core.request import RequestSummary
 from proxy.core.routing_config import RoutingConfig
+from proxy.core.score import ScoreConfig, request_cost_s
 from proxy.core.snapshot import BackendState, Snapshot
 
 class RoundRobin:
@@ -27,6 +33,7 @@ class RoundRobin:
     name = "round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+        self._cfg = cfg
         self._pos = 0
 
     def pick(
@@ -36,7 +43,11 @@ class RoundRobin:
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
-        names = [b.name for b in eligible(req, snapshot, exclude)]
+        states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
+        names = [b.name for b in states]
         i = self._pos % len(names)
         self._pos = (self._pos + 1) % (1 << 62)
         return Decision(names[i], Reason.BALANCED, self.name)
@@ -53,6 +64,7 @@ class WeightedRoundRobin:
     name = "weighted_round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+        self._cfg = cfg
         self._current: dict[str, float] = {}
         self._version = -1
 
@@ -64,6 +76,9 @@ class WeightedRoundRobin:
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
         current = self._current
         if snapshot.version != self._version:
             self._version = snapshot.version
@@ -108,6 +123,9 @@ class _LeastLoaded(abc.ABC):
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
         n = len(states)
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
@@ -132,6 +150,7 @@ class RandomPolicy:
     name = "random"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
+        self._cfg = cfg
         self._rng = random.Random(stream_seed(cfg.seed, instance))
 
     def pick(
@@ -142,6 +161,9 @@ class RandomPolicy:
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
         x = self._rng.random() * sum(b.effective_weight for b in states)
         chosen = states[-1]
         for b in states:
@@ -173,6 +195,9 @@ class PowerOfTwo:
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
         states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
         n = len(states)
         if n == 1:
             return Decision(states[0].name, Reason.BALANCED, self.name)
@@ -201,3 +226,49 @@ class LeastLoad(_LeastLoaded):
             effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight
             for b in states
         ]
+
+
+class LeastCost:
+    """The design's request-aware score: the backend where THIS request is estimated to finish soonest.
+
+    Per candidate, `score.request_cost_s` with the request's own prompt length and `max_tokens`: the
+    backend's waiting queue, the prompt's prefill, and `max_tokens` decode steps slowed by the batch it
+    joins over its life: the proxy's in-flight requests there, each counted by how long it overlaps this
+    one (from their estimated tokens), plus whatever else telemetry reports running; per unit of weight.
+    So a 2,048-token generation goes where the batch holds short requests that will soon leave, rather than
+    long ones, while short requests see every in-flight request as their batch (least request). The engine constants (prefill rate, ITL, slowdown per sequence) are `ScoreConfig`'s. A request
+    without `max_tokens` is priced at `reference_max_tokens`. Ties rotate, as in least_request.
+    """
+
+    name = "least_cost"
+
+    def __init__(self, cfg: RoutingConfig = RoutingConfig(), score: ScoreConfig = ScoreConfig()) -> None:
+        self._cfg = cfg
+        self._score = score
+        self._rot = 0
+
+    def pick(
+        self,
+        req: RequestSummary,
+        snapshot: Snapshot,
+        inflight: Mapping[str, Inflight],
+        exclude: frozenset[str] = frozenset(),
+    ) -> Decision:
+        states = eligible(req, snapshot, exclude)
+        home = session_home(req, states, inflight, self._cfg)
+        if home is not None:
+            return Decision(home, Reason.SESSION, self.name)
+        n = len(states)
+        start = self._rot % n
+        self._rot = (self._rot + 1) % (1 << 62)
+        score = self._score
+        max_tokens = req.max_tokens if req.max_tokens is not None else score.reference_max_tokens
+        prompt_tokens = req.prompt_tokens_est
+        costs = []
+        for i, b in enumerate(states):
+            mine = inflight.get(b.name, NO_INFLIGHT)
+            cost = request_cost_s(prompt_tokens, max_tokens, None if b.stale else b.signals, score,
+                                  mine.requests, mine.tokens)
+            costs.append((cost / b.effective_weight, (i - start) % n, b.name))
+        best = min(costs)
+        return Decision(best[2], Reason.BALANCED, self.name)

@@ -11,7 +11,8 @@ from typing import Callable, Mapping
 
 from proxy.core.affinity import AffinityPolicy, PreciseLookup
 from proxy.core.decision import Policy
-from proxy.core.policies import LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin, WeightedRoundRobin
+from proxy.core.policies import (LeastCost, LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin,
+                                 WeightedRoundRobin)
 from proxy.core.routing_config import RoutingConfig
 
 __all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
@@ -31,6 +32,7 @@ POLICIES: Mapping[str, PolicyFactory] = {
     RandomPolicy.name: lambda cfg, instance, precise: RandomPolicy(cfg, instance),
     PowerOfTwo.name: lambda cfg, instance, precise: PowerOfTwo(cfg, instance),
     LeastLoad.name: lambda cfg, instance, precise: LeastLoad(cfg),
+    LeastCost.name: lambda cfg, instance, precise: LeastCost(cfg),
 }
 
 

@@ -141,6 +141,7 @@ def request_cost_s(
     signals: Signals | None,
     cfg: ScoreConfig,
     inflight_requests: int = 0,
+    inflight_tokens: int | None = None,
 ) -> float:
     """Estimated seconds this request would take on this backend, queueing included.
 
@@ -149,9 +150,16 @@ def request_cost_s(
     decode = max_tokens · decode_s_per_token · (1 + batch_slowdown_per_seq · running)
 
     Only the prompt tokens the backend does not already hold in its prefix cache are prefilled, which is
-    what makes a cache hit on a busier backend cheaper than a miss on an idle one. When telemetry is
-    missing or stale (`signals` None, or no running/waiting reported) the proxy's own in-flight count for
-    the backend stands in for its batch, never zero.
+    what makes a cache hit on a busier backend cheaper than a miss on an idle one. The batch it joins is
+    the larger of what telemetry reports running and the proxy's own in-flight count for the backend
+    (`inflight_requests`: current, where a scrape is up to one interval old); with no telemetry (`signals`
+    None, or no running/waiting reported) the in-flight count alone, never zero.
+
+    With `inflight_tokens` (the estimated prompt + max_tokens of the proxy's in-flight requests there) the
+    proxy's own requests count by how long they overlap this one: min(requests, tokens / max_tokens). A
+    2,048-token generation joining three 128-token ones shares the batch with them for a small part of its
+    life; joining three 2,048-token ones, for all of it. Telemetry's running requests beyond the proxy's own
+    (another client's) count fully.
     """
     running: float | None = None
     waiting: float | None = None
@@ -161,6 +169,12 @@ def request_cost_s(
             running = signals.kernel_queue
     if running is None:
         running = float(inflight_requests)
+    else:
+        # Requests the proxy sent since the scrape are in the batch too (or queued for it).
+        running = max(running, float(inflight_requests) - (waiting or 0.0))
+    if inflight_tokens is not None and max_tokens and inflight_requests > 0:
+        overlap = min(float(inflight_requests), max(inflight_tokens, 0) / max_tokens)
+        running = overlap + max(0.0, running - inflight_requests)
     queue = (waiting or 0.0) * cfg.queue_s_per_waiting
     prefill = max(uncached_prompt_tokens, 0) / cfg.prefill_tokens_per_s
     decode = max(max_tokens or 0, 0) * cfg.decode_s_per_token * (1.0 + cfg.batch_slowdown_per_seq * running)

@@ -43,6 +43,8 @@ class BackendSpec:
     grpc_address: str | None = None  # host:port of its gRPC server, if any
     metrics_url: str | None = None  # defaults to url + /metrics
     models: tuple[str, ...] = ()  # models it serves; empty = any
+    # LoRA adapters declared loaded there (YAML backends[].adapters); telemetry adds the discovered ones.
+    adapters: tuple[str, ...] = ()
     max_inflight: int | None = field(default=None, metadata={"ge": 1})  # in-flight limit enforced by the data plane
 
     def __post_init__(self) -> None:
@@ -116,6 +118,13 @@ class BackendState:
     @property
     def routable(self) -> bool:
         return self.health.routable and self.effective_weight > 0
+
+    @property
+    def adapters(self) -> frozenset[str]:
+        """The LoRA adapters it has loaded: declared in its spec, plus those its telemetry reports (the
+        engine's /v1/models entries with a `parent`, the metrics' running adapters)."""
+        declared = frozenset(self.spec.adapters)
+        return declared | self.signals.loaded_adapters if self.signals is not None else declared
 
 
 @dataclass(frozen=True, slots=True)

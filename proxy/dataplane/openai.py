@@ -31,7 +31,7 @@ from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.decision import Outcome
-from proxy.core.request import RequestError, RequestSummary, summary_from_openai
+from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.errors import error_body, sse_error_event
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
@@ -44,7 +44,9 @@ from proxy.upstream.http1 import Exchange, UpstreamPool
 
 log = logging.getLogger("affinity_proxy.http")
 
-ROUTED_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+# The paths routed on their content: exactly those proxy/core/request.py knows how to summarise.
+ROUTED_ENDPOINTS = frozenset(SUMMARISERS)
+ANTHROPIC_MESSAGES = "/v1/messages"
 RETRY_AFTER_S = "1"
 # Deeper request JSON is refused with a 400. OpenAI request bodies nest a handful of levels (messages ->
 # content parts -> image_url; tool schemas a few more); Python's json parser itself gives up with a
@@ -222,12 +224,25 @@ class OpenAIPipeline(Generic[T]):
             self.metrics.error("invalid_json")
             return error_answer(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
                                 "invalid_json", request_id=req.request_id)
+        if self.router.aliases and isinstance(parsed, dict):
+            model = parsed.get("model")
+            served = self.router.resolve_model(model) if isinstance(model, str) else model
+            if served != model:
+                # The backends know the served name only: the forwarded body says it.
+                parsed["model"] = served
+                req.body = json.dumps(parsed, separators=(",", ":")).encode()
         try:
-            return summary_from_openai(req.path, parsed, session_key=req.session_key)
+            return summary_from_openai(req.path, parsed, session_key=req.session_key,
+                                       adapters=self.router.adapter_names())
         except RequestError as exc:
             self.metrics.error("invalid_request")
-            return error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
-                                request_id=req.request_id)
+            answer = error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
+                                  request_id=req.request_id)
+            if req.path == ANTHROPIC_MESSAGES:
+                # Anthropic's clients read their own error shape.
+                answer.body = json.dumps({"type": "error", "error": {
+                    "type": "invalid_request_error", "message": str(exc)}}).encode()
+            return answer
 
     async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
         observability = self.observability

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy
@@ -51,7 +51,7 @@ class Overloaded(NoBackendAvailable):
 class _ModelIndex:
     """Per snapshot version: which backends cannot serve a model (to exclude) and which models exist."""
 
-    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc")
+    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters")
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.version = snapshot.version
@@ -59,6 +59,15 @@ class _ModelIndex:
         self.any_model = any(not b.spec.models for b in snapshot.backends)
         self.known = frozenset(m for b in snapshot.backends for m in b.spec.models)
         self.exclude: dict[str, frozenset[str]] = {}
+        # LoRA adapter -> the backends that have it loaded (declared or discovered); the adapter names are
+        # what a request's `model` is matched against to set its summary's `adapter`.
+        self.names = frozenset(b.name for b in snapshot.backends)
+        holders: dict[str, set[str]] = {}
+        for b in snapshot.backends:
+            for a in b.adapters:
+                holders.setdefault(a, set()).add(b.name)
+        self.holders = {a: frozenset(n) for a, n in holders.items()}
+        self.adapters = frozenset(holders)
 
     def excluded_for(self, snapshot: Snapshot, model: str) -> frozenset[str]:
         ex = self.exclude.get(model)
@@ -200,8 +209,16 @@ class Router:
         queue: AdmissionQueue | None = None,
         on_outcome: Callable[[str, Outcome], None] | None = None,
         experiments: ExperimentRuntime | None = None,
+        aliases: Mapping[str, tuple[str, str | None]] | None = None,
+        adapter_catalog: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        # Public model name -> (served name, fallback): YAML `models` (see resolve_model).
+        self.aliases: dict[str, tuple[str, str | None]] = dict(aliases or {})
+        # Adapters the LoRA pool may load (proxy/control/lora_pool.py): requests for them are adapter
+        # requests even where none has them loaded yet, and their demand is counted for the pool.
+        self.adapter_catalog = adapter_catalog
+        self._adapter_demand: dict[str, int] = {}
         self.policy = policy
         self.inflight = inflight
         self.metrics = metrics
@@ -232,6 +249,35 @@ class Router:
         snapshot = snapshot or self.store.current
         index = self._index(snapshot)
         return model is None or index.any_model or model in index.known or not snapshot.backends
+
+    def resolve_model(self, model: str) -> str:
+        """The model to ask the backends for when a client asks for `model`: itself unless it is an alias;
+        an alias's served model, or its fallback when no backend of the served model is routable now."""
+        alias = self.aliases.get(model)
+        if alias is None:
+            return model
+        served, fallback = alias
+        if fallback is not None and not self._any_routable_for(served):
+            return fallback
+        return served
+
+    def _any_routable_for(self, model: str) -> bool:
+        snapshot = self.store.current
+        if self.panic is not None:
+            snapshot = self.panic(snapshot)
+        return any(b.routable and (not b.spec.models or model in b.spec.models or model in b.adapters)
+                   for b in snapshot.backends)
+
+    def adapter_names(self) -> frozenset[str]:
+        """The LoRA adapters loaded anywhere in the fleet now, and the pool's catalog (for
+        `summary_from_openai(adapters=...)`)."""
+        loaded = self._index(self.store.current).adapters
+        return loaded | self.adapter_catalog if self.adapter_catalog else loaded
+
+    def take_adapter_demand(self) -> dict[str, int]:
+        """Requests per LoRA adapter routed since the last call (the adapter pool's input)."""
+        demand, self._adapter_demand = self._adapter_demand, {}
+        return demand
 
     def _index(self, snapshot: Snapshot) -> _ModelIndex:
         index = self._models
@@ -264,6 +310,15 @@ class Router:
                 excluded = index.excluded_for(snapshot, model)
                 if excluded:
                     exclude = exclude | excluded
+        if summary.adapter is not None:
+            demand = self._adapter_demand
+            demand[summary.adapter] = demand.get(summary.adapter, 0) + 1
+            # An adapter is served where it is loaded; only when none of those can be tried does the
+            # request go elsewhere (an engine that can load adapters at run time, or an adapter pool).
+            index = self._index(snapshot)
+            holders = index.holders.get(summary.adapter)
+            if holders and not holders <= exclude:
+                exclude = exclude | (index.names - holders)
         policy = self.policy
         if arm is not None:
             policy = arm.policy or policy

@@ -244,7 +244,7 @@ class Call:
                 if name == key_header:
                     self.route_key = value.decode("utf-8", "replace")
                     break
-        summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key)
+        summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key, ctx.router.adapter_names())
         if self.obs is not None:
             self.obs.summarised(summary)
         self._pick(summary)

@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from proxy.core.request import RequestSummary, estimate_tokens
+from proxy.core.request import RequestError, RequestSummary, estimate_tokens, prompt_from_messages, prompt_from_turns
 from proxy.wire import grpc as wire
 from proxy.grpc.grpc_config import GrpcOptions, MethodExtractorConfig
 
@@ -30,6 +30,9 @@ class Fields:
     max_tokens: int | None = None
     temperature: float | None = None
     session: str | None = None
+    # Where the prompt's distinguishing prefix ends, for chat-shaped messages (RequestSummary.key_prefix_chars).
+    key_prefix_chars: int | None = None
+    media: tuple[int, ...] = ()
 
 
 Parser = Callable[[bytes], Fields]
@@ -49,10 +52,11 @@ class Extractor:
         return self.parse is not None
 
 
-def flatten_messages(messages: list[tuple[str, str]]) -> str:
-    """Chat turns as ``role\\ncontent\\n`` each: the flattening `summary_from_openai` uses, so the same
-    conversation has the same routing prefix over HTTP and gRPC."""
-    return "".join(f"{role}\n{content}\n" for role, content in messages)
+def flatten_messages(messages: list[tuple[str, str]]) -> tuple[str, int | None]:
+    """Chat turns as ``role\\ncontent\\n`` each, and the end of the first non-system turn: the one
+    flattening of proxy/core/request.py (`prompt_from_turns`), so the same conversation has the same
+    prompt, fingerprint, key prefix and prefix blocks over HTTP and gRPC."""
+    return prompt_from_turns(messages)
 
 
 def _chat_message(buf: memoryview) -> tuple[str, str]:
@@ -91,9 +95,10 @@ def parse_generate(payload: bytes) -> Fields:
         elif number == 8 and wtype == wire.LEN:
             assert isinstance(value, memoryview)
             messages.append(_chat_message(value))
+    key_end = None
     if not prompt and messages:
-        prompt = flatten_messages(messages)
-    return Fields(prompt, model, max_tokens, temperature, session)
+        prompt, key_end = flatten_messages(messages)
+    return Fields(prompt, model, max_tokens, temperature, session, key_end)
 
 
 # ------------------------------------------------------------------------------ KServe v2 ModelInfer
@@ -237,9 +242,14 @@ def parse_kserve(payload: bytes) -> Fields:
         return None
 
     prompt = ""
+    key_end: int | None = None
+    media: tuple[int, ...] = ()
     text = by_name.get("text_input")
     if text is not None and text.texts:
         prompt = "\n".join(b.decode("utf-8", "replace") for b in text.texts)
+        chat = _chat_json(prompt)
+        if chat is not None:
+            prompt, key_end, media = chat
     max_tokens = number_of("max_tokens")
     temperature = number_of("temperature")
     sampling = by_name.get("sampling_parameters")
@@ -260,7 +270,29 @@ def parse_kserve(payload: bytes) -> Fields:
         max_tokens=int(max_tokens) if max_tokens else None,
         temperature=float(temperature) if temperature is not None else None,
         session=str(session) if session not in (None, "", 0) else None,
+        key_prefix_chars=key_end,
+        media=media,
     )
+
+
+def _chat_json(text: str) -> tuple[str, int | None, tuple[int, ...]] | None:
+    """A chat-shaped `text_input`: a JSON list of OpenAI messages, or an object with `messages`. Read as
+    `/v1/chat/completions` reads its messages; anything else is plain prompt text (None)."""
+    head = text.lstrip()[:1]
+    if head not in ("[", "{"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(value, Mapping):
+        value = value.get("messages")
+    if not isinstance(value, list) or not value or not all(isinstance(m, Mapping) and "role" in m for m in value):
+        return None
+    try:
+        return prompt_from_messages(value)
+    except RequestError:
+        return None
 
 
 # ------------------------------------------------------------------------------- generic field paths
@@ -300,10 +332,11 @@ def fields_parser(cfg: MethodExtractorConfig) -> Parser:
 
     def parse(payload: bytes) -> Fields:
         prompt = text_at(payload, cfg.prompt) or ""
+        key_end = None
         if not prompt and cfg.messages:
             turns = [_chat_message(v) for w, v in _values_at(payload, cfg.messages)
                      if w == wire.LEN and isinstance(v, memoryview)]
-            prompt = flatten_messages(turns)
+            prompt, key_end = flatten_messages(turns)
         max_tokens = number_at(payload, cfg.max_tokens, False)
         temperature = number_at(payload, cfg.temperature, True)
         session = text_at(payload, cfg.session)
@@ -316,6 +349,7 @@ def fields_parser(cfg: MethodExtractorConfig) -> Parser:
             max_tokens=int(max_tokens) if max_tokens else None,
             temperature=float(temperature) if temperature is not None else None,
             session=session or None,
+            key_prefix_chars=key_end,
         )
 
     return parse
@@ -364,11 +398,13 @@ class ExtractorRegistry:
         return self._table.get(method, _NO_MESSAGE)
 
     def summarize(
-        self, method: str, ext: Extractor, payload: bytes | None, metadata_key: str | None
+        self, method: str, ext: Extractor, payload: bytes | None, metadata_key: str | None,
+        adapters: frozenset[str] = frozenset(),
     ) -> RequestSummary:
         """The summary of one call. `payload` is the (decompressed) first message, or None when the
         method has no extractor or its message could not be had; `metadata_key` is the route key read
-        from the call's metadata, which a session field in the message overrides."""
+        from the call's metadata, which a session field in the message overrides. `adapters` names the
+        LoRA adapters loaded in the fleet: a call for one of them gets the summary's `adapter` set."""
         fields = Fields()
         if payload is not None and ext.parse is not None:
             try:
@@ -379,12 +415,15 @@ class ExtractorRegistry:
         return RequestSummary(
             prompt=prompt,
             model=fields.model,
+            adapter=fields.model if fields.model is not None and fields.model in adapters else None,
             max_tokens=fields.max_tokens,
             temperature=fields.temperature,
             stream=ext.stream,
             session_key=fields.session or metadata_key,
             prompt_tokens_est=estimate_tokens(prompt) if prompt else 0,
             endpoint=method,
+            key_prefix_chars=fields.key_prefix_chars,
+            media=fields.media,
         )
 
     def route_key_header(self, ext: Extractor) -> bytes | None:

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.config import AdminConfig, Config, DiscoveryConfig, LimitsConfig, ListenConfig, TimeoutsConfig, UpstreamConfig
 from proxy.control.telemetry_config import TelemetryConfig
+from proxy.control.lora_pool import LoraPoolConfig
 from proxy.core.bounds import ConfigValueError, check_value, config_errors, value_errors
 from proxy.core.experiments import ExperimentsConfig, GuardrailConfig
 from proxy.core.health import HealthCheckConfig, OutlierConfig
@@ -23,7 +24,7 @@ from proxy.observability.config import AccessLogConfig, LoggingConfig, TracingCo
 SECTIONS = (HealthCheckConfig, OutlierConfig, RetryConfig, OverloadConfig, RoutingConfig, AffinityConfig,
             LoadConfig, ScoreConfig, TelemetryConfig, DiscoveryConfig, ListenConfig, LimitsConfig, TimeoutsConfig,
             UpstreamConfig, AdminConfig, HotspotConfig, LoggingConfig, AccessLogConfig, TracingConfig,
-            ExperimentsConfig, GuardrailConfig)
+            ExperimentsConfig, GuardrailConfig, LoraPoolConfig)
 NON_FINITE = (math.inf, -math.inf, math.nan)
 
 
@@ -83,6 +84,8 @@ def test_config_sections_are_all_covered() -> None:
     # (proxy/grpc/grpc_config.py) is checked by the parser only, not yet when built in code.
     from proxy.grpc.grpc_config import GrpcOptions
 
-    nested = {type(f.default) for f in dataclasses.fields(Config)}
-    unchecked = nested - set(SECTIONS) - {bool, tuple, type(None), GrpcOptions}
+    # dict: `models` (aliases: ModelAliasConfig entries, strings only, checked when built).
+    nested = {type(f.default) if f.default is not dataclasses.MISSING else type(f.default_factory())  # type: ignore[misc]  # a field without a default has a default_factory here
+              for f in dataclasses.fields(Config)}
+    unchecked = nested - set(SECTIONS) - {bool, tuple, dict, type(None), GrpcOptions}
     assert not unchecked, unchecked

@@ -46,8 +46,9 @@ async def _run(tmp_path: Path, fakes: list[FakeBackend], policy: str) -> ProxyPr
 
 
 def _completions(fake: FakeBackend) -> int:
-    """Requests proxied to `fake` (its health checks and metric scrapes come from the supervisor)."""
-    return sum(1 for s in fake.seen if s.path_qs.startswith("/v1/"))
+    """Requests proxied to `fake` (its health checks, metric scrapes and /v1/models adapter discovery come
+    from the supervisor)."""
+    return sum(1 for s in fake.seen if s.path_qs.startswith("/v1/") and s.path_qs != "/v1/models")
 
 
 def _body(prompt: str, stream: bool = False) -> dict[str, object]:
