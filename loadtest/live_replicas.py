@@ -59,6 +59,10 @@ class LiveSpec:
     seed: int = 0
     timeout_s: float = 600.0
     progress: bool = False
+    # Diagnostic: the proxy's tokenizer offload threshold (ModelTokenizer.offload_chars). None: the proxy's
+    # own default, under which a prompt with more uncached text than that is routed by the learned index on
+    # that sighting (tokenised off the loop for the next). The replay tokenises every prompt inline.
+    offload_chars: int | None = None
 
 
 def default_load_view(index: str) -> str:
@@ -129,8 +133,14 @@ async def start_replicas(spec: LiveSpec, servers: Sequence[dict[str, Any]], work
             port, admin = free_port(), free_port()
             cfg = workdir / f"replica-{spec.index}-{r}.yaml"
             cfg.write_text(replica_config_yaml(spec, servers, port, admin))
-            proc = spawn(f"replica-{spec.index}-{r}", [PYTHON, "-m", "proxy", "run", "--config", str(cfg),
-                                                     "--workers", "1", "--log-level", "warning"], workdir)
+            run = ["run", "--config", str(cfg), "--workers", "1", "--log-level", "warning"]
+            if spec.offload_chars is None:
+                argv = [PYTHON, "-m", "proxy", *run]
+            else:  # the same entry point with the tokenizer's threshold changed, for the diagnostic
+                argv = [PYTHON, "-c", "import sys; import proxy.dataplane.tokenize as t; "
+                        f"t.ModelTokenizer.__init__.__kwdefaults__['offload_chars'] = {int(spec.offload_chars)}; "
+                        "from proxy.cli import main; sys.argv[0] = 'affinity-proxy'; sys.exit(main())", *run]
+            proc = spawn(f"replica-{spec.index}-{r}", argv, workdir)
             proc.info = {"url": f"http://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}", "config": str(cfg)}
             procs.append(proc)
         for proc in procs:
@@ -311,7 +321,8 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
             raise SystemExit(f"--index: unknown {index!r}; known: {', '.join(INDEXES)}")
         spec = LiveSpec(backends=args.backends, replicas=args.replicas, index=index,
                         load_view=args.load_view or default_load_view(index), max_model_len=args.max_model_len,
-                        speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress)
+                        speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress,
+                        offload_chars=args.proxy_offload_chars)
         print(f"== live: {spec}", file=sys.stderr, flush=True)
         live = await live_run(workload, spec, workdir)
         ls = summarize(live, workload, label=live.meta["label"])
@@ -350,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="the replay's event delivery delay")
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    ap.add_argument("--proxy-offload-chars", type=int, default=None,
+                    help="diagnostic: the proxy tokenizer's offload threshold in chars (default: the proxy's own); "
+                         "a huge value tokenises every prompt inline, as the replay does")
     ap.add_argument("--out", type=Path, help="write runs, summaries and the table (JSON) here")
     ap.add_argument("--no-progress", action="store_true")
     return ap
