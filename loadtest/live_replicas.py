@@ -1,0 +1,385 @@
+"""Live scale-out check (issue 13): R separate proxy replicas in front of one simulated fleet with KV events,
+a client spreading requests over them at random (as a Kubernetes Service does), next to the offline replay
+of the same window with `--replicas R`.
+
+    python -m loadtest.live_replicas --workload /work/shared/traces/mooncake_synthetic_trace.jsonl \\
+        --window 0:120 --speed 0.6 --backends 4 --replicas 2 --index precise,learned \\
+        --out loadtest/results/tmp/scaleout-live.json
+
+For each index mode: a fresh fleet (`python -m sim`, its own process, cold caches, real time; with
+`precise` every server publishes vLLM-style KV events on ZeroMQ with a replay socket, with `learned` it
+publishes nothing), R `python -m proxy run --workers 1` processes, each with its own config naming the same
+backends (and, for `precise`, `telemetry.kv_events` for every backend with the simulator's tokenizer
+folder), then the workload open-loop, each request to a random replica (seeded), while every backend's
+/metrics is sampled once a second. Then `loadtest.replay` runs the same window, speed, fleet and policy
+settings in virtual time with `replicas=R` and the same index and load view, and a table gives live, replay
+and live / replay for hit ratio, TTFT mean / p90 / p99 and GPU busy.
+
+The load view follows loadtest/results/scaleout.md: `engines` (`routing.shared_backends: true`, what that
+study picked for precise events) with `precise`, `own` (the default) with `learned`, unless `--load-view`
+says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import aiohttp
+
+from loadtest.fleet_sampler import FleetSampler
+from loadtest.harness import PYTHON, Proc, free_port, spawn, temp_workdir, wait_http
+from loadtest.records import Record, RunConfig, RunResult
+from loadtest.replay import INDEXES, LOAD_VIEWS, ReplayConfig, replay
+from loadtest.run import _one, add_workload_args, prepare_workload, process_cpu_seconds
+from loadtest.workloads import Workload
+from sim.tokenizer import TOKENIZER_DIR
+
+MODEL = "llama3-8b"
+_SERVER_LINE = re.compile(r"^(?P<name>\S+) (?P<url>http://\S+)(?P<rest>.*)$")
+
+
+@dataclass(frozen=True)
+class LiveSpec:
+    backends: int = 4
+    replicas: int = 2
+    index: str = "precise"
+    load_view: str = "engines"
+    max_model_len: int | None = 131072
+    speed: float = 1.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    progress: bool = False
+    # Diagnostic: the proxy's tokenizer offload threshold (ModelTokenizer.offload_chars). None: the proxy's
+    # own default, under which a prompt with more uncached text than that is routed by the learned index on
+    # that sighting (tokenised off the loop for the next). The replay tokenises every prompt inline.
+    offload_chars: int | None = None
+
+
+def default_load_view(index: str) -> str:
+    return "engines" if index == "precise" else "own"
+
+
+# ------------------------------------------------------------------------------------------------ processes
+
+
+async def start_sim_fleet(spec: LiveSpec, workdir: Path) -> Proc:
+    """`python -m sim` with KV events on (precise) or off (learned); info["servers"] lists name/url/kv."""
+    argv = [PYTHON, "-m", "sim", "--servers", str(spec.backends), "--port", "0", "--model-name", MODEL,
+            "--seed", str(spec.seed)]
+    if spec.max_model_len:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.index == "precise":
+        argv += ["--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"]
+    proc = spawn(f"sim-{spec.index}", argv, workdir)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"simulator exited:\n{proc.tail()}")
+        servers = []
+        for line in proc.log.read_text(errors="replace").splitlines():
+            m = _SERVER_LINE.match(line)
+            if not m:
+                continue
+            extra = dict(kv.split("=", 1) for kv in m["rest"].split() if "=" in kv)
+            servers.append({"name": m["name"], "url": m["url"], "kv_events": extra.get("kv_events"),
+                            "kv_replay": extra.get("kv_replay")})
+        if len(servers) == spec.backends:
+            proc.info = {"servers": servers}
+            for s in servers:
+                await wait_http(s["url"] + "/health", proc)
+            return proc
+        await asyncio.sleep(0.2)
+    proc.stop()
+    raise RuntimeError(f"simulator did not start:\n{proc.tail()}")
+
+
+def replica_config_yaml(spec: LiveSpec, servers: Sequence[dict[str, Any]], port: int, admin_port: int) -> str:
+    """One replica's config: the replay's policy settings (the proxy's defaults, affinity), the same backends."""
+    lines = [
+        f"listen: {{host: 127.0.0.1, port: {port}}}",
+        f"admin: {{host: 127.0.0.1, port: {admin_port}}}",
+        "debug_headers: true",
+        "routing:",
+        "  policy: affinity",
+        f"  seed: {spec.seed}",
+        f"  shared_backends: {'true' if spec.load_view == 'engines' else 'false'}",
+        "backends:",
+    ]
+    lines += [f"  - {{name: {s['name']}, url: '{s['url']}', models: ['{MODEL}']}}" for s in servers]
+    if spec.index == "precise":
+        lines += ["telemetry:", "  kv_events:", f"    tokenizers: {{'{MODEL}': '{TOKENIZER_DIR}'}}", "    backends:"]
+        for s in servers:
+            if not s.get("kv_events"):
+                raise RuntimeError(f"{s['name']} publishes no KV events (simulator output lacks kv_events=)")
+            replay_ep = f", replay_endpoint: '{s['kv_replay']}'" if s.get("kv_replay") else ""
+            lines.append(f"      {s['name']}: {{endpoint: '{s['kv_events']}'{replay_ep}}}")
+    return "\n".join(lines) + "\n"
+
+
+async def start_replicas(spec: LiveSpec, servers: Sequence[dict[str, Any]], workdir: Path) -> list[Proc]:
+    procs: list[Proc] = []
+    try:
+        for r in range(spec.replicas):
+            port, admin = free_port(), free_port()
+            cfg = workdir / f"replica-{spec.index}-{r}.yaml"
+            cfg.write_text(replica_config_yaml(spec, servers, port, admin))
+            run = ["run", "--config", str(cfg), "--workers", "1", "--log-level", "warning"]
+            if spec.offload_chars is None:
+                argv = [PYTHON, "-m", "proxy", *run]
+            else:  # the same entry point with the tokenizer's threshold changed, for the diagnostic
+                argv = [PYTHON, "-c", "import sys; import proxy.dataplane.tokenize as t; "
+                        f"t.ModelTokenizer.__init__.__kwdefaults__['offload_chars'] = {int(spec.offload_chars)}; "
+                        "from proxy.cli import main; sys.argv[0] = 'affinity-proxy'; sys.exit(main())", *run]
+            proc = spawn(f"replica-{spec.index}-{r}", argv, workdir)
+            proc.info = {"url": f"http://127.0.0.1:{port}", "admin": f"http://127.0.0.1:{admin}", "config": str(cfg)}
+            procs.append(proc)
+        for proc in procs:
+            await wait_http(proc.info["url"] + "/v1/models", proc)
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return procs
+
+
+async def kv_index_blocks(admin_url: str) -> dict[str, float]:
+    """affinity_proxy_kv_index_blocks per backend from a replica's admin /metrics ({} without KV events)."""
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as s:
+        async with s.get(admin_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            text = await resp.text()
+    for line in text.splitlines():
+        m = re.match(r'^affinity_proxy_kv_index_blocks\{backend="([^"]+)"\} (\S+)$', line)
+        if m:
+            out[m[1]] = float(m[2])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driving
+
+
+async def drive(workload: Workload, urls: Sequence[str], spec: LiveSpec,
+                metrics_urls: dict[str, str], proxy_pids: Sequence[int]) -> RunResult:
+    """Open loop at the trace's times / speed; each request to a random one of `urls` (seeded)."""
+    text = workload.text()
+    cfgs = [RunConfig(url=u, model=MODEL, speed=spec.speed, timeout_s=spec.timeout_s, progress=False, label=u)
+            for u in urls]
+    rng = random.Random(spec.seed ^ 0x5CA1E0)
+    records: list[Record] = []
+    chosen: list[int] = []
+    sampler = FleetSampler(metrics_urls)
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, enable_cleanup_closed=True)
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=10.0)
+    cpu0 = process_cpu_seconds(proxy_pids)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
+        await sampler.start()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        wall0 = time.monotonic()
+        late = 0.0
+
+        async def fire(i: int, cfg: RunConfig, scheduled: float) -> None:
+            records.append(await _one(session, cfg, workload.items[i], i, text, t0, scheduled))
+
+        tasks = []
+        for i, item in enumerate(workload.items):
+            due = t0 + item.t / spec.speed
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                late = max(late, -delay)
+            r = rng.randrange(len(cfgs))
+            chosen.append(r)
+            tasks.append(asyncio.create_task(fire(i, cfgs[r], item.t / spec.speed)))
+            if spec.progress and i % 50 == 0:
+                print(f"  sent {i}/{len(workload.items)} at {loop.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        await asyncio.gather(*tasks)
+        wall = loop.time() - t0
+        await sampler.stop()
+    cpu1 = process_cpu_seconds(proxy_pids)
+    records.sort(key=lambda r: r.index)
+    samples = [{**s, "t": s["t"] - wall0} for s in sampler.samples]
+    meta = {
+        "label": f"live affinity R{spec.replicas} {spec.index} load {spec.load_view}",
+        "mode": "open",
+        "speed": spec.speed,
+        "model": MODEL,
+        "workload": workload.summary(),
+        "replica_share": [chosen.count(r) for r in range(len(cfgs))],
+        "max_send_lateness_s": late,
+        "started_unix": time.time() - wall,
+    }
+    cpu = (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None
+    return RunResult(meta, records, samples, sampler.capacity_tokens, wall, cpu)
+
+
+async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResult:
+    fleet = await start_sim_fleet(spec, workdir)
+    replicas: list[Proc] = []
+    try:
+        servers = fleet.info["servers"]
+        replicas = await start_replicas(spec, servers, workdir)
+        if spec.index == "precise":
+            await asyncio.sleep(1.0)  # SUB sockets connect (what they miss meanwhile comes back by replay)
+        load0 = os.getloadavg()
+        result = await drive(workload, [p.info["url"] for p in replicas], spec,
+                             {s["name"]: s["url"] + "/metrics" for s in servers}, [p.pid for p in replicas])
+        result.meta["loadavg_before"] = load0
+        result.meta["loadavg_after"] = os.getloadavg()
+        result.meta["replicas"] = [p.info for p in replicas]
+        if spec.index == "precise":
+            result.meta["kv_index_blocks"] = [await kv_index_blocks(p.info["admin"]) for p in replicas]
+        for p in replicas:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} died during the run:\n{p.tail()}")
+        return result
+    finally:
+        for p in replicas:
+            p.stop()
+        fleet.stop()
+
+
+def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
+    return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
+                        speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas, workers=1,
+                        index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view)
+
+
+# ------------------------------------------------------------------------------------------------ table
+
+ROWS = (
+    ("hit ratio", "hit_ratio", "pct"),
+    ("hit ratio (of the fleet-size LRU bound)", "hit_vs_bound", "pct"),
+    ("TTFT mean", "ttft_mean", "ms"),
+    ("TTFT p50", "ttft_p50", "ms"),
+    ("TTFT p90", "ttft_p90", "ms"),
+    ("TTFT p99", "ttft_p99", "ms"),
+    ("GPU busy (mean)", "gpu_util_mean", "pct"),
+    ("errors", "errors", "n"),
+)
+
+
+def _fmt(v: float | None, kind: str) -> str:
+    if v is None:
+        return "–"
+    if kind == "pct":
+        return f"{v * 100:.2f}%"
+    if kind == "ms":
+        return f"{v * 1000:,.0f} ms"
+    return f"{v:g}"
+
+
+def ratio(live: float | None, rep: float | None) -> float | None:
+    if live is None or rep is None or rep == 0:
+        return None
+    return live / rep
+
+
+def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], tolerance: float = 0.10) -> str:
+    """One markdown table per (title, live summary, replay summary): live | replay | live / replay."""
+    out = []
+    for title, live, rep in pairs:
+        out += [f"**{title}**", "", "| | live | replay | live / replay | within ±10% |", "|---|---|---|---|---|"]
+        for name, key, kind in ROWS:
+            r = ratio(live.get(key), rep.get(key)) if kind != "n" else None
+            within = "–" if r is None else ("yes" if abs(r - 1) <= tolerance else "**no**")
+            out.append(f"| {name} | {_fmt(live.get(key), kind)} | {_fmt(rep.get(key), kind)} | "
+                       f"{'–' if r is None else f'{r:.2f}'} | {within} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def brief(s: dict[str, Any]) -> dict[str, Any]:
+    keys = ("label", "requests", "ok", "errors", "hit_ratio", "hit_vs_bound", "bound_lru", "client_hit_ratio",
+            "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "gpu_util_mean", "backend_share", "proxy_cpu_us_per_req",
+            "wall_s")
+    return {k: s.get(k) for k in keys}
+
+
+async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    from loadtest.report import summarize
+
+    workload = prepare_workload(args)
+    if not workload.items:
+        raise SystemExit("the workload is empty (check --window/--limit)")
+    workdir = temp_workdir("live-replicas-")
+    results: list[dict[str, Any]] = []
+    pairs = []
+    for index in filter(None, (x.strip() for x in args.index.split(","))):
+        if index not in INDEXES:
+            raise SystemExit(f"--index: unknown {index!r}; known: {', '.join(INDEXES)}")
+        spec = LiveSpec(backends=args.backends, replicas=args.replicas, index=index,
+                        load_view=args.load_view or default_load_view(index), max_model_len=args.max_model_len,
+                        speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress,
+                        offload_chars=args.proxy_offload_chars)
+        print(f"== live: {spec}", file=sys.stderr, flush=True)
+        live = await live_run(workload, spec, workdir)
+        ls = summarize(live, workload, label=live.meta["label"])
+        print(f"== replay: replicas {spec.replicas}, {index}, load {spec.load_view}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        rep = await replay(workload, replay_config(spec, args.kv_event_delay_ms))
+        rs = summarize(rep, workload, label=f"replay affinity R{spec.replicas} {index} load {spec.load_view}")
+        rs["replay_wall_s"] = time.perf_counter() - t0
+        title = f"affinity, {spec.replicas} replicas, {index} index, load view {spec.load_view}"
+        pairs.append((title, ls, rs))
+        results.append({
+            "spec": spec.__dict__, "live": brief(ls), "replay": brief(rs),
+            "live_meta": {k: v for k, v in live.meta.items() if k != "workload"},
+            "replay_reasons": rep.meta.get("reasons"),
+            "ratios": {key: ratio(ls.get(key), rs.get(key)) for _, key, kind in ROWS if kind != "n"},
+        })
+    table = side_by_side(pairs)
+    print(table)
+    doc = {"command": "python -m loadtest.live_replicas " + " ".join(argv), "workload": workload.summary(),
+           "runs": results, "table": table, "workdir": str(workdir)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1, default=str))
+    return doc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.live_replicas", description=__doc__.split("\n")[0])
+    add_workload_args(ap)
+    ap.add_argument("--speed", type=float, default=1.0, help="time compression of the arrivals (as loadtest.run)")
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=2, help="separate `proxy run` processes; each request to a random one")
+    ap.add_argument("--index", default="precise", help="comma list of precise (KV events on) and learned (off)")
+    ap.add_argument("--load-view", choices=LOAD_VIEWS, default=None,
+                    help="own | engines (routing.shared_backends); default: engines with precise, own with learned")
+    ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="the replay's event delivery delay")
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    ap.add_argument("--proxy-offload-chars", type=int, default=None,
+                    help="diagnostic: the proxy tokenizer's offload threshold in chars (default: the proxy's own); "
+                         "a huge value tokenises every prompt inline, as the replay does")
+    ap.add_argument("--out", type=Path, help="write runs, summaries and the table (JSON) here")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.speed <= 0:
+        raise SystemExit("--speed must be positive")
+    if args.replicas < 1 or args.backends < 1:
+        raise SystemExit("--replicas and --backends must be >= 1")
+    import uvloop
+
+    uvloop.run(main_async(args, argv))
+
+
+if __name__ == "__main__":
+    main()

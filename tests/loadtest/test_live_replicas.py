@@ -1,0 +1,50 @@
+"""loadtest.live_replicas end to end on a tiny window: a 2-server simulated fleet with KV events, two
+separate `proxy run` replicas, requests spread over both, and the replay of the same window next to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest.live_replicas import LiveSpec, build_parser, main_async, replica_config_yaml
+from proxy.config import parse_config
+
+# 24 requests over ~3 s sharing two system prompts: short prompts, so the test stays a few seconds long,
+# and shared prefixes, so the engines report cache hits and publish the blocks they store.
+TINY = ("sysprompt:requests=24,rate=8,system_prompts=2,system_tokens=600-900,users=6,question_tokens=20-60,"
+        "answer_tokens=4-12")
+
+
+def test_replica_config_parses_with_kv_events_for_every_backend() -> None:
+    servers = [{"name": f"sim-{i}", "url": f"http://127.0.0.1:{9000 + i}", "kv_events": f"tcp://127.0.0.1:{7000 + i}",
+                "kv_replay": f"tcp://127.0.0.1:{7100 + i}"} for i in range(3)]
+    cfg = parse_config(replica_config_yaml(LiveSpec(backends=3, index="precise", load_view="engines"), servers, 8080, 8081))
+    assert cfg.routing.policy == "affinity" and cfg.routing.shared_backends is True
+    kv = cfg.telemetry.kv_events.backends
+    assert sorted(kv) == ["sim-0", "sim-1", "sim-2"]
+    assert kv["sim-1"].endpoint == "tcp://127.0.0.1:7001" and kv["sim-1"].replay_endpoint == "tcp://127.0.0.1:7101"
+    learned = parse_config(replica_config_yaml(LiveSpec(backends=3, index="learned", load_view="own"), servers, 8080, 8081))
+    assert learned.routing.shared_backends is False and not learned.telemetry.kv_events.enabled
+
+
+async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
+    out = tmp_path / "live.json"
+    argv = ["--workload", TINY, "--seed", "3", "--backends", "2", "--replicas", "2", "--index", "precise",
+            "--max-model-len", "8192", "--no-progress", "--out", str(out)]
+    doc = await main_async(build_parser().parse_args(argv), argv)
+    assert json.loads(out.read_text())["table"] == doc["table"]
+    (run,) = doc["runs"]
+    live, rep = run["live"], run["replay"]
+    assert live["requests"] == rep["requests"] == 24
+    assert live["errors"] == 0 and live["ok"] == 24, run["live_meta"]
+    # The client spread the requests over both replicas, and each replica's index was fed by the events
+    # of every backend that served something.
+    share = run["live_meta"]["replica_share"]
+    assert len(share) == 2 and min(share) > 0 and sum(share) == 24
+    served = {b for b, n in live["backend_share"].items() if n}
+    for blocks in run["live_meta"]["kv_index_blocks"]:
+        assert {b for b, n in blocks.items() if n > 0} >= served, blocks
+    # Shared system prompts: both the live engines and the replayed ones report prefix-cache hits.
+    assert live["hit_ratio"] and live["hit_ratio"] > 0 and rep["hit_ratio"] and rep["hit_ratio"] > 0
+    assert run["ratios"]["ttft_mean"] is not None and run["ratios"]["ttft_mean"] > 0
+    assert "| TTFT p99 |" in doc["table"] and "live / replay" in doc["table"]
