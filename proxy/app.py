@@ -57,7 +57,7 @@ from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.router import Router
 from proxy.grpc.listener import GrpcListener
-from proxy.http.server import HttpDataPlane
+from proxy.http.server import ClientLimits, HttpDataPlane, HttpListener
 from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
 from proxy.metrics import ProxyMetrics
 from proxy.resilience import Resilience, panic_view
@@ -114,7 +114,7 @@ class AffinityProxy:
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
-        self._http_runner: web.ServerRunner | None = None
+        self._http_runner: HttpListener | None = None
         self._admin_runner: web.AppRunner | None = None
         self._started = False
         self._install_subsystems(config, policy, on_outcome, load_report)
@@ -217,14 +217,17 @@ class AffinityProxy:
         self.session = create_session(cfg)
         self.upstream.start()
         if self.role != "control":
+            t = cfg.timeouts
             self.http = HttpDataPlane(
                 self.openai, self.session, self.metrics,
-                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=cfg.timeouts.connect_s,
+                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=t.connect_s,
+                limits=ClientLimits(
+                    max_header_bytes=cfg.limits.max_header_bytes, header_s=t.client_header_s,
+                    body_idle_s=t.client_body_idle_s, body_s=t.client_body_s, keepalive_s=t.client_keepalive_s,
+                    max_per_client=cfg.limits.max_connections_per_client),
             )
-            self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
-            await self._http_runner.setup()
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
-            await web.SockSite(self._http_runner, sock, backlog=DATA_BACKLOG).start()
+            self._http_runner = await self.http.listen(sock, drain_s=t.drain_s, backlog=DATA_BACKLOG)
         if self.role != "data":
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
@@ -297,7 +300,7 @@ class AffinityProxy:
     # ------------------------------------------------------------------------------------------ addresses
 
     @staticmethod
-    def _url(runner: web.BaseRunner | None) -> str:
+    def _url(runner: web.BaseRunner | HttpListener | None) -> str:
         if runner is None or not runner.addresses:
             raise RuntimeError("not started")
         host, port = runner.addresses[0][:2]
