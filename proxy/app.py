@@ -217,17 +217,17 @@ class AffinityProxy:
         self.session = create_session(cfg)
         self.upstream.start()
         if self.role != "control":
-            t = cfg.timeouts
+            tmo = cfg.timeouts
             self.http = HttpDataPlane(
                 self.openai, self.session, self.metrics,
-                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=t.connect_s,
+                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=tmo.connect_s,
                 limits=ClientLimits(
-                    max_header_bytes=cfg.limits.max_header_bytes, header_s=t.client_header_s,
-                    body_idle_s=t.client_body_idle_s, body_s=t.client_body_s, keepalive_s=t.client_keepalive_s,
+                    max_header_bytes=cfg.limits.max_header_bytes, header_s=tmo.client_header_s,
+                    body_idle_s=tmo.client_body_idle_s, body_s=tmo.client_body_s, keepalive_s=tmo.client_keepalive_s,
                     max_per_client=cfg.limits.max_connections_per_client),
             )
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
-            self._http_runner = await self.http.listen(sock, drain_s=t.drain_s, backlog=DATA_BACKLOG)
+            self._http_runner = await self.http.listen(sock, drain_s=tmo.drain_s, backlog=DATA_BACKLOG)
         if self.role != "data":
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()

@@ -94,7 +94,7 @@ def _date() -> str:
     if now != _DATE[0]:
         _DATE[0] = now
         _DATE[1] = f"Date: {formatdate(now, usegmt=True)}\r\n"
-    return _DATE[1]  # type: ignore[no-any-return]  # the cache holds the str at [1]
+    return str(_DATE[1])
 
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
@@ -190,7 +190,6 @@ class HttpConnection(asyncio.Protocol):
         try:
             events = self.parser.feed(data)
         except ProtocolError as exc:
-            self._on_events(exc.events)
             self._bad_request(exc)
             return
         if events:
@@ -345,7 +344,6 @@ class HttpConnection(asyncio.Protocol):
         try:
             events = self.parser.next()
         except ProtocolError as exc:
-            self._on_events(exc.events)
             self._bad_request(exc)
             return
         if events:

@@ -597,6 +597,9 @@ def _request_line(line: bytes) -> tuple[str, bytes, bytes]:
     return name, target, version[5:]
 
 
+RequestEvent = Union[Request, Data, EndOfMessage]
+
+
 class RequestParser:
     """Parses the requests of one client connection; see the block comment above."""
 
@@ -617,7 +620,7 @@ class RequestParser:
         """Bytes held and not parsed yet (in DONE: what the client pipelined after this request)."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes) -> list[RequestEvent]:
         """The events that `data` completes (none past the end of the current request)."""
         state = self.state
         if state is ERROR:
@@ -631,19 +634,18 @@ class RequestParser:
             self._buf = b""
         elif not data:
             return []
-        events: list[Event] = []
+        events: list[RequestEvent] = []
         try:
             if state is BODY:
                 return self._body(data, 0, events)
             return self._head(data, events)
-        except ProtocolError as exc:
-            exc.events = events
+        except ProtocolError as exc:  # what the bytes before completed belongs to the request that failed
             self.state = ERROR
             self._error = exc
             self._buf = b""
             raise
 
-    def next(self) -> list[Event]:
+    def next(self) -> list[RequestEvent]:
         """The current request was answered: start on the next one (with what was pipelined)."""
         if self.state is not DONE:
             raise RuntimeError("next() before the end of the current request")
@@ -670,7 +672,7 @@ class RequestParser:
 
     # ---------------------------------------------------------------------------------------- head
 
-    def _head(self, data: bytes, events: list[Event]) -> list[Event]:
+    def _head(self, data: bytes, events: list[RequestEvent]) -> list[RequestEvent]:
         start = 0
         while data.startswith(b"\r\n", start):  # RFC 9112 2.2: ignore empty lines before a request line
             start += 2
@@ -753,7 +755,7 @@ class RequestParser:
 
     # ---------------------------------------------------------------------------------------- body
 
-    def _body(self, data: bytes, pos: int, events: list[Event]) -> list[Event]:
+    def _body(self, data: bytes, pos: int, events: list[RequestEvent]) -> list[RequestEvent]:
         request = self.request
         assert request is not None
         if request.framing is CONTENT_LENGTH:
@@ -808,11 +810,11 @@ class RequestParser:
         self._buf = data[pos:] if pos < n else b""
         return events
 
-    def _done(self, data: bytes, pos: int, events: list[Event], end: EndOfMessage) -> list[Event]:
+    def _done(self, data: bytes, pos: int, events: list[RequestEvent], end: EndOfMessage) -> list[RequestEvent]:
         self.state = DONE
         self._buf = data[pos:] if pos < len(data) else b""
         events.append(end)
         return events
 
 
-__all__ += ["HeadTooLarge", "IDLE", "IncompleteRequest", "Request", "RequestParser"]
+__all__ += ["HeadTooLarge", "IDLE", "IncompleteRequest", "Request", "RequestEvent", "RequestParser"]
