@@ -179,3 +179,57 @@ async def test_connections_per_client_can_be_capped(backends: list[FakeBackend],
     async with aiohttp.ClientSession() as s:  # the slots are free again
         async with s.post(proxy.http_url + "/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200
+
+
+async def test_pipelined_requests_are_answered_in_order(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(backends[:1])
+    reader, writer = await _connect(proxy)
+    body = json.dumps(CHAT).encode()
+    one = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-request-id: r%d\r\nContent-Length: %d\r\n\r\n%s"
+    writer.write(one % (1, len(body), body) + one % (2, len(body), body) + b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                 b"x-request-id: r3\r\nConnection: close\r\n\r\n")
+    data, _ = await _until_closed(reader, 10)
+    ids = [line.split(b":", 1)[1].strip() for line in data.split(b"\r\n") if line.lower().startswith(b"x-request-id")]
+    assert ids == [b"r1", b"r2", b"r3"]
+    assert data.count(b"HTTP/1.1 200") == 3
+    writer.close()
+
+
+async def test_http10_client_gets_its_answer_then_the_close(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
+    proxy = await make_proxy(backends[:1])
+    for stream in (False, True):
+        reader, writer = await _connect(proxy)
+        body = json.dumps({**CHAT, "stream": stream}).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        data, _ = await _until_closed(reader, 10)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"chunked" not in head.lower()
+        assert (b"[DONE]" in rest) if stream else json.loads(rest)["choices"]
+        writer.close()
+
+
+async def test_an_accepted_transport_can_be_handed_over(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
+    """What a one-port listener does: sniff the first bytes, then give the transport to the HTTP/1.1 protocol."""
+    proxy = await make_proxy(backends[:1])
+    plane = proxy.http
+    assert plane is not None
+
+    class Sniffer(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            http = plane.protocol()
+            self.transport.set_protocol(http)
+            http.connection_made(self.transport)
+            http.data_received(data)
+
+    server = await asyncio.get_running_loop().create_server(Sniffer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):  # and the connection stays the HTTP/1.1 protocol's for the next request
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200 and (await resp.json())["choices"]
+    finally:
+        server.close()
