@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr", "ap-aff"]
+COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff"]
 DEFAULT_TARGETS = "direct,nginx,vllm-rr,sglang-rr,sglang-cache,ap-rr,ap-aff"
 
 
@@ -45,7 +45,8 @@ def load_harness(peers_dir: str):  # type: ignore[no-untyped-def]  # the harness
     return mod
 
 
-def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float) -> None:  # type: ignore[no-untyped-def]
+def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type: ignore[no-untyped-def]
+              baseline: str | None = None) -> None:
     """Move every port of the harness by `base - 18000` and write the configs that name ports."""
     shift = base - 18000
     b.BACKENDS = [18001 + shift, 18002 + shift]
@@ -72,6 +73,17 @@ def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float) -> None
                 f"routing: {{policy: {policy}}}\n"
             )
         aps[name] = (port + shift, [ap_bin, "run", "--config", path, "--workers", "1"], "absdtc")
+        if baseline is not None:  # the same config on other ports, run from another source tree
+            base_path = os.path.join(run_dir, name + "-base.yaml")
+            with open(path) as f:
+                text = f.read()
+            with open(base_path, "w") as f:
+                f.write(text.replace(str(port + shift), str(port + 10 + shift))
+                        .replace(str(port + 100 + shift), str(port + 110 + shift)))
+            aps[name + "-base"] = (port + 10 + shift, [
+                "env", f"PYTHONPATH={baseline}", os.path.join(os.path.dirname(ap_bin), "python"), "-m", "proxy",
+                "run", "--config", base_path,
+                "--workers", "1"], "absdtc")
     t = b.TARGETS
     t["direct"] = (b.BACKENDS[0], None, "absdtc")
     t["nginx"] = (18100 + shift, ["nginx", "-p", run_dir + "/nginx", "-c", nginx_conf], "absdtc")
@@ -117,7 +129,8 @@ def five_rows(raw: dict) -> dict[str, dict[str, float | None]]:
 
 def table(rows: dict[str, dict[str, float | None]], label: str) -> str:
     names = [n for n in COLUMNS if n in rows]
-    head = ["per proxy core"] + [f"**{n}** ({label})" if n.startswith("ap-") else n for n in names]
+    head = ["per proxy core"] + [n if not n.startswith("ap-") else f"**{n}**" if n.endswith("-base") else
+                                 f"**{n}** ({label})" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     spec = [("CPU µs per small POST, 64 connections", "cpu_req", "%.1f"),
             ("added p50 at 1 connection (µs)", "p50", "%.0f"),
@@ -149,6 +162,14 @@ def ratios(rows: dict[str, dict[str, float | None]]) -> str:
         ("CPU/event: ap-rr vs sglang-rr (target ≤ 1)", r("ap-rr", "sglang-rr", "cpu_event")),
         ("CPU/event: ap-aff vs sglang-rr (target ≤ 1)", r("ap-aff", "sglang-rr", "cpu_event")),
     ]
+    if "ap-rr-base" in rows:
+        checks += [
+            ("CPU/request: ap-rr vs ap-rr-base (this tree vs the baseline)", r("ap-rr", "ap-rr-base", "cpu_req")),
+            ("CPU/request: ap-aff vs ap-aff-base", r("ap-aff", "ap-aff-base", "cpu_req")),
+            ("added p50: ap-rr vs ap-rr-base", r("ap-rr", "ap-rr-base", "p50")),
+            ("added p50: ap-aff vs ap-aff-base", r("ap-aff", "ap-aff-base", "p50")),
+            ("CPU/event: ap-rr vs ap-rr-base", r("ap-rr", "ap-rr-base", "cpu_event")),
+        ]
     lines = ["| check | ratio |", "|---|---|"] + [f"| {a} | {b} |" for a, b in checks]
     for n in ("ap-rr", "ap-aff"):
         v = rows.get(n, {}).get("ttfe")
@@ -163,6 +184,8 @@ def main() -> None:
     ap.add_argument("--port-base", type=int, default=28000)
     ap.add_argument("--ap-bin", default=".venv/bin/affinity-proxy")
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--baseline", help="a source tree (e.g. `git archive main proxy | tar -x -C DIR`) run "
+                    "beside this one as ap-rr-base / ap-aff-base, with --ap-bin's Python")
     ap.add_argument("--targets", default=DEFAULT_TARGETS)
     ap.add_argument("--scenarios", default="a,c,d,t")
     ap.add_argument("--reps", type=int, default=3)
@@ -181,13 +204,17 @@ def main() -> None:
     run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"run-{a.port_base}")
     os.makedirs(run_dir, exist_ok=True)
     b = load_harness(a.peers_dir)
-    configure(b, a.port_base, os.path.abspath(a.ap_bin), run_dir, a.other_max)
+    configure(b, a.port_base, os.path.abspath(a.ap_bin), run_dir, a.other_max,
+              os.path.abspath(a.baseline) if a.baseline else None)
+    targets = a.targets
+    if a.baseline and "ap-rr-base" not in targets:
+        targets += ",ap-rr-base,ap-aff-base"
     b.RESULTS = a.results
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(a.results, f"peers-raw-{stamp}.json")
     # The harness's main() does the run (start, warm up, interleave, stop by PID) and writes raw-<stamp>.json.
     sys.argv = ["bench.py", "--scenarios", a.scenarios, "--reps", str(a.reps), "--duration", str(a.duration),
-                "--targets", a.targets]
+                "--targets", targets]
     before = set(os.listdir(a.results)) if os.path.isdir(a.results) else set()
     b.main()
     new = sorted(f for f in os.listdir(a.results) if f not in before and f.startswith("raw-") and f.endswith(".json"))
