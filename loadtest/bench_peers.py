@@ -73,7 +73,9 @@ def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type
                 f"routing: {{policy: {policy}}}\n"
             )
         aps[name] = (port + shift, [ap_bin, "run", "--config", path, "--workers", "1"], "absdtc")
-        if baseline is not None:  # the same config on other ports, run from another source tree
+        # The same config on other ports, run from another source tree (python -P: the current folder, this
+        # tree, must not come before PYTHONPATH on sys.path).
+        if baseline is not None:
             base_path = os.path.join(run_dir, name + "-base.yaml")
             with open(path) as f:
                 text = f.read()
@@ -81,7 +83,7 @@ def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type
                 f.write(text.replace(str(port + shift), str(port + 10 + shift))
                         .replace(str(port + 100 + shift), str(port + 110 + shift)))
             aps[name + "-base"] = (port + 10 + shift, [
-                "env", f"PYTHONPATH={baseline}", os.path.join(os.path.dirname(ap_bin), "python"), "-m", "proxy",
+                "env", f"PYTHONPATH={baseline}", os.path.join(os.path.dirname(ap_bin), "python"), "-P", "-m", "proxy",
                 "run", "--config", base_path,
                 "--workers", "1"], "absdtc")
     t = b.TARGETS
@@ -178,6 +180,80 @@ def ratios(rows: dict[str, dict[str, float | None]]) -> str:
     return "\n".join(lines)
 
 
+def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, conns: int, base_port: int) -> None:
+    """This tree against `baseline`, the two proxies up side by side, wrk runs of 3 s alternating between
+    them (ABBA order); CPU µs per request of each proxy's process tree (/proc) and wrk's p50, medians.
+    Both share every disturbance of a busy machine, so their ratio is steadier than the full run's."""
+    import signal
+    import subprocess
+
+    hz = os.sysconf("SC_CLK_TCK")
+    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
+    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
+    lua = os.path.join(peers_dir, "post_completions.lua")
+    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"ab-{base_port}")
+    os.makedirs(run_dir, exist_ok=True)
+    tok = os.path.join(run_dir, "fake-tokenizer")
+    b = load_harness(peers_dir)
+    b.TOKDIR = tok
+    b.ensure_tokenizer()
+    procs: list[subprocess.Popen[bytes]] = []
+    logf = open(os.path.join(run_dir, "ab.log"), "a")
+
+    def start(cmd: list[str], cpus: str, env: dict[str, str] | None = None) -> int:
+        p = subprocess.Popen(["taskset", "-c", cpus, *cmd], stdout=logf, stderr=logf, env=env, start_new_session=True)
+        procs.append(p)
+        return p.pid
+
+    trees = {"base": os.path.abspath(baseline), "this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    backends = [base_port + 1, base_port + 2]
+    ports = {"base": base_port + 11, "this": base_port + 12}
+    try:
+        for port in backends:
+            start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "200",
+                   "--model-path", tok], "1")
+        pids = {}
+        for name, tree in trees.items():
+            cfg = os.path.join(run_dir, f"{name}.yaml")
+            with open(cfg, "w") as f:
+                f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}}}\n"
+                        f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
+                        + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
+                        + f"routing: {{policy: {policy}}}\n")
+            pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
+                               dict(os.environ, PYTHONPATH=tree))
+        time.sleep(6)
+
+        def wrk(port: int, secs: int) -> dict[str, float]:
+            out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1" if conns == 1 else "-t2", f"-c{conns}",
+                                  f"-d{secs}s", "--latency", "-s", lua, f"http://127.0.0.1:{port}"],
+                                 capture_output=True, text=True).stdout
+            return b.parse_result(out)  # type: ignore[no-any-return]  # the harness is untyped
+
+        for name in trees:
+            wrk(ports[name], 2)  # warm-up
+        res: dict[str, list[tuple[float, float]]] = {n: [] for n in trees}
+        for rep in range(reps):
+            for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+                t0 = b.cpu_ticks(b.tree(pids[name]))
+                r = wrk(ports[name], 3)
+                t1 = b.cpu_ticks(b.tree(pids[name]))
+                res[name].append(((t1 - t0) / hz / r["requests"] * 1e6, r["p50_us"]))
+                b.log(f"ab {policy} c{conns} rep{rep} {name}: {res[name][-1][0]:.1f} µs CPU/req, p50 {r['p50_us']:.0f} µs")
+        med = {n: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for n, v in res.items()}
+        print(f"| {policy}, wrk -c{conns}, {reps}× 3 s alternating | baseline | this tree | ratio |\n|---|---|---|---|")
+        print(f"| CPU µs per request | {med['base'][0]:.1f} | {med['this'][0]:.1f} | {med['this'][0] / med['base'][0]:.2f}× |")
+        print(f"| p50 µs (wrk) | {med['base'][1]:.0f} | {med['this'][1]:.0f} | {med['this'][1] / med['base'][1]:.2f}× |")
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=15)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", "/work/shared/peers"))
@@ -194,7 +270,15 @@ def main() -> None:
                     help="the harness's quiet gate: %% of one core of foreign CPU tolerated (1000 = off)")
     ap.add_argument("--results", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--render", help="print the tables of a raw JSON file written by an earlier run")
+    ap.add_argument("--ab", metavar="POLICY", help="only the A/B CPU comparison of this tree and --baseline")
+    ap.add_argument("--ab-conns", type=int, default=64)
+    ap.add_argument("--ab-reps", type=int, default=6)
     a = ap.parse_args()
+    if a.ab:
+        if not a.baseline:
+            raise SystemExit("--ab needs --baseline")
+        ab_cpu(a.peers_dir, a.baseline, a.ap_bin, a.ab, a.ab_reps, a.ab_conns, a.port_base + 600)
+        return
     if a.render:
         with open(a.render) as f:
             raw = json.load(f)
