@@ -50,7 +50,6 @@ from multidict import CIMultiDict
 
 from proxy.control.orca import FORMAT_HEADER as ORCA_FORMAT_HEADER
 from proxy.core.snapshot import BackendState
-from proxy.dataplane.errors import error_body
 from proxy.dataplane.openai import UPSTREAM_ERRORS, Answer, InboundRequest, OpenAIPipeline, error_answer
 from proxy.dataplane.request_ids import new_request_id
 from proxy.metrics import ProxyMetrics
@@ -153,7 +152,6 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.plane.forget(self)
-        transport = self.transport
         self.closing = True
         task = self.task
         if task is not None and not task.done():
@@ -165,8 +163,7 @@ class HttpConnection(asyncio.Protocol):
         self.drain_waiter = None
         self.phase = _LINGER
         self.deadline = 0.0
-        if transport is not None:
-            self.transport = None
+        self.transport = None
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -668,4 +665,4 @@ class HttpDataPlane:
         return data.get("data", []) if isinstance(data, dict) and isinstance(data.get("data"), list) else []
 
 
-__all__ = ["ClientLimits", "HttpConnection", "HttpDataPlane", "HttpListener", "error_body"]
+__all__ = ["ClientLimits", "HttpConnection", "HttpDataPlane", "HttpListener"]
