@@ -65,8 +65,8 @@ from proxy.dataplane.router import Router
 from proxy.experiments.admin import add_experiment_routes
 from proxy.experiments.runtime import ExperimentRuntime
 from proxy.grpc.listener import GrpcListener
-from proxy.http.server import HttpDataPlane
-from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, DataSite, listening_socket
+from proxy.http.server import ClientLimits, HttpDataPlane, HttpListener
+from proxy.listen import ADMIN_BACKLOG, DATA_BACKLOG, listening_socket
 from proxy.tls import ServerTls, server_tls
 from proxy.metrics import ProxyMetrics
 from proxy.observability.admin_routes import observability_routes
@@ -150,7 +150,7 @@ class AffinityProxy:
         self.http: HttpDataPlane | None = None
         self._services: list[tuple[Service, bool]] = []
         self._tasks: list[_Task] = []
-        self._http_runner: web.ServerRunner | None = None
+        self._http_runner: HttpListener | None = None
         self._admin_runner: web.AppRunner | None = None
         self._started = False
         self._observer_task: asyncio.Task[None] | None = None
@@ -326,18 +326,23 @@ class AffinityProxy:
         self.session = create_session(cfg, self.backend_tls)
         self.upstream.start()
         if self.role != "control":
+            tmo = cfg.timeouts
             self.http = HttpDataPlane(
                 self.openai, self.session, self.metrics,
-                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=cfg.timeouts.connect_s,
+                max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=tmo.connect_s,
+                limits=ClientLimits(
+                    max_header_bytes=cfg.limits.max_header_bytes, header_s=tmo.client_header_s,
+                    body_idle_s=tmo.client_body_idle_s, body_s=tmo.client_body_s, keepalive_s=tmo.client_keepalive_s,
+                    max_per_client=cfg.limits.max_connections_per_client),
             )
-            self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
-            await self._http_runner.setup()
             if self.grpc is not None:
                 await self.grpc.start()  # before the main listener hands it HTTP/2 connections
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
             tls = self.tls.get("listen")
-            await DataSite(self._http_runner, sock, h2=self.grpc.protocol if self.grpc else None,
-                           ssl_context=tls.context if tls else None, backlog=DATA_BACKLOG).start()
+            self._http_runner = await self.http.listen(
+                sock, drain_s=tmo.drain_s, backlog=DATA_BACKLOG, h2=self.grpc.protocol if self.grpc else None,
+                ssl_context=tls.context if tls else None,
+            )
         if self.role != "data":
             self._admin_runner = web.AppRunner(self.admin_app, access_log=None)
             await self._admin_runner.setup()
@@ -427,7 +432,7 @@ class AffinityProxy:
     # ------------------------------------------------------------------------------------------ addresses
 
     @staticmethod
-    def _url(runner: web.BaseRunner | None, tls: bool = False) -> str:
+    def _url(runner: web.BaseRunner | HttpListener | None, tls: bool = False) -> str:
         if runner is None or not runner.addresses:
             raise RuntimeError("not started")
         host, port = runner.addresses[0][:2]

@@ -163,6 +163,8 @@ class LimitsConfig:
     max_body_bytes: int = field(default=10 * 1024 * 1024, metadata={"ge": 1})
     max_header_bytes: int = field(default=16384, metadata={"ge": 256})
     max_inflight_total: int | None = field(default=None, metadata={"ge": 1})
+    # Open HTTP/1.1 connections one client address may hold (429 and close beyond); None: no cap.
+    max_connections_per_client: int | None = field(default=None, metadata={"ge": 1})
 
     def __post_init__(self) -> None:
         check_config(self)
@@ -173,6 +175,13 @@ class TimeoutsConfig:
     connect_s: float = field(default=5.0, metadata={"gt": 0})
     request_s: float = field(default=600.0, metadata={"gt": 0})  # whole upstream exchange, streams included
     drain_s: float = field(default=30.0, metadata={"ge": 0})  # graceful-shutdown deadline
+    # HTTP/1.1 clients (proxy/http/server.py): a request head must be complete this long after its first
+    # byte; a body may pause this long between bytes and take this long in all; an idle keep-alive
+    # connection is closed after this long. Defaults as nginx's client_header/body timeouts, keepalive 75 s.
+    client_header_s: float = field(default=10.0, metadata={"gt": 0})
+    client_body_idle_s: float = field(default=30.0, metadata={"gt": 0})
+    client_body_s: float = field(default=300.0, metadata={"gt": 0})
+    client_keepalive_s: float = field(default=75.0, metadata={"gt": 0})
 
     def __post_init__(self) -> None:
         check_config(self)

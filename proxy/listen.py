@@ -1,7 +1,7 @@
 """Every listening socket of the proxy is opened here: the HTTP data listener, the h2c/gRPC listener, the
 admin listener, and the ports the --workers processes share.
 
-The servers are handed a bound, listening socket (aiohttp's `web.SockSite`, asyncio's
+The servers are handed a bound, listening socket (the HTTP/1.1 listener and asyncio's
 `create_server(sock=...)`), so socket options, TLS (proxy/tls.py) and ALPN have this one place to go.
 
 One port for every protocol: the main data listener accepts HTTP/1.1, HTTP/2 over TLS (ALPN `h2`), h2c
@@ -18,7 +18,6 @@ import socket
 import ssl
 from typing import Callable
 
-from aiohttp import web
 
 DATA_BACKLOG = 4096  # the data listeners take bursts of new connections (many clients, short requests)
 ADMIN_BACKLOG = 128
@@ -162,31 +161,7 @@ def sniffing(http1: ProtocolFactory, h2: ProtocolFactory | None) -> ProtocolFact
     return lambda: ProtocolSniffer(http1, h2)
 
 
-class DataSite(web.SockSite):
-    """aiohttp's SockSite, serving its runner's HTTP/1.1 protocol through the sniffer (one port for all).
-
-    The aiohttp runner still tracks the HTTP/1.1 connections and drains them on cleanup; the HTTP/2 ones
-    belong to the h2 side (proxy/grpc/listener.py), which drains them itself.
-    """
-
-    __slots__ = ("_h2",)
-
-    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *, h2: ProtocolFactory | None,
-                 ssl_context: ssl.SSLContext | None = None, backlog: int = DATA_BACKLOG) -> None:
-        super().__init__(runner, sock, ssl_context=ssl_context, backlog=backlog)
-        self._h2 = h2
-
-    async def start(self) -> None:
-        self._runner._reg_site(self)  # what BaseSite.start does
-        http1 = self._runner.server
-        assert http1 is not None
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            sniffing(http1, self._h2), sock=self._sock, ssl=self._ssl_context, backlog=self._backlog
-        )
-
-
 __all__ = [
-    "ADMIN_BACKLOG", "DATA_BACKLOG", "DataSite", "H2_PREFACE", "ProtocolSniffer", "listening_socket",
+    "ADMIN_BACKLOG", "DATA_BACKLOG", "H2_PREFACE", "ProtocolSniffer", "listening_socket",
     "reserve_port", "sniffing",
 ]

@@ -142,7 +142,7 @@ class Exchange:
     __slots__ = (
         "conn", "method_head", "status", "reason", "headers", "raw_headers", "chunked", "content_length",
         "keep_alive", "_parser", "_parts", "_raw_sink", "_piece_waiter",
-        "_done", "_head_fut", "_error", "_timer", "_complete", "_sink_transport", "_paused", "_pieces",
+        "_done", "_head_fut", "_error", "deadline", "_complete", "_sink_transport", "_paused", "_pieces",
     )
 
     def __init__(self, conn: _Connection, head_only: bool, loop: asyncio.AbstractEventLoop) -> None:
@@ -165,7 +165,7 @@ class Exchange:
         self._head_fut: asyncio.Future[None] = loop.create_future()
         self._done: asyncio.Future[None] | None = None  # made only if read() must wait for the body
         self._error: BaseException | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0  # loop time after which the pool's sweep times the exchange out
         self._complete = False
 
     # ---------------------------------------------------------------- parsing (called from the protocol)
@@ -242,8 +242,6 @@ class Exchange:
 
     def _finish(self) -> None:
         self._complete = True
-        if self._timer is not None:
-            self._timer.cancel()
         w = self._piece_waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -255,8 +253,6 @@ class Exchange:
         if self._complete or self._error is not None:
             return
         self._error = exc
-        if self._timer is not None:
-            self._timer.cancel()
         for fut in (self._head_fut, self._done):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
@@ -380,8 +376,7 @@ class Exchange:
     def release(self) -> None:
         """Return the connection to the pool if the exchange completed cleanly, else close it."""
         conn = self.conn
-        if self._timer is not None:
-            self._timer.cancel()
+        conn.pool._live.discard(self)
         conn.exchange = None
         if self._complete and self._paused:
             self.resume()  # the last chunk tipped the client's buffer over the mark: the connection is still fine
@@ -413,6 +408,11 @@ class UpstreamPool:
         self._backends: dict[str, Backend] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
+        # Exchanges in progress, timed out by one periodic check rather than a timer each: a timer per
+        # request (call_later + cancel) costs more than the rest of the pool's work on it.
+        self._live: set[Exchange] = set()
+        self._deadline_check: asyncio.TimerHandle | None = None
+        self._tick = min(1.0, max(0.01, request_timeout_s / 10))
 
     def backend(self, url: str) -> Backend:
         b = self._backends.get(url)
@@ -424,8 +424,19 @@ class UpstreamPool:
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="upstream-idle-sweeper")
 
+    def _check_deadlines(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for ex in [e for e in self._live if e.deadline <= now]:
+            self._live.discard(ex)
+            ex.timeout()  # nothing happens to one that completed or failed already
+        self._deadline_check = loop.call_later(self._tick, self._check_deadlines) if self._live else None
+
     async def close(self) -> None:
         self._closed = True
+        if self._deadline_check is not None:
+            self._deadline_check.cancel()
+            self._deadline_check = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
@@ -554,7 +565,10 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         ex = Exchange(conn, head_only, loop)
         conn.exchange = ex
-        ex._timer = loop.call_later(self.request_timeout_s, ex.timeout)
+        ex.deadline = loop.time() + self.request_timeout_s
+        self._live.add(ex)
+        if self._deadline_check is None:
+            self._deadline_check = loop.call_later(self._tick, self._check_deadlines)
         assert conn.transport is not None
         conn.transport.write(head + body if body else head)
         try:

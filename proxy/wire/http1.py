@@ -526,3 +526,295 @@ _READERS: dict[str, _Reader] = {
     CHUNKED: ResponseParser._read_chunked,
     UNTIL_CLOSE: ResponseParser._read_until_close,
 }
+
+
+# ================================================================================================ requests
+#
+# The server side: `RequestParser` reads the requests a client sends on one connection, one at a time,
+# however the bytes are split. Events for one request, in order: one `Request` (the head and the framing
+# its body has), `Data` pieces of the decoded body, one `EndOfMessage` (with the trailers of a chunked body).
+# Then the parser stops in DONE and keeps whatever came after (a pipelined next request) until the server
+# has answered and calls `next()`. Stricter than the response parser where RFC 9112 tells a server to be
+# (request smuggling): whitespace before a colon, folded lines, both Content-Length and Transfer-Encoding,
+# a transfer coding other than a final chunked are all errors (400). A head larger than `max_head` raises
+# `HeadTooLarge` (431).
+
+IDLE = "idle"  # between requests: nothing of the next one has arrived (a request parser state)
+
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_CTL = bytes(range(33)) + b"\x7f"  # not allowed in a request target (nor a space)
+_METHODS: dict[bytes, str] = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
+
+
+class HeadTooLarge(ProtocolError):
+    """The request's head is larger than the parser's `max_head` (answered 431)."""
+
+
+class IncompleteRequest(ProtocolError):
+    """The connection ended in the middle of a request."""
+
+
+class Request:
+    """A request's head. `headers`: every field as received (name as sent, value stripped), in order.
+    `framing`: NO_BODY, CONTENT_LENGTH or CHUNKED; `content_length` only with CONTENT_LENGTH.
+    `header_bytes`: the fields' size as the limit counts it (name + value + 4 per field).
+    `keep_alive`: the client lets the connection carry another request after this one."""
+
+    __slots__ = ("method", "target", "http_version", "headers", "framing", "content_length", "keep_alive",
+                 "expect_continue", "header_bytes")
+
+    def __init__(self, method: str, target: bytes, http_version: bytes, headers: list[tuple[bytes, bytes]],
+                 framing: str, content_length: int | None, keep_alive: bool, expect_continue: bool,
+                 header_bytes: int) -> None:
+        self.method = method
+        self.target = target
+        self.http_version = http_version
+        self.headers = headers
+        self.framing = framing
+        self.content_length = content_length
+        self.keep_alive = keep_alive
+        self.expect_continue = expect_continue
+        self.header_bytes = header_bytes
+
+    def __repr__(self) -> str:
+        return f"Request({self.method} {self.target!r}, framing={self.framing!r}, keep_alive={self.keep_alive})"
+
+
+def _request_line(line: bytes) -> tuple[str, bytes, bytes]:
+    method, sp, rest = line.partition(b" ")
+    target, sp2, version = rest.partition(b" ")
+    if not sp or not sp2 or not method or not target or b" " in version:
+        raise ProtocolError(f"malformed request line {line[:80]!r}")
+    if version != b"HTTP/1.1" and version != b"HTTP/1.0":
+        raise ProtocolError(f"unsupported HTTP version {version[:20]!r}")
+    name = _METHODS.get(method)
+    if name is None:
+        if not all(c in _TCHAR for c in method):
+            raise ProtocolError(f"malformed method {method[:20]!r}")
+        name = method.decode("ascii")
+    if len(target.translate(None, _CTL)) != len(target):
+        raise ProtocolError("control character in the request target")
+    return name, target, version[5:]
+
+
+RequestEvent = Union[Request, Data, EndOfMessage]
+
+
+class RequestParser:
+    """Parses the requests of one client connection; see the block comment above."""
+
+    __slots__ = ("state", "request", "max_head", "max_chunk", "_buf", "_remaining", "_chunked_stage", "_error")
+
+    def __init__(self, *, max_head: int = MAX_HEAD, max_chunk: int = MAX_CHUNK) -> None:
+        self.state = IDLE
+        self.request: Request | None = None
+        self.max_head = max_head
+        self.max_chunk = max_chunk
+        self._buf = b""  # bytes received and not consumed yet (a partial head or chunk, a pipelined request)
+        self._remaining = 0  # content-length: body bytes still to come
+        self._chunked_stage = 0  # 0: size line next, 1: trailers next
+        self._error: ProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held and not parsed yet (in DONE: what the client pipelined after this request)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[RequestEvent]:
+        """The events that `data` completes (none past the end of the current request)."""
+        state = self.state
+        if state is ERROR:
+            assert self._error is not None
+            raise self._error
+        if state is DONE:
+            self._buf += data  # pipelined: parsed after next()
+            return []
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        elif not data:
+            return []
+        events: list[RequestEvent] = []
+        try:
+            if state is BODY:
+                return self._body(data, 0, events)
+            return self._head(data, events)
+        except ProtocolError as exc:  # what the bytes before completed belongs to the request that failed
+            self.state = ERROR
+            self._error = exc
+            self._buf = b""
+            raise
+
+    def next(self) -> list[RequestEvent]:
+        """The current request was answered: start on the next one (with what was pipelined)."""
+        if self.state is not DONE:
+            raise RuntimeError("next() before the end of the current request")
+        self.state = IDLE
+        self.request = None
+        data, self._buf = self._buf, b""
+        return self.feed(data)
+
+    def feed_eof(self) -> None:
+        """The client closed its side: fine between requests, IncompleteRequest inside one."""
+        if self.state is ERROR:
+            assert self._error is not None
+            raise self._error
+        if self.state is BODY or (self.state is IDLE and self._buf):
+            where = "body" if self.state is BODY else "head"
+            self.state = ERROR
+            self._error = IncompleteRequest(f"connection closed in the middle of the request {where}")
+            raise self._error
+
+    @property
+    def started(self) -> bool:
+        """Some bytes of a request not yet complete are here (its head is being read, or its body)."""
+        return self.state is BODY or (self.state is IDLE and bool(self._buf))
+
+    # ---------------------------------------------------------------------------------------- head
+
+    def _head(self, data: bytes, events: list[RequestEvent]) -> list[RequestEvent]:
+        start = 0
+        while data.startswith(b"\r\n", start):  # RFC 9112 2.2: ignore empty lines before a request line
+            start += 2
+        end = data.find(b"\r\n\r\n", start)
+        if end < 0:
+            if len(data) - start > self.max_head:
+                raise HeadTooLarge(f"request head larger than {self.max_head} bytes")
+            self._buf = data[start:] if start else data
+            return events
+        if end - start > self.max_head:
+            raise HeadTooLarge(f"request head larger than {self.max_head} bytes")
+        head = data[start:end]
+        lines = head.split(b"\r\n")
+        if len(head) - len(head.translate(None, b"\r\n")) != 2 * len(lines) - 2:
+            raise ProtocolError("bare CR or LF in the request head")
+        method, target, version = _request_line(lines[0])
+        keep_alive = version == b"1.1"
+        length: int | None = None
+        transfer: bytes | None = None
+        expect = False
+        fields: list[tuple[bytes, bytes]] = []
+        append = fields.append
+        size = 0
+        for line in lines[1:]:
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name.strip() is not name:
+                if line[:1] in (b" ", b"\t"):
+                    raise ProtocolError("folded header line in a request")
+                raise ProtocolError(f"malformed header line {line[:80]!r}")
+            value = value.strip()
+            append((name, value))
+            n = len(name)
+            size += n + len(value) + 4
+            if n == 14 or n == 17 or n == 10 or n == 6:  # content-length, transfer-encoding, connection, expect
+                lname = name.lower()
+                if lname == b"content-length":
+                    v = int(value) if value.isdigit() else _content_length(value)
+                    if length is not None and v != length:
+                        raise ProtocolError("conflicting Content-Length fields")
+                    length = v
+                elif lname == b"transfer-encoding":
+                    transfer = value.lower() if transfer is None else transfer + b", " + value.lower()
+                elif lname == b"connection":
+                    tokens = {t.strip() for t in value.lower().split(b",")}
+                    if b"close" in tokens:
+                        keep_alive = False
+                    elif b"keep-alive" in tokens and version == b"1.0":
+                        keep_alive = True
+                elif lname == b"expect":
+                    expect = value.lower() == b"100-continue"
+        if transfer is not None:
+            if length is not None:
+                raise ProtocolError("both Content-Length and Transfer-Encoding")
+            if transfer.rsplit(b",", 1)[-1].strip() != b"chunked" or version == b"1.0":
+                raise ProtocolError(f"unsupported Transfer-Encoding {transfer[:40]!r}")
+            framing = CHUNKED
+        elif length:
+            framing = CONTENT_LENGTH
+        else:
+            framing = NO_BODY
+            length = None
+        request = Request(method, target, version, fields, framing, length, keep_alive, expect, size)
+        self.request = request
+        events.append(request)
+        pos = end + 4
+        if framing is NO_BODY:
+            return self._done(data, pos, events, _END)
+        if framing is CONTENT_LENGTH:
+            stop = pos + length  # type: ignore[operator]  # set with CONTENT_LENGTH
+            if stop <= len(data):  # the usual small POST: head and body in one read
+                events.append(Data(data[pos:stop] if pos or stop != len(data) else data))
+                return self._done(data, stop, events, _END)
+            self._remaining = length  # type: ignore[assignment]  # set with CONTENT_LENGTH
+        else:
+            self._chunked_stage = 0
+        self.state = BODY
+        if pos < len(data):
+            return self._body(data, pos, events)
+        return events
+
+    # ---------------------------------------------------------------------------------------- body
+
+    def _body(self, data: bytes, pos: int, events: list[RequestEvent]) -> list[RequestEvent]:
+        request = self.request
+        assert request is not None
+        if request.framing is CONTENT_LENGTH:
+            n = len(data) - pos
+            remaining = self._remaining
+            if n < remaining:
+                self._remaining = remaining - n
+                if n:
+                    events.append(Data(data[pos:] if pos else data))
+                return events
+            stop = pos + remaining
+            self._remaining = 0
+            events.append(Data(data[pos:stop]))
+            return self._done(data, stop, events, _END)
+        n = len(data)
+        while pos < n:
+            if self._chunked_stage == 1:  # after the last chunk: trailers, then an empty line
+                if data.startswith(b"\r\n", pos):
+                    return self._done(data, pos + 2, events, _END)
+                end = data.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    if n - pos > self.max_head:
+                        raise HeadTooLarge(f"trailer section larger than {self.max_head} bytes")
+                    break
+                block = data[pos:end]
+                lines = block.split(b"\r\n")
+                if _bare_cr_or_lf(block, lines):
+                    raise ProtocolError("bare CR or LF in the trailer section")
+                return self._done(data, end + 4, events, EndOfMessage(tuple(_fields(lines))))
+            eol = data.find(b"\r\n", pos)
+            if eol < 0:
+                if n - pos > _MAX_CHUNK_LINE:
+                    raise ProtocolError("chunk size line too long")
+                break
+            line = data[pos:eol]
+            size = _CHUNK_SIZES.get(line)
+            if size is None:
+                size = _chunk_size(line)
+            if not size:
+                self._chunked_stage = 1
+                pos = eol + 2
+                continue
+            if size > self.max_chunk:
+                raise ProtocolError(f"chunk of {size} bytes is larger than {self.max_chunk}")
+            chunk_end = eol + 4 + size
+            if chunk_end > n:
+                break
+            if data[chunk_end - 2] != 13 or data[chunk_end - 1] != 10:
+                raise ProtocolError("chunk data not followed by CRLF")
+            events.append(Data(data[eol + 2 : chunk_end - 2]))
+            pos = chunk_end
+        self._buf = data[pos:] if pos < n else b""
+        return events
+
+    def _done(self, data: bytes, pos: int, events: list[RequestEvent], end: EndOfMessage) -> list[RequestEvent]:
+        self.state = DONE
+        self._buf = data[pos:] if pos < len(data) else b""
+        events.append(end)
+        return events
+
+
+__all__ += ["HeadTooLarge", "IDLE", "IncompleteRequest", "Request", "RequestEvent", "RequestParser"]
