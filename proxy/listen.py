@@ -89,7 +89,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SNIFF_TIMEOUT_S = 30.0  # a connection that sends no byte for this long is closed (as aiohttp's idle timeout would)
+# A connection that sends no byte for this long is closed, unless the listener says otherwise (the HTTP/1.1
+# listener passes its client header timeout: an idle socket is closed as the HTTP/1.1 side would close it).
+SNIFF_TIMEOUT_S = 30.0
 
 ProtocolFactory = Callable[[], asyncio.BaseProtocol]
 
@@ -103,11 +105,12 @@ class ProtocolSniffer(asyncio.Protocol):
     held back, and they are handed to the chosen protocol as its first `data_received`.
     """
 
-    __slots__ = ("_http1", "_h2", "_transport", "_buf", "_timer")
+    __slots__ = ("_http1", "_h2", "_transport", "_buf", "_timer", "_timeout_s")
 
-    def __init__(self, http1: ProtocolFactory, h2: ProtocolFactory) -> None:
+    def __init__(self, http1: ProtocolFactory, h2: ProtocolFactory, timeout_s: float = SNIFF_TIMEOUT_S) -> None:
         self._http1 = http1
         self._h2 = h2
+        self._timeout_s = timeout_s
         self._transport: asyncio.BaseTransport | None = None
         self._buf = b""
         self._timer: asyncio.TimerHandle | None = None
@@ -121,7 +124,7 @@ class ProtocolSniffer(asyncio.Protocol):
         elif alpn == "http/1.1":
             self._hand(self._http1, b"")
         else:
-            self._timer = asyncio.get_running_loop().call_later(SNIFF_TIMEOUT_S, transport.close)
+            self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.close)
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
@@ -154,11 +157,12 @@ class ProtocolSniffer(asyncio.Protocol):
             proto.data_received(first)  # type: ignore[attr-defined]  # both sides are stream protocols
 
 
-def sniffing(http1: ProtocolFactory, h2: ProtocolFactory | None) -> ProtocolFactory:
-    """The protocol factory of a listener that serves HTTP/1.1 and, when `h2` is given, HTTP/2 too."""
+def sniffing(http1: ProtocolFactory, h2: ProtocolFactory | None, timeout_s: float = SNIFF_TIMEOUT_S) -> ProtocolFactory:
+    """The protocol factory of a listener that serves HTTP/1.1 and, when `h2` is given, HTTP/2 too; a
+    connection that sends nothing for `timeout_s` before a protocol is chosen is closed."""
     if h2 is None:
         return http1
-    return lambda: ProtocolSniffer(http1, h2)
+    return lambda: ProtocolSniffer(http1, h2, timeout_s)
 
 
 __all__ = [

@@ -583,7 +583,7 @@ class HttpDataPlane:
         protocol factory) the same port also serves HTTP/2 (ALPN h2, or the h2c preface sniffed), and with
         `ssl_context` it speaks TLS."""
         server = await self.loop.create_server(
-            sniffing(self.protocol, h2), sock=sock, ssl=ssl_context, backlog=backlog
+            sniffing(self.protocol, h2, self.limits.header_s), sock=sock, ssl=ssl_context, backlog=backlog
         )
         return HttpListener(self, server, drain_s)
 

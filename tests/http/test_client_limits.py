@@ -167,7 +167,10 @@ async def test_malformed_http_is_an_openai_shaped_400(backends: list[FakeBackend
 async def test_connections_per_client_can_be_capped(backends: list[FakeBackend], make_proxy: ProxyFactory) -> None:
     proxy = await make_proxy(backends[:1], extra="limits: {max_connections_per_client: 2}\n")
     held = [await _connect(proxy) for _ in range(2)]
+    for _, w in held:  # the main port sniffs HTTP/1.1 vs HTTP/2 from the first bytes: speak HTTP/1.1
+        w.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     reader, writer = await _connect(proxy)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     data, _ = await _until_closed(reader, 5)
     status, err = _status_and_error(data)
     assert status == 429 and err["code"] == "too_many_connections"
