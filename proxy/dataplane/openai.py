@@ -234,6 +234,11 @@ class OpenAIPipeline(Generic[T]):
         except NoBackendAvailable as exc:
             result = error_answer(503, str(exc) or "No backend is available", "server_error", "no_backend",
                                   request_id=request_id, retry_after=RETRY_AFTER_S)
+        except Exception as exc:  # a fault in the proxy (a bug, a policy that raised): this request alone fails
+            log.error("internal error on request %s: %s: %s", request_id, type(exc).__name__, exc)
+            self.metrics.error("internal_error")
+            result = error_answer(500, "Internal proxy error", "server_error", "internal_error",
+                                  request_id=request_id)
         if isinstance(result, Answer):
             return await responder.send(result)
         return result
@@ -323,6 +328,15 @@ class OpenAIPipeline(Generic[T]):
                 f"The backend {name} failed while streaming: {type(exc).__name__}",
                 "upstream_stream_error",
             ))
+        except Exception as exc:
+            # A fault in the proxy while relaying: the stream still ends in a shape the client parses.
+            log.error("internal error relaying a response of %s: %s: %s", lease.backend.name,
+                      type(exc).__name__, exc)
+            self.metrics.error("internal_error")
+            lease.status = 500
+            if not sse or responder.gone():
+                return await responder.abort()
+            await responder.write(sse_error_event("Internal proxy error while streaming", "internal_error"))
         return await responder.end()
 
 

@@ -24,6 +24,7 @@ from proxy.grpc.context import RelayContext
 log = logging.getLogger(__name__)
 
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
+_INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
 
 
 class Downstream(H2Side):
@@ -81,17 +82,42 @@ class Downstream(H2Side):
         for ev in events:
             handler = handlers.get(type(ev))
             if handler is not None:
-                handler(ev)
+                try:
+                    handler(ev)
+                except Exception as exc:  # one stream's fault: that stream ends, the connection goes on
+                    self.stream_fault(getattr(ev, "stream_id", 0), exc)
         touched = self._touched
         if touched:
             self._touched = {}
             for call in touched:
-                call.flush_up()
+                try:
+                    call.flush_up()
+                except Exception as exc:
+                    call.internal_error(exc)
         if self.holding:
             for call in self.holding:
                 call.arm_timer()
             self.holding.clear()
         self.mark()
+
+    def stream_fault(self, sid: int, exc: Exception) -> None:
+        """An exception while handling one stream's event (a bug, a policy that raised): end that stream
+        alone with a protocol-shaped error (gRPC INTERNAL; RST_STREAM INTERNAL_ERROR for a bridged HTTP/2
+        request) and one log line. An exception raised outside any stream is a fault of the connection."""
+        call = self.calls.get(sid)
+        if call is not None:
+            call.internal_error(exc)
+            return
+        log.error("internal error on client HTTP/2 stream %d: %s: %s", sid, type(exc).__name__, exc)
+        self.others.pop(sid, None)
+        if sid:
+            try:
+                self.conn.reset_stream(sid, _INTERNAL)
+            except h2.exceptions.ProtocolError:
+                pass
+        else:
+            # Connection-level state is suspect: end this connection only, politely.
+            self.close()
 
     def _stream(self, sid: int) -> Call | HttpBridgeCall | None:
         call = self.calls.get(sid)
