@@ -63,7 +63,7 @@ class GrpcListener:
         quiet_hpack_logging()  # after logging is configured: hpack keeps its debug lines when asked for
         options = self.options
         self.local = LocalServices(self._store, self._inflight, admin=options.admin_service,
-                                   admin_token=self._admin_token)
+                                   admin_token=self._admin_token, listener_host=self.host)
         await self.local.start()
         loop = asyncio.get_running_loop()
         flusher = Flusher(loop)
