@@ -1,0 +1,25 @@
+"""Every crash the fuzzers found (loadtest/fuzz, report in loadtest/results/fuzz.md), kept as a test."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import ConfigError, parse_config
+
+ONE_BACKEND = "backends:\n  - {name: a, url: 'http://h:1'}\n"
+
+
+@pytest.mark.parametrize("text, where", [
+    # fuzz config #1: an unknown YAML tag on a value escaped as yaml.ConstructorError (a traceback out of
+    # check-config, an unhandled exception in a reload).
+    ("listen: {port: !808 }\n" + ONE_BACKEND, "listen.port"),
+    # fuzz config #2: the same on a mapping key.
+    ("listen: {!weight: 3}\n" + ONE_BACKEND, "listen"),
+    # Found while fixing #1: tagged values YAML cannot build raise ValueError from inside PyYAML.
+    ("listen: {port: !!int 0x}\n" + ONE_BACKEND, "listen.port"),
+    ("listen: {host: !!timestamp 2020-99-99}\n" + ONE_BACKEND, "listen.host"),
+])
+def test_config_values_yaml_cannot_build_are_config_errors(text: str, where: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(text)
+    assert where in str(err.value)

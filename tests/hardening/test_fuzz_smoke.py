@@ -1,0 +1,26 @@
+"""CI's smoke of every fuzz target: each runs for a few seconds under atheris and finds nothing.
+
+The long runs (>= 1,000,000 inputs per target) and their numbers are in loadtest/results/fuzz.md.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.fuzz.targets import TARGETS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_fuzz_target_smoke(target: str, tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "loadtest.fuzz", target, "--runs", "100000000", "--seconds", "3",
+                        "--corpus", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=110)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "DONE" in out and "cov:" in out, out[-3000:]
+    assert not list(tmp_path.glob("crash-*")), out[-3000:]
