@@ -64,7 +64,7 @@ class Call:
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "lease",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
         "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "timer", "route_key", "summary",
-        "grpc_status", "failure", "admission", "deadline", "holding", "request_id",
+        "grpc_status", "failure", "admission", "deadline", "holding", "request_id", "touched_at",
     )
 
     def __init__(self, ctx: RelayContext, down: ClientConnection, holding: list["Call"], sid: int,
@@ -78,6 +78,7 @@ class Call:
         self.path = path
         self.ext = ext  # None: a local service (health, admin), not routed
         self.started = time.monotonic()  # the HEADERS are in: deadline and request duration count from here
+        self.touched_at = self.started  # the client's last DATA on this stream (set by the connection)
         self.timeout: float | None = None
         self.encoding = b"identity"
         self.route_key: str | None = None
