@@ -65,6 +65,8 @@ from proxy.upstream.factory import create_pool, create_session
 from proxy.upstream.http1 import UpstreamPool
 
 log = logging.getLogger("affinity_proxy")
+# After the drain deadline, how long the final answers (error events, 503s) get before aiohttp cuts what is left.
+DRAIN_GRACE_S = 1.0
 
 
 Role = Literal["all", "control", "data"]
@@ -221,7 +223,10 @@ class AffinityProxy:
                 self.openai, self.session, self.metrics,
                 max_header_bytes=cfg.limits.max_header_bytes, connect_timeout_s=cfg.timeouts.connect_s,
             )
-            self._http_runner = web.ServerRunner(self.http.make_server(), shutdown_timeout=cfg.timeouts.drain_s)
+            # aiohttp cuts what is left a little after the drain deadline: by then `stop` has had every request
+            # still in flight end itself with its final answer (OpenAIPipeline.expire).
+            self._http_runner = web.ServerRunner(self.http.make_server(),
+                                                 shutdown_timeout=cfg.timeouts.drain_s + DRAIN_GRACE_S)
             await self._http_runner.setup()
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
             await web.SockSite(self._http_runner, sock, backlog=DATA_BACKLOG).start()
@@ -258,7 +263,21 @@ class AffinityProxy:
         if self._http_runner is not None:
             drains.append(self._http_runner.cleanup())
         drains.extend(s.stop() for s, data_plane in self._services if data_plane and self._runs(True))
+
+        async def deadline() -> None:
+            # At timeouts.drain_s, streams still open end with an OpenAI error event and requests not yet
+            # answered with a 503 (HTTP/1.1 and the HTTP/2 bridge alike); gRPC calls end UNAVAILABLE in
+            # GrpcListener.stop at the same deadline.
+            await asyncio.sleep(self.config.timeouts.drain_s)
+            n = self.openai.expire()
+            if n:
+                log.warning("drain deadline (%g s) passed: ended %d requests still in flight",
+                            self.config.timeouts.drain_s, n)
+
+        expiry = asyncio.create_task(deadline()) if self._runs(True) else None
         results = await asyncio.gather(*drains, return_exceptions=True)
+        if expiry is not None:
+            expiry.cancel()
         for r in results:
             if isinstance(r, BaseException):
                 log.error("error while draining: %r", r)

@@ -187,6 +187,29 @@ class OpenAIPipeline(Generic[T]):
         self.debug_headers = debug_headers
         self.max_body_bytes = max_body_bytes
         self.session_header = session_header
+        # The tasks of the requests being proxied, and the ones told to end because the drain deadline
+        # passed (`expire`): a stream ends with an SSE error event, an unanswered request with a 503.
+        self._active: set[asyncio.Task[Any]] = set()
+        self._expired: set[asyncio.Task[Any]] = set()
+
+    def expire(self) -> int:
+        """The drain deadline (timeouts.drain_s) passed: end every request still in flight, each in its
+        protocol's shape, so that clients hear why instead of seeing a cut connection. Returns how many."""
+        tasks = [t for t in self._active if not t.done()]
+        for task in tasks:
+            self._expired.add(task)
+            task.cancel()
+        return len(tasks)
+
+    def _expiring(self) -> bool:
+        """True once, in a request task cancelled by `expire`: the cancellation is taken back so the task
+        can still write its final answer."""
+        task = asyncio.current_task()
+        if task is None or task not in self._expired:
+            return False
+        self._expired.discard(task)
+        task.uncancel()
+        return True
 
     # ------------------------------------------------------------------------------------------ request
 
@@ -219,6 +242,25 @@ class OpenAIPipeline(Generic[T]):
         return await self.proxy(req, summary, responder)
 
     async def proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
+        request_id = req.request_id
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
+        try:
+            return await self._proxy(req, summary, responder)
+        except asyncio.CancelledError:
+            if not self._expiring():
+                raise
+            # Drain deadline before any response byte: the client may retry elsewhere.
+            return await responder.send(error_answer(
+                503, "The proxy is shutting down (its drain deadline passed)", "server_error", "shutting_down",
+                request_id=request_id, retry_after=RETRY_AFTER_S, close=True))
+        finally:
+            if task is not None:
+                self._active.discard(task)
+                self._expired.discard(task)
+
+    async def _proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
         request_id = req.request_id
         try:
             result: Answer | T = await run_with_retries(
@@ -328,6 +370,14 @@ class OpenAIPipeline(Generic[T]):
                 f"The backend {name} failed while streaming: {type(exc).__name__}",
                 "upstream_stream_error",
             ))
+        except asyncio.CancelledError:
+            if not self._expiring():
+                raise
+            lease.status = 503
+            if not sse or responder.gone():
+                return await responder.abort()
+            await responder.write(sse_error_event(
+                "The proxy is shutting down: this stream outlived its drain deadline", "shutting_down"))
         except Exception as exc:
             # A fault in the proxy while relaying: the stream still ends in a shape the client parses.
             log.error("internal error relaying a response of %s: %s: %s", lease.backend.name,

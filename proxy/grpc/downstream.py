@@ -21,7 +21,7 @@ from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.call import Call
 from proxy.grpc.connection import FastData, H2Side
 from proxy.grpc.context import RelayContext
-from proxy.wire.grpc import CANCELLED
+from proxy.wire.grpc import CANCELLED, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -307,6 +307,15 @@ class Downstream(H2Side):
         frame.last_stream_id = self.conn.highest_inbound_stream_id
         frame.error_code = 0
         self.transport.write(frame.serialize())
+
+    def expire_calls(self, message: str) -> None:
+        """The drain deadline passed: every gRPC call still open ends UNAVAILABLE with `message`."""
+        for call in list(self.calls.values()):
+            try:
+                call.fail(UNAVAILABLE, message)
+            except Exception as exc:
+                call.internal_error(exc)
+        self.mark()
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:

@@ -28,6 +28,7 @@ from proxy.grpc.upstream import BackendPool, PoolOptions, Pools
 from proxy.listen import DATA_BACKLOG, listening_socket
 
 log = logging.getLogger("affinity_proxy.grpc")
+DRAIN_GRACE_S = 1.0  # after the drain deadline, for bridged HTTP/2 requests to write their final answers
 
 
 class GrpcListener:
@@ -103,6 +104,14 @@ class GrpcListener:
                 down.goaway()
             while any(d.calls or d.others for d in ctx.downstreams) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            # The deadline passed: calls still open end UNAVAILABLE (the client may retry elsewhere); plain
+            # HTTP/2 requests end through the OpenAI pipeline's own expiry (an SSE error event or a 503).
+            for down in list(ctx.downstreams):
+                down.expire_calls(f"the proxy is shutting down: drain deadline ({self._drain_s:g} s) passed")
+            grace = time.monotonic() + DRAIN_GRACE_S
+            while any(d.others for d in ctx.downstreams) and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+            ctx.flusher.run()
             for down in list(ctx.downstreams):
                 down.close()
             ctx.pools.close()
