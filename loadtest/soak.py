@@ -396,8 +396,17 @@ def verdict(soak: Soak) -> dict[str, Any]:
     for r in soak.results:
         if not r.ok:
             reasons[r.error.split(":")[0]] = reasons.get(r.error.split(":")[0], 0) + 1
+    windows = [f for f in soak.faults if f.end > f.start]
+
+    def fault_of(r: Result) -> str:
+        hit = [f"{f.kind}:{f.target}" for f in windows if r.start <= f.end + GRACE_S and r.end >= f.start]
+        return ",".join(hit) or "none"
+
+    failures = [{"kind": r.kind, "t": round(r.start, 1), "error": r.error[:160], "fault": fault_of(r)}
+                for r in soak.results if not r.ok]
     return {
         "ok": not bad and not any(g["grew"] for g in grown.values()) and len(soak.samples) > 0,
+        "failures": failures[:200],
         "requests": counts,
         "failed_by_reason": reasons,
         "unexplained_failures": [asdict(r) for r in bad[:50]],
@@ -438,6 +447,33 @@ def payload(soak: Soak, result: dict[str, Any]) -> dict[str, Any]:
             "faults": [asdict(f) for f in soak.faults]}
 
 
+def markdown(data: dict[str, Any]) -> str:
+    """A results section from OUT.json: requests and failures per kind, faults, samples per minute, growth."""
+    v, params = data["verdict"], data["params"]
+    lines = [f"Run: {params['duration_s'] / 60:.0f} min at {params['rate']:g} req/s, a fault every "
+             f"{params['fault_every_s']:g} s, {params['backends']} simulated backends. Verdict: "
+             f"**{'pass' if v['ok'] else 'FAIL'}**.", "",
+             "| kind | sent | failed |", "|---|---:|---:|"]
+    for kind, c in sorted(v["requests"].items()):
+        lines.append(f"| {kind} | {c['sent']} | {c['failed']} |")
+    lines += ["", f"Failures by reason: {v['failed_by_reason'] or 'none'}; unexplained (outside every fault "
+              f"window): {len(v['unexplained_failures'])}; storm streams abandoned: {v['storm_abandoned']}.", ""]
+    for f in v.get("failures", [])[:20]:
+        lines.append(f"- {f['kind']} at {f['t']:.0f} s, during {f['fault']}: {f['error']}")
+    kinds: dict[str, int] = {}
+    for f in data["faults"]:
+        kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    lines += ["Faults injected: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + ".", "",
+              "| minute | RSS MiB | FDs | sockets | asyncio tasks | in flight |", "|---:|---:|---:|---:|---:|---:|"]
+    for smp in data["samples"]:
+        lines.append(f"| {smp['t'] / 60:.1f} | {smp['rss_mib']:.1f} | {smp['fds']} | {smp['sockets']} | "
+                     f"{smp['tasks']} | {smp['inflight']} |")
+    lines += ["", "| resource | median 2nd quarter | median last quarter | max | grew |", "|---|---:|---:|---:|---|"]
+    for key, g in v["growth"].items():
+        lines.append(f"| {key} | {g['baseline']:.1f} | {g['final']:.1f} | {g['max']:.1f} | {g['grew']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=3600.0, help="seconds of load (default 3600)")
@@ -446,8 +482,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-every-s", type=float, default=60.0, help="seconds between faults")
     p.add_argument("--backends", type=int, default=3)
     p.add_argument("--out", default="loadtest/results/soak", help="OUT.json and OUT.png")
+    p.add_argument("--report", metavar="OUT.json", help="print a markdown summary of a run (and replot it)")
     p.add_argument("--proxy-child", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        replay = Soak(data["params"]["duration_s"], data["params"]["rate"], data["params"]["sample_s"],
+                      data["params"]["fault_every_s"])
+        replay.samples = [Sample(**smp) for smp in data["samples"]]
+        replay.faults = [Fault(**f) for f in data["faults"]]
+        plot(replay, Path(args.report).with_suffix(".png"))
+        print(markdown(data), end="")
+        return 0
     if args.proxy_child:
         import logging
 
