@@ -8,6 +8,7 @@ import is coverage-instrumented; tests/hardening/test_fuzz_smoke.py runs each fo
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import socket
@@ -468,6 +469,77 @@ class Http1(Target):
             assert b"HTTP/1.1 500 " not in got and b"HTTP/1.0 500 " not in got, got[:300]
 
 
+# ------------------------------------------------------------------------------------------ kv_events
+
+
+class KVEvents(Target):
+    doc = "vLLM KV-event ZeroMQ frames (proxy/wire/kv_events.py); only KVEventDecodeError may come out"
+
+    def setup(self) -> None:
+        import msgpack
+
+        from proxy.wire import kv_events
+
+        self.kv = kv_events
+        self.pack = msgpack.packb
+
+    def seeds(self) -> list[bytes]:
+        import msgpack
+
+        stored = ["BlockStored", [1, 2], None, [5, 6, 7, 8], 2, None, "GPU"]
+        tagged = {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": 9,
+                  "token_ids": [1, 2], "block_size": 2, "group_idx": 0, "extra_keys": [None]}
+        return [bytes([0, 0]) + msgpack.packb(b) for b in (
+            [1.5, [stored, ["BlockRemoved", [1]], ["AllBlocksCleared"]], 0],
+            {"ts": 2, "events": [tagged, {"type": "BlockRemoved", "block_hashes": [3], "medium": "CPU"},
+                                 {"type": "Future"}], "data_parallel_rank": 1})]
+
+    def _value(self, fdp: Any, depth: int = 0) -> Any:
+        kind = fdp.ConsumeIntInRange(0, 9 if depth < 5 else 5)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return fdp.ConsumeBool()
+        if kind == 2:
+            return fdp.ConsumeIntInRange(-(2**63), 2**64 - 1) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 9)
+        if kind == 3:
+            return fdp.ConsumeFloat()
+        if kind == 4:
+            return fdp.PickValueInList(["BlockStored", "BlockRemoved", "AllBlocksCleared", "GPU", "x", ""])
+        if kind == 5:
+            return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 33))
+        if kind in (6, 7, 8):
+            return [self._value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 6))]
+        keys = ["ts", "events", "data_parallel_rank", "type", "block_hashes", "parent_block_hash", "token_ids",
+                "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx"]
+        return {fdp.PickValueInList(keys): self._value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 7))}
+
+    def one(self, data: bytes) -> None:
+        fdp = atheris.FuzzedDataProvider(data)
+        door = fdp.ConsumeIntInRange(0, 2)
+        structured = fdp.ConsumeBool()
+        if structured:
+            payload = self.pack(self._value(fdp))
+        else:
+            payload = fdp.ConsumeBytes(fdp.remaining_bytes())
+        kv = self.kv
+        try:
+            if door == 0:
+                batch = kv.decode_payload(payload, seq=7)
+            elif door == 1:
+                batch = kv.decode_message([b"kv", fdp.ConsumeBytes(8) if not structured else (7).to_bytes(8, "big"),
+                                           payload])
+            else:
+                frames = [b"", (3).to_bytes(8, "big"), payload] if structured else [payload[:1], payload[1:9],
+                                                                                    payload[9:]]
+                batch = kv.decode_replay(frames)
+        except kv.KVEventDecodeError:
+            return
+        if batch is not None:
+            assert all(type(ev).__name__ in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+                       for ev in batch.events), batch
+
+
 TARGETS: dict[str, Callable[[], Target]] = {
     "http1": Http1,
     "h2": H2,
@@ -476,5 +548,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "config": ConfigLoader,
     "metrics": Metrics,
 }
+if importlib.util.find_spec("proxy.wire.kv_events") is not None:  # the decoder landed with the KV-event index
+    TARGETS["kv_events"] = KVEvents
 
 __all__ = ["TARGETS", "Target"]
