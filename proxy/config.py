@@ -499,7 +499,14 @@ def parse_section(cls: type, text: str, source: str = "<config>") -> Any:
         mark = yaml.Mark(source, 0, 0, 0, None, None)  # type: ignore[arg-type]  # see the line above
         node = MappingNode("tag:yaml.org,2002:map", [], mark, None)
     parser = _Parser()
-    result = parser.parse(cls, node, "")
+    try:
+        result = parser.parse(cls, node, "")
+    finally:
+        # The shared SafeConstructor memoises every node it builds (`constructed_objects`, keyed by node) and
+        # never forgets them: without this each parse (every reload, every check-config) kept its whole
+        # YAML tree alive (found by loadtest/fuzz config: RSS grew ~7 KiB per parse).
+        _constructor.constructed_objects.clear()
+        _constructor.recursive_objects.clear()
     if parser.errors or result is _MISSING:
         raise ConfigError(parser.errors or ["invalid configuration"], source)
     return result

@@ -23,3 +23,24 @@ def test_config_values_yaml_cannot_build_are_config_errors(text: str, where: str
     with pytest.raises(ConfigError) as err:
         parse_config(text)
     assert where in str(err.value)
+
+
+def test_parsing_a_config_keeps_nothing_of_its_yaml_tree() -> None:
+    # fuzz config #3: RSS grew by ~7 KiB per parse: the shared SafeConstructor memoised every YAML node it
+    # ever built, so every reload leaked its whole document.
+    import gc
+    import weakref
+
+    from proxy import config as config_module
+
+    text = "listen: {port: 8080}\nrouting: {policy: affinity}\n" + ONE_BACKEND
+    parse_config(text)
+    with pytest.raises(ConfigError):
+        parse_config(text + "bogus: 1\n")
+    assert not config_module._constructor.constructed_objects  # noqa: SLF001 - the memo that leaked
+    node = config_module.yaml.compose(text, Loader=config_module.yaml.SafeLoader)
+    ref = weakref.ref(node)
+    del node
+    parse_config(text)
+    gc.collect()
+    assert ref() is None
