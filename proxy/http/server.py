@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
@@ -238,6 +238,14 @@ class HttpDataPlane:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         received_at = time.monotonic()  # the head is in: the request's duration counts from here
+        if request.version < HttpVersion10:
+            # A request line without a version (HTTP/0.9): aiohttp would echo "HTTP/0.9 200 OK" and headers,
+            # which no client parses. Refused, in HTTP/1.1 (found by loadtest/fuzz http1).
+            self.metrics.error("bad_request")
+            return _RawResponse(  # type: ignore[return-value]  # duck-typed StreamResponse (see _RawResponse)
+                505, "HTTP Version Not Supported", CIMultiDict([("Content-Type", "application/json")]),
+                error_body("HTTP/0.9 is not supported; send HTTP/1.0 or later", "invalid_request_error",
+                           "http_version_not_supported"), keep_alive=False)
         raw_headers = request.raw_headers
         size = sum(map(len, itertools.chain.from_iterable(raw_headers))) + 4 * len(raw_headers)
         if size > self.max_headers:

@@ -44,3 +44,24 @@ def test_parsing_a_config_keeps_nothing_of_its_yaml_tree() -> None:
     parse_config(text)
     gc.collect()
     assert ref() is None
+
+
+async def test_an_http09_request_line_is_refused_in_http11() -> None:
+    # fuzz http1 #1: "GET /v1/models\r\n\r\n" (no version) was answered "HTTP/0.9 200 OK" plus headers.
+    import asyncio
+
+    from proxy.app import AffinityProxy
+
+    proxy = AffinityProxy(parse_config("listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\n"
+                                       "health_checks: {enabled: false}\n" + ONE_BACKEND))
+    await proxy.start()
+    try:
+        port = int(proxy.http_url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /vH/v1/modlds\r\n\r\n")
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    finally:
+        await proxy.stop()
+    assert got.startswith(b"HTTP/1.1 505 "), got[:100]
+    assert b'"code": "http_version_not_supported"' in got
