@@ -39,7 +39,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -72,6 +71,13 @@ async def _proxy_child(config_path: str) -> None:
         return web.json_response({"tasks": len(asyncio.all_tasks()), "inflight": inflight})
 
     proxy.admin_app.router.add_get("/soak/stats", stats)
+
+    async def announce() -> None:
+        # The listeners are on port 0 (no race for a "free" port): the parent learns them from this line.
+        grpc_port = proxy.grpc.port if proxy.grpc is not None else 0
+        print(json.dumps({"http": proxy.http_url, "admin": proxy.admin_url, "grpc": grpc_port}), flush=True)
+
+    proxy.add_task("soak-ports", announce)
     await proxy.serve_until_signal()
 
 
@@ -119,21 +125,15 @@ class Soak:
     storm_abandoned: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _config(fleet: Any, ports: dict[str, int], weights: dict[str, float] | None = None) -> str:
+def _config(fleet: Any, weights: dict[str, float] | None = None) -> str:
     lines = []
     for s in fleet.servers:
         w = (weights or {}).get(s.name, 1.0)
         lines.append(f"  - {{name: {s.name}, url: '{s.url}', grpc: '{s.grpc_address}', weight: {w}}}")
     return (
-        f"listen: {{host: 127.0.0.1, port: {ports['http']}}}\n"
-        f"grpc_listen: {{host: 127.0.0.1, port: {ports['grpc']}}}\n"
-        f"admin: {{host: 127.0.0.1, port: {ports['admin']}}}\n"
+        "listen: {host: 127.0.0.1, port: 0}\n"
+        "grpc_listen: {host: 127.0.0.1, port: 0}\n"
+        "admin: {host: 127.0.0.1, port: 0}\n"
         "routing: {policy: affinity}\n"
         "health_checks: {interval_ms: 500, timeout_ms: 500, unhealthy_threshold: 2, healthy_threshold: 2}\n"
         "timeouts: {drain_s: 5}\n"
@@ -272,7 +272,7 @@ class Runner:
             await target.set_faults({"fail_rate": 0.0})
         elif kind == "reload_valid":
             weights = {x.name: float(self.rng.choice((1, 2, 3))) for x in servers}
-            answer = await self._reload(s, _config(self.fleet, self.ports, weights))
+            answer = await self._reload(s, _config(self.fleet, weights))
             note = json.dumps(answer)
             if answer["status"] != 200:
                 raise RuntimeError(f"a valid reload was refused: {note}")
@@ -306,6 +306,9 @@ class Runner:
     # --------------------------------------------------------------- samples
     async def sampler(self, s: aiohttp.ClientSession, until: float) -> None:
         while True:
+            if self.proc.returncode is not None:
+                raise RuntimeError(f"the proxy exited ({self.proc.returncode}) during the soak; see "
+                                   f"{self.workdir / 'proxy.log'}")
             rss, fds, sockets = _proc_sample(self.proc.pid)
             async with s.get(self.admin + "/soak/stats") as r:
                 stats = await r.json()
@@ -325,26 +328,21 @@ class Runner:
 
         self.fleet = await start_fleet(self.soak.backends, grpc_port=0, speed=50.0, seed=self.soak.seed)
         self.model = self.fleet.servers[0].backend.engine.model_name
-        self.ports = {"http": _free_port(), "grpc": _free_port(), "admin": _free_port()}
         self.config_path = self.workdir / "soak.yaml"
-        self.config_path.write_text(_config(self.fleet, self.ports))
-        self.http = f"http://127.0.0.1:{self.ports['http']}"
-        self.admin = f"http://127.0.0.1:{self.ports['admin']}"
+        self.config_path.write_text(_config(self.fleet))
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loadtest.soak", "--proxy-child", str(self.config_path),
-            stdout=asyncio.subprocess.DEVNULL, stderr=open(self.workdir / "proxy.log", "wb"),
+            stdout=asyncio.subprocess.PIPE, stderr=open(self.workdir / "proxy.log", "wb"),
             cwd=Path(__file__).resolve().parents[1])
         try:
+            assert self.proc.stdout is not None
+            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+            if not line:
+                raise RuntimeError("the proxy did not come up; see " + str(self.workdir / "proxy.log"))
+            ports = json.loads(line)
+            self.http, self.admin, grpc_port = ports["http"], ports["admin"], ports["grpc"]
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as s:
-                for _ in range(300):
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with s.get(self.admin + "/soak/stats") as r:
-                            if r.status == 200:
-                                break
-                    await asyncio.sleep(0.1)
-                else:
-                    raise RuntimeError("the proxy did not come up; see " + str(self.workdir / "proxy.log"))
-                self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.ports['grpc']}")
+                self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
                 self.t0 = time.monotonic()
                 until = self.soak.duration_s
                 await asyncio.gather(self.load(s, until), self.faults(s, until), self.sampler(s, until))
