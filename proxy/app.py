@@ -54,6 +54,7 @@ from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
+from proxy.core.admin_access import is_loopback
 from proxy.core.decision import Outcome
 from proxy.core.inflight import InflightTable
 from proxy.core.registry import build_policy
@@ -79,6 +80,8 @@ from proxy.upstream.factory import backend_tls, create_pool, create_session
 from proxy.upstream.http1 import UpstreamPool
 
 log = logging.getLogger("affinity_proxy")
+# After the drain deadline, how long the final answers (error events, 503s) get before aiohttp cuts what is left.
+DRAIN_GRACE_S = 1.0
 
 
 Role = Literal["all", "control", "data"]
@@ -303,6 +306,9 @@ class AffinityProxy:
                 store=self.store, inflight=self.inflight, admin_token=self.admin_token,
                 connect_timeout_s=config.timeouts.connect_s, drain_s=config.timeouts.drain_s,
                 reuse_port=self.reuse_port, tls=self.tls.get("grpc_listen"), backend_tls=self.backend_tls,
+                # The main port serves gRPC too: the admin rule judges the more exposed of the two hosts.
+                admin_host=config.listen.host if grpc_listen is None or not is_loopback(config.listen.host)
+                else grpc_listen.host,
             )
             self.add_service(self.grpc, data_plane=True)
         if self.precise is not None:  # KV-event subscriber: a data-plane service, one per routing process
@@ -340,7 +346,7 @@ class AffinityProxy:
             sock = listening_socket(cfg.listen.host, cfg.listen.port, reuse_port=self.reuse_port)
             tls = self.tls.get("listen")
             self._http_runner = await self.http.listen(
-                sock, drain_s=tmo.drain_s, backlog=DATA_BACKLOG, h2=self.grpc.protocol if self.grpc else None,
+                sock, drain_s=tmo.drain_s + DRAIN_GRACE_S, backlog=DATA_BACKLOG, h2=self.grpc.protocol if self.grpc else None,
                 ssl_context=tls.context if tls else None,
             )
         if self.role != "data":
@@ -383,7 +389,21 @@ class AffinityProxy:
         if self._http_runner is not None:
             drains.append(self._http_runner.cleanup())
         drains.extend(s.stop() for s, data_plane in self._services if data_plane and self._runs(True))
+
+        async def deadline() -> None:
+            # At timeouts.drain_s, streams still open end with an OpenAI error event and requests not yet
+            # answered with a 503 (HTTP/1.1 and the HTTP/2 bridge alike); gRPC calls end UNAVAILABLE in
+            # GrpcListener.stop at the same deadline.
+            await asyncio.sleep(self.config.timeouts.drain_s)
+            n = self.openai.expire()
+            if n:
+                log.warning("drain deadline (%g s) passed: ended %d requests still in flight",
+                            self.config.timeouts.drain_s, n)
+
+        expiry = asyncio.create_task(deadline()) if self._runs(True) else None
         results = await asyncio.gather(*drains, return_exceptions=True)
+        if expiry is not None:
+            expiry.cancel()
         for r in results:
             if isinstance(r, BaseException):
                 log.error("error while draining: %r", r)

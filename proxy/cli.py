@@ -67,9 +67,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         uvloop.run(main())
     except OSError as exc:  # a listener that cannot bind: one line, not a traceback
-        print(f"affinity-proxy: {exc}", file=sys.stderr)
+        ports = {config.listen.port: "listen.port", config.admin.port: "admin.port"}
+        if config.grpc_listen is not None:
+            ports[config.grpc_listen.port] = "grpc_listen.port"
+        print(bind_error_line(exc, ports, f" in {args.config}"), file=sys.stderr)
         return 1
     return 0
+
+
+def bind_error_line(exc: OSError, ports: dict[int, str], where: str) -> str:
+    """One line for a listener that cannot bind, naming the setting that chose its port."""
+    text = exc.strerror or str(exc)
+    for port, setting in ports.items():
+        if port and f":{port}:" in text:
+            return f"affinity-proxy: {text}; choose another port with {setting}{where}"
+    return f"affinity-proxy: {text}"
 
 
 def demo_config(
@@ -177,7 +189,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         finally:
             await fleet.stop()
 
-    uvloop.run(main())
+    try:
+        uvloop.run(main())
+    except OSError as exc:  # a busy port: one line naming the flag, not a traceback
+        ports = {args.port: "--port", args.admin_port: "--admin-port", args.grpc_port: "--grpc-port"}
+        print(bind_error_line(exc, ports, " (0 = any free port)"), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,13 +19,11 @@ monitor ejects for the whole fleet, and they receive the data-plane half of ever
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, cast
 
 from aiohttp import web
 
-from proxy.admin import require_token
 from proxy.config import Config
 from proxy.control.checks import HealthChecker, HealthMonitor
 from proxy.control.discovery import Discovery, split_services
@@ -33,6 +31,7 @@ from proxy.control.membership import Membership
 from proxy.control.reload import Reloader
 from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.control.store import SnapshotStore
+from proxy.core.admin_access import write_refusal
 from proxy.core.decision import Policy
 from proxy.core.overload import OverloadConfig, PanicView
 from proxy.core.inflight import InflightTable
@@ -48,15 +47,6 @@ log = logging.getLogger("affinity_proxy.resilience")
 # Sections that only take effect at start: a reload that changes them is applied for everything else and
 # logs that these need a restart.
 RESTART_ONLY = ("listen", "grpc_listen", "admin", "limits", "upstream", "telemetry", "debug_headers")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def panic_view(overload: OverloadConfig, monitor: HealthMonitor) -> PanicView:
@@ -190,14 +180,17 @@ class Resilience:
         Protected by the bearer token when one is configured. Without a token they answer only when the
         admin listener is bound to loopback: an exposed admin port must not let anyone drain the fleet.
         """
-        open_ok = token is not None or _loopback(host)
-
         def guard(handler: Any) -> Any:
-            async def refuse(request: web.Request) -> web.Response:
-                return _error(403, "admin write endpoints need admin.token (or token_env) when the admin "
-                                   "listener is not on loopback", "forbidden")
+            async def guarded(request: web.Request) -> web.StreamResponse:
+                # The one admin rule, shared with the gRPC admin service (proxy/core/admin_access.py).
+                refusal = write_refusal(token, host, request.headers.get("Authorization"))
+                if refusal is None:
+                    return cast(web.StreamResponse, await handler(request))
+                if refusal.kind == "forbidden":
+                    return _error(403, refusal.message, "forbidden")
+                return _error(401, refusal.message, "unauthorized", error_type="authentication_error")
 
-            return require_token(token, handler) if open_ok else refuse
+            return guarded
 
         store = self.store
 
@@ -275,9 +268,12 @@ class Resilience:
                                   "overload_queue": len(self.queue)})
 
 
-def _error(status: int, message: str, code: str, param: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500 else
-                                        "server_error", "param": param, "code": code}}, status=status)
+def _error(status: int, message: str, code: str, param: str | None = None,
+           error_type: str | None = None) -> web.Response:
+    if error_type is None:
+        error_type = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
+                             status=status)
 
 
 __all__ = ["Resilience", "panic_view"]

@@ -68,6 +68,7 @@ class HealthMonitor:
         self.metrics = metrics if metrics is not None else ResilienceMetrics()
         self.clock = clock
         self._expiry_changed = asyncio.Event()
+        self._logged: dict[str, Health] = {}  # the last health logged per backend
         self._listeners: list[Callable[[HealthChange], None]] = []
         for b in store.current.backends:
             self.fleet.add(b.name)
@@ -108,7 +109,12 @@ class HealthMonitor:
     def _apply(self, change: HealthChange | None) -> None:
         if change is None:
             return
-        log.warning("backend %s is now %s (%s)", change.name, change.health.value, change.cause)
+        # Good news at INFO, bad news at WARNING; one line per transition, even if a transition is reported
+        # again (same backend, same health) by another path.
+        if self._logged.get(change.name) is not change.health:
+            self._logged[change.name] = change.health
+            level = logging.INFO if change.health is Health.HEALTHY else logging.WARNING
+            log.log(level, "backend %s is now %s (%s)", change.name, change.health.value, change.cause)
         self.metrics.transitions.labels(change.name, change.health.value, change.cause).inc()
         current = self.store.current.get(change.name)
         if current is not None and current.health is not Health.DRAINING and current.health is not change.health:

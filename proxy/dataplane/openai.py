@@ -206,6 +206,29 @@ class OpenAIPipeline(Generic[T]):
         self.session_header = session_header
         # Access log, hot-spot windows and traces (proxy/observability); None when all are off.
         self.observability = observability if observability is not None and observability.active else None
+        # The tasks of the requests being proxied, and the ones told to end because the drain deadline
+        # passed (`expire`): a stream ends with an SSE error event, an unanswered request with a 503.
+        self._active: set[asyncio.Task[Any]] = set()
+        self._expired: set[asyncio.Task[Any]] = set()
+
+    def expire(self) -> int:
+        """The drain deadline (timeouts.drain_s) passed: end every request still in flight, each in its
+        protocol's shape, so that clients hear why instead of seeing a cut connection. Returns how many."""
+        tasks = [t for t in self._active if not t.done()]
+        for task in tasks:
+            self._expired.add(task)
+            task.cancel()
+        return len(tasks)
+
+    def _expiring(self) -> bool:
+        """True once, in a request task cancelled by `expire`: the cancellation is taken back so the task
+        can still write its final answer."""
+        task = asyncio.current_task()
+        if task is None or task not in self._expired:
+            return False
+        self._expired.discard(task)
+        task.uncancel()
+        return True
 
     # ------------------------------------------------------------------------------------------ request
 
@@ -276,6 +299,25 @@ class OpenAIPipeline(Generic[T]):
 
     async def proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
         request_id = req.request_id
+        task = asyncio.current_task()
+        if task is not None:
+            self._active.add(task)
+        try:
+            return await self._proxy(req, summary, responder)
+        except asyncio.CancelledError:
+            if not self._expiring():
+                raise
+            # Drain deadline before any response byte: the client may retry elsewhere.
+            return await responder.send(error_answer(
+                503, "The proxy is shutting down (its drain deadline passed)", "server_error", "shutting_down",
+                request_id=request_id, retry_after=RETRY_AFTER_S, close=True))
+        finally:
+            if task is not None:
+                self._active.discard(task)
+                self._expired.discard(task)
+
+    async def _proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
+        request_id = req.request_id
         error = None
         experiments = self.router.experiments
         if experiments is not None and (refused := experiments.pin_request(req.raw_headers)) is not None:
@@ -298,6 +340,12 @@ class OpenAIPipeline(Generic[T]):
             error = "no_backend"
             result = error_answer(503, str(exc) or "No backend is available", "server_error", "no_backend",
                                   request_id=request_id, retry_after=RETRY_AFTER_S)
+        except Exception as exc:  # a fault in the proxy (a bug, a policy that raised): this request alone fails
+            error = "internal_error"
+            log.error("internal error on request %s: %s: %s", request_id, type(exc).__name__, exc)
+            self.metrics.error("internal_error")
+            result = error_answer(500, "Internal proxy error", "server_error", "internal_error",
+                                  request_id=request_id)
         if isinstance(result, Answer):
             if req.observation is not None:
                 req.observation.answered(result, error)
@@ -413,6 +461,23 @@ class OpenAIPipeline(Generic[T]):
                 f"The backend {name} failed while streaming: {type(exc).__name__}",
                 "upstream_stream_error",
             ))
+        except asyncio.CancelledError:
+            if not self._expiring():
+                raise
+            lease.status = 503
+            if not sse or responder.gone():
+                return await responder.abort()
+            await responder.write(sse_error_event(
+                "The proxy is shutting down: this stream outlived its drain deadline", "shutting_down"))
+        except Exception as exc:
+            # A fault in the proxy while relaying: the stream still ends in a shape the client parses.
+            log.error("internal error relaying a response of %s: %s: %s", lease.backend.name,
+                      type(exc).__name__, exc)
+            self.metrics.error("internal_error")
+            lease.status = 500
+            if not sse or responder.gone():
+                return await responder.abort()
+            await responder.write(sse_error_event("Internal proxy error while streaming", "internal_error"))
         return await responder.end()
 
 

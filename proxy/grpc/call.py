@@ -46,8 +46,8 @@ from proxy.grpc.upstream import BackendPool, Upstream
 from proxy.observability.lifecycle import strip_trace_headers
 from proxy.observability.record import GRPC
 from proxy.wire import grpc as wire
-from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE, UNKNOWN,
-                             grpc_message, status_of)
+from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE,
+                             UNKNOWN, grpc_message, status_of)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Call:
         "held", "client_ended", "client_trailers", "up", "uid", "pool", "backend", "lease",
         "to_up", "up_sent_end", "to_down", "down_trailers", "down_end", "response_started",
         "headers_sent", "replay", "replay_bytes", "attempts", "retry_reason", "timer", "route_key", "summary",
-        "grpc_status", "failure", "admission", "deadline", "holding", "request_id", "obs",
+        "grpc_status", "failure", "admission", "deadline", "holding", "request_id", "obs", "touched_at",
     )
 
     def __init__(self, ctx: RelayContext, down: ClientConnection, holding: list["Call"], sid: int,
@@ -80,6 +80,7 @@ class Call:
         self.path = path
         self.ext = ext  # None: a local service (health, admin), not routed
         self.started = time.monotonic()  # the HEADERS are in: deadline and request duration count from here
+        self.touched_at = self.started  # the client's last DATA on this stream (set by the connection)
         self.timeout: float | None = None
         self.encoding = b"identity"
         self.route_key: str | None = None
@@ -179,7 +180,10 @@ class Call:
     def first_message_timeout(self) -> None:
         self.timer = None
         if self.state == _HOLD:
-            self._route()
+            try:
+                self._route()
+            except Exception as exc:  # a timer callback: nobody above would end the call
+                self.internal_error(exc)
 
     def _maybe_route(self) -> None:
         held = self.held
@@ -283,7 +287,10 @@ class Call:
         if self.state == _DONE:
             lease.finish()  # status 499: the client left while it waited
         else:
-            self._picked(lease)
+            try:
+                self._picked(lease)
+            except Exception as exc:
+                self.internal_error(exc)
 
     def _no_backend(self, err: NoBackendAvailable) -> None:
         if self.retry_reason is not None:
@@ -352,7 +359,10 @@ class Call:
             return
         self.pool = None
         self.failure = Outcome.CONNECT_FAILURE
-        self._retry_or_fail(reason)
+        try:
+            self._retry_or_fail(reason)  # may route again
+        except Exception as exc:
+            self.internal_error(exc)
 
     # ------------------------------------------------------------------------------ proxy -> backend
 
@@ -520,7 +530,10 @@ class Call:
     def _retry_now(self) -> None:
         self.timer = None
         if self.state != _DONE and self.summary is not None:
-            self._pick(self.summary)
+            try:
+                self._pick(self.summary)
+            except Exception as exc:
+                self.internal_error(exc)
 
     def flush_down(self) -> None:
         down = self.down
@@ -600,6 +613,43 @@ class Call:
             pass
         down.mark()
         self._finish(remove_down=True)
+
+    def internal_error(self, exc: BaseException) -> None:
+        """A fault in the proxy while handling this call (a bug, a routing policy that raised): the call
+        ends with INTERNAL and one log line; its connection, the other calls and the process go on."""
+        log.error("internal error in call %s (request %s): %s: %s", self.path, self.request_id,
+                  type(exc).__name__, exc)
+        if self.state == _DONE:
+            return
+        try:
+            self.fail(INTERNAL, f"internal proxy error: {type(exc).__name__}")
+            return
+        except Exception:  # the call's own state is broken: take it apart by hand, each step on its own
+            pass
+        self.state = _DONE
+        for timer in (self.timer, self.deadline):
+            if timer is not None:
+                timer.cancel()
+        self.timer = self.deadline = None
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.status = http_status_for(INTERNAL)
+            try:
+                lease.finish()
+            except Exception:
+                log.error("could not account call %s (request %s)", self.path, self.request_id)
+        if self.up is not None:
+            try:
+                self.up.reset(self.uid, _CANCEL)
+            except Exception:
+                pass
+            self.up = None
+        self.down.calls.pop(self.sid, None)
+        try:
+            self.down.conn.reset_stream(self.sid, h2.errors.ErrorCodes.INTERNAL_ERROR)
+        except Exception:
+            pass
+        self.down.mark()
 
     def _finish(self, remove_down: bool) -> None:
         if self.state == _DONE:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 import h2.errors
@@ -20,10 +21,14 @@ from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.call import Call
 from proxy.grpc.connection import FastData, H2Side
 from proxy.grpc.context import RelayContext
+from proxy.wire.grpc import CANCELLED, UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
 _REFUSED = h2.errors.ErrorCodes.REFUSED_STREAM
+_INTERNAL = h2.errors.ErrorCodes.INTERNAL_ERROR
+_CANCEL = h2.errors.ErrorCodes.CANCEL
+_MAX_SWEEP_S = 5.0  # idle connections and streams are looked at least this often (when those timeouts are on)
 
 
 class Downstream(H2Side):
@@ -37,6 +42,14 @@ class Downstream(H2Side):
         self.holding: list[Call] = []  # calls that started holding during the current read
         self.draining = False
         self._touched: dict[Call, None] = {}  # calls given client data during the current read
+        # Client timeouts (grpc.client_*_timeout_s): when the client last sent anything, whether its preface
+        # (SETTINGS) is in, when each plain HTTP/2 request last got body bytes, and the one timer that
+        # checks them.
+        self.now = time.monotonic()
+        self.last_read = self.now
+        self.prefaced = False
+        self._bridge_touched: dict[int, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
             FastData: self._on_data,
             h2.events.DataReceived: self._on_data,
@@ -55,6 +68,63 @@ class Downstream(H2Side):
         self.init_settings(opts.max_concurrent_streams, opts.stream_window_bytes, opts.connection_window_bytes)
         self.ctx.downstreams.add(self)
         self.mark()
+        self._timer = asyncio.get_running_loop().call_later(opts.client_preface_timeout_s, self._preface_check)
+
+    # ------------------------------------------------------------------------------------ client timeouts
+
+    def _preface_check(self) -> None:
+        if self.closed:
+            return
+        if not self.prefaced:
+            log.info("client %s sent no HTTP/2 preface within %g s: closing", self.peer(),
+                     self.ctx.options.client_preface_timeout_s)
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._arm_sweep()
+
+    def _arm_sweep(self) -> None:
+        opts = self.ctx.options
+        limits = [t for t in (opts.client_idle_timeout_s, opts.client_stream_idle_timeout_s) if t > 0]
+        if not limits or self.closed:
+            self._timer = None
+            return
+        self._timer = asyncio.get_running_loop().call_later(min(min(limits) / 4, _MAX_SWEEP_S), self._sweep)
+
+    def _sweep(self) -> None:
+        """Idle connection and silent streams (see GrpcOptions.client_*_timeout_s)."""
+        if self.closed:
+            return
+        opts = self.ctx.options
+        now = time.monotonic()
+        stream_idle = opts.client_stream_idle_timeout_s
+        if stream_idle > 0:
+            for call in [c for c in self.calls.values()
+                         if not c.client_ended and not c.response_started and now - c.touched_at > stream_idle]:
+                call.fail(CANCELLED, f"the client sent nothing on this stream for {stream_idle:g} s")
+            for sid in [s for s, t in self._bridge_touched.items() if now - t > stream_idle]:
+                self._bridge_touched.pop(sid, None)
+                other = self.others.get(sid)
+                if other is None or other.body_done.is_set():
+                    continue
+                del self.others[sid]
+                log.info("client %s: HTTP/2 request on stream %d sent no body for %g s: reset", self.peer(), sid,
+                         stream_idle)
+                other.client_reset()
+                try:
+                    self.conn.reset_stream(sid, _CANCEL)
+                except h2.exceptions.ProtocolError:
+                    pass
+                self.mark()
+        idle = opts.client_idle_timeout_s
+        if idle > 0 and not self.calls and not self.others and now - self.last_read > idle:
+            log.info("client %s: HTTP/2 connection idle for %g s: closing", self.peer(), idle)
+            self.goaway()
+            self.flusher.run()
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._arm_sweep()
 
     def peer(self) -> str | None:
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
@@ -68,6 +138,7 @@ class Downstream(H2Side):
         self.mark()
 
     def data_received(self, data: bytes) -> None:
+        self.now = self.last_read = time.monotonic()
         try:
             events = self.receive(data)
         except h2.exceptions.ProtocolError as err:
@@ -81,17 +152,42 @@ class Downstream(H2Side):
         for ev in events:
             handler = handlers.get(type(ev))
             if handler is not None:
-                handler(ev)
+                try:
+                    handler(ev)
+                except Exception as exc:  # one stream's fault: that stream ends, the connection goes on
+                    self.stream_fault(getattr(ev, "stream_id", 0), exc)
         touched = self._touched
         if touched:
             self._touched = {}
             for call in touched:
-                call.flush_up()
+                try:
+                    call.flush_up()
+                except Exception as exc:
+                    call.internal_error(exc)
         if self.holding:
             for call in self.holding:
                 call.arm_timer()
             self.holding.clear()
         self.mark()
+
+    def stream_fault(self, sid: int, exc: Exception) -> None:
+        """An exception while handling one stream's event (a bug, a policy that raised): end that stream
+        alone with a protocol-shaped error (gRPC INTERNAL; RST_STREAM INTERNAL_ERROR for a bridged HTTP/2
+        request) and one log line. An exception raised outside any stream is a fault of the connection."""
+        call = self.calls.get(sid)
+        if call is not None:
+            call.internal_error(exc)
+            return
+        log.error("internal error on client HTTP/2 stream %d: %s: %s", sid, type(exc).__name__, exc)
+        self.others.pop(sid, None)
+        if sid:
+            try:
+                self.conn.reset_stream(sid, _INTERNAL)
+            except h2.exceptions.ProtocolError:
+                pass
+        else:
+            # Connection-level state is suspect: end this connection only, politely.
+            self.close()
 
     def _stream(self, sid: int) -> Call | HttpBridgeCall | None:
         call = self.calls.get(sid)
@@ -102,11 +198,13 @@ class Downstream(H2Side):
     def _on_data(self, ev: Any) -> None:
         call = self.calls.get(ev.stream_id)
         if call is not None:
+            call.touched_at = self.now
             call.client_data(ev.data, ev.flow_controlled_length, ev.stream_ended is not None)
             self._touched[call] = None
             return
         other = self.others.get(ev.stream_id)
         if other is not None:
+            self._bridge_touched[ev.stream_id] = self.now
             other.client_data(ev.data, ev.flow_controlled_length)
         else:
             self.ack(ev.flow_controlled_length, ev.stream_id)
@@ -115,6 +213,7 @@ class Downstream(H2Side):
         self._request(ev.stream_id, ev.headers, ev.stream_ended is not None)
 
     def _on_ended(self, ev: h2.events.StreamEnded) -> None:
+        self._bridge_touched.pop(ev.stream_id, None)
         stream = self._stream(ev.stream_id)
         if stream is not None:
             stream.client_end()
@@ -133,6 +232,7 @@ class Downstream(H2Side):
             call.client_reset()
             return
         other = self.others.pop(ev.stream_id, None)
+        self._bridge_touched.pop(ev.stream_id, None)
         if other is not None:
             other.client_reset()
 
@@ -142,6 +242,7 @@ class Downstream(H2Side):
             call.client_trailers_received(ev.headers)
 
     def _on_settings(self, ev: h2.events.RemoteSettingsChanged) -> None:
+        self.prefaced = True  # the client's first SETTINGS completes its connection preface
         self.unblock()
 
     def _on_terminated(self, ev: h2.events.ConnectionTerminated) -> None:
@@ -166,6 +267,8 @@ class Downstream(H2Side):
         ctx = self.ctx
         if not content_type.startswith(b"application/grpc"):
             self.others[sid] = HttpBridgeCall(ctx.openai, self, sid, headers, ended)
+            if not ended:
+                self._bridge_touched[sid] = self.now
             return
         path_s = path.decode("utf-8", "replace")
         ext = None if path_s.startswith(ctx.local_prefixes) else ctx.registry.for_method(path_s)
@@ -178,6 +281,10 @@ class Downstream(H2Side):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._bridge_touched.clear()
         self.ctx.downstreams.discard(self)
         for call in list(self.calls.values()):
             call.client_reset()
@@ -200,6 +307,15 @@ class Downstream(H2Side):
         frame.last_stream_id = self.conn.highest_inbound_stream_id
         frame.error_code = 0
         self.transport.write(frame.serialize())
+
+    def expire_calls(self, message: str) -> None:
+        """The drain deadline passed: every gRPC call still open ends UNAVAILABLE with `message`."""
+        for call in list(self.calls.values()):
+            try:
+                call.fail(UNAVAILABLE, message)
+            except Exception as exc:
+                call.internal_error(exc)
+        self.mark()
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:

@@ -84,6 +84,15 @@ class GrpcOptions:
     # A backend connection without calls for this long is closed (GOAWAY); 0 = kept until the backend
     # closes it.
     upstream_idle_timeout_s: float = field(default=60.0, metadata={"ge": 0})
+    # Client timeouts (slow or idle clients must not hold connections forever): a connection that has not
+    # sent its whole HTTP/2 preface (the magic and its SETTINGS) this long after connecting is closed; one
+    # without streams that has sent nothing for `client_idle_timeout_s` gets GOAWAY and is closed (0 =
+    # never); a stream whose request is not finished, that has no response yet and on which the client sent
+    # nothing for `client_stream_idle_timeout_s` ends (gRPC CANCELLED with a message; RST_STREAM CANCEL for
+    # a plain HTTP/2 request) (0 = never).
+    client_preface_timeout_s: float = field(default=10.0, metadata={"gt": 0})
+    client_idle_timeout_s: float = field(default=300.0, metadata={"ge": 0})
+    client_stream_idle_timeout_s: float = field(default=300.0, metadata={"ge": 0})
     # Serve the ProxyAdmin service on this listener (writes need the admin token when one is set).
     admin_service: bool = True
     # Retry a call once on another backend when its upstream connection fails before any response byte.

@@ -31,6 +31,7 @@ from proxy.listen import DATA_BACKLOG, listening_socket
 from proxy.tls import ClientTls, ServerTls
 
 log = logging.getLogger("affinity_proxy.grpc")
+DRAIN_GRACE_S = 1.0  # after the drain deadline, for bridged HTTP/2 requests to write their final answers
 
 
 class GrpcListener:
@@ -40,11 +41,14 @@ class GrpcListener:
         self, host: str | None, port: int, options: GrpcOptions, *, router: Router, retries: RetryController,
         openai: OpenAIPipeline[None], store: SnapshotStore, inflight: Mapping[str, Inflight],
         admin_token: str | None, connect_timeout_s: float, drain_s: float, reuse_port: bool = False,
-        tls: ServerTls | None = None, backend_tls: ClientTls | None = None,
+        tls: ServerTls | None = None, backend_tls: ClientTls | None = None, admin_host: str | None = None,
     ) -> None:
         """`host` None: no port of its own, only the connections the main listener hands over. `tls`: this
         listener's own TLS (grpc_listen.tls); `backend_tls`: the contexts of grpcs:// backends."""
         self.host = host
+        # The most exposed address the admin service is reachable on (this port, or the main port that hands
+        # over its HTTP/2 connections): off loopback, its writes need the admin token.
+        self._admin_host = admin_host if admin_host is not None else (host or "127.0.0.1")
         self.requested_port = port
         self.options = options
         self._router = router
@@ -81,7 +85,7 @@ class GrpcListener:
         quiet_hpack_logging()  # after logging is configured: hpack keeps its debug lines when asked for
         options = self.options
         self.local = LocalServices(self._store, self._inflight, admin=options.admin_service,
-                                   admin_token=self._admin_token)
+                                   admin_token=self._admin_token, listener_host=self._admin_host)
         await self.local.start()
         loop = asyncio.get_running_loop()
         flusher = Flusher(loop)
@@ -128,6 +132,14 @@ class GrpcListener:
                 down.goaway()
             while any(d.calls or d.others for d in ctx.downstreams) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            # The deadline passed: calls still open end UNAVAILABLE (the client may retry elsewhere); plain
+            # HTTP/2 requests end through the OpenAI pipeline's own expiry (an SSE error event or a 503).
+            for down in list(ctx.downstreams):
+                down.expire_calls(f"the proxy is shutting down: drain deadline ({self._drain_s:g} s) passed")
+            grace = time.monotonic() + DRAIN_GRACE_S
+            while any(d.others for d in ctx.downstreams) and time.monotonic() < grace:
+                await asyncio.sleep(0.02)
+            ctx.flusher.run()
             for down in list(ctx.downstreams):
                 down.close()
             ctx.pools.close()

@@ -22,6 +22,7 @@ from grpclib.health.service import OVERALL, Health
 from grpclib.server import Server, Stream
 
 from proxy.control.store import SnapshotStore
+from proxy.core.admin_access import write_refusal
 from proxy.core.decision import Inflight
 from proxy.core.bounds import check_value
 from proxy.core.snapshot import WEIGHT_BOUNDS, BackendState, Snapshot
@@ -51,23 +52,28 @@ def backend_status(b: BackendState, inflight: Mapping[str, Inflight]) -> pb.Back
 
 
 class AdminService(ProxyAdminBase):
-    """Reads are open like the HTTP admin's GET endpoints; writes need ``authorization: Bearer <token>``
-    metadata when the admin token is configured (`admin.token` / `admin.token_env`), as the HTTP admin
-    write endpoints do."""
+    """Reads are open like the HTTP admin's GET endpoints; writes follow the one admin rule of both doors
+    (proxy/core/admin_access.py): with the admin token configured (`admin.token` / `admin.token_env`) they
+    need ``authorization: Bearer <token>`` metadata; without one they are refused unless the listener they
+    came through (`listener_host`, the gRPC listener's address) is loopback."""
 
-    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None) -> None:
+    def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], token: str | None = None,
+                 listener_host: str = "127.0.0.1") -> None:
         # With --workers, `store` is the worker's WorkerStore: an update here is forwarded to the
         # supervisor, whose next snapshot carries it to every worker (proxy/multiproc/serve.py).
         self._store = store
         self._inflight = inflight
         self._token = token
+        self._listener_host = listener_host
 
     def _authorize(self, stream: Stream[Any, Any]) -> None:
-        if self._token is None:
-            return
         given = stream.metadata.get("authorization") if stream.metadata is not None else None
-        if given != f"Bearer {self._token}":
-            raise GRPCError(Status.UNAUTHENTICATED, "admin writes need 'authorization: Bearer <admin token>'")
+        refusal = write_refusal(self._token, self._listener_host, given if isinstance(given, str) else None)
+        if refusal is None:
+            return
+        if refusal.kind == "forbidden":
+            raise GRPCError(Status.PERMISSION_DENIED, refusal.message.replace("admin listener", "gRPC listener"))
+        raise GRPCError(Status.UNAUTHENTICATED, "admin writes need 'authorization: Bearer <admin token>'")
 
     def _get(self, snapshot: Snapshot, name: str) -> BackendState:
         b = snapshot.get(name)
@@ -118,13 +124,13 @@ class LocalServices:
     """The private grpclib server behind the listener's local routes."""
 
     def __init__(self, store: SnapshotStore, inflight: Mapping[str, Inflight], *, admin: bool = True,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, listener_host: str = "127.0.0.1") -> None:
         self.status = ServiceStatus()
         self._store = store
         services: list[object] = []
         checks: dict[object, list[ServiceStatus]] = {OVERALL: [self.status]}
         if admin:
-            admin_service = AdminService(store, inflight, admin_token)
+            admin_service = AdminService(store, inflight, admin_token, listener_host)
             services.append(admin_service)
             checks[admin_service] = [self.status]
         services.append(Health(checks))  # type: ignore[arg-type]  # grpclib types the keys as its own service base, not object

@@ -44,6 +44,9 @@ class BackendStream(Protocol):
 
     def up_lost(self, reason: str, refused: bool) -> None: ...
 
+    def internal_error(self, exc: BaseException) -> None:
+        """A fault while handling this stream: end it alone (gRPC INTERNAL)."""
+
     def flush_up(self) -> None: ...
 
     def flush_down(self) -> None: ...

@@ -83,12 +83,21 @@ class Upstream(H2Side):
         for ev in events:
             handler = handlers.get(type(ev))
             if handler is not None:
-                handler(ev)
+                try:
+                    handler(ev)
+                except Exception as exc:  # one call's fault ends that call, not the backend connection
+                    call = self.calls.get(getattr(ev, "stream_id", 0))
+                    if call is None:
+                        raise
+                    call.internal_error(exc)
         touched = self._touched
         if touched:
             self._touched = {}
             for call in touched:
-                call.flush_down()
+                try:
+                    call.flush_down()
+                except Exception as exc:
+                    call.internal_error(exc)
         self.mark()
 
     # One method per h2 event class (the table is built in __init__); other events need nothing.
