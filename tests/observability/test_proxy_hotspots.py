@@ -85,7 +85,10 @@ async def test_a_stalled_backend_is_a_hot_spot_and_one_with_5xx_is_spreading(fle
         assert 'affinity_proxy_backend_hotspot{backend="sim-1",state="latency_hot_spot"} 1.0' in metrics
         assert 'affinity_proxy_backend_hotspot{backend="sim-0",state="latency_hot_spot"} 0.0' in metrics
         marks = dict(zip(page["heatmap"]["backends"], page["heatmap"]["marks"]))
-        assert "spreading" in marks["sim-2"] and "hot" in marks["sim-1"] and not any(marks["sim-0"])
+        # sim-0 is healthy: never a hot spot or spreading (a passing "over threshold" streak mark from one
+        # slow window on a loaded 2-core machine is not a state, and CI showed one once).
+        assert "spreading" in marks["sim-2"] and "hot" in marks["sim-1"]
+        assert not {"hot", "spreading"} & set(marks["sim-0"]), marks["sim-0"]
         # Recovered: both clear (clear_windows: 2 normal windows in a row).
         await until(lambda: not state(proxy, "sim-1")["latency_hot_spot"]
                     and not state(proxy, "sim-2")["latency_hot_spot"], timeout=30, interval=0.2)
