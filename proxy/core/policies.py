@@ -7,9 +7,10 @@ the offline replay. Eligibility is the same for all (proxy/core/eligibility.py).
 again with the backends already tried excluded (proxy/dataplane/retry.py), so its choice is made on the
 load of that moment, not on a list of alternates drawn up before the first attempt.
 
-Every policy honours the session key the same way (`eligibility.session_home`): a request with one goes
-to the key's rendezvous home under the bounded in-flight cap (reason SESSION), and only a request without
-one (or one whose every candidate is at its cap) is placed by the policy's own rule. `affinity` places
+Every policy here honours the session key the same way, in one step (`SessionFirst.pick`): the eligible
+backends, then `eligibility.session_home`: a request with a session key goes to the key's rendezvous home
+under the bounded in-flight cap (reason SESSION), and only a request without one (or one whose every
+candidate is at its cap) is placed by the policy's own rule (`_place`, reason BALANCED). `affinity` places
 sessions by the same hashing in proxy/core/affinity.py.
 """
 
@@ -27,14 +28,15 @@ from proxy.core.routing_config import RoutingConfig
 from proxy.core.score import ScoreConfig, request_cost_s
 from proxy.core.snapshot import BackendState, Snapshot
 
-class RoundRobin:
-    """Each eligible backend in turn, in configuration order."""
 
-    name = "round_robin"
+class SessionFirst(abc.ABC):
+    """The step every policy of this module shares: eligibility, then the session key's home; the policy
+    itself only says where a request that no session placed goes (`_place`)."""
+
+    name: str
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
         self._cfg = cfg
-        self._pos = 0
 
     def pick(
         self,
@@ -47,13 +49,32 @@ class RoundRobin:
         home = session_home(req, states, inflight, self._cfg)
         if home is not None:
             return Decision(home, Reason.SESSION, self.name)
+        return Decision(self._place(req, states, snapshot, inflight), Reason.BALANCED, self.name)
+
+    @abc.abstractmethod
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
+        """The backend this policy's own rule picks among `states` (eligible, never empty)."""
+
+
+class RoundRobin(SessionFirst):
+    """Each eligible backend in turn, in configuration order."""
+
+    name = "round_robin"
+
+    def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
+        super().__init__(cfg)
+        self._pos = 0
+
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         names = [b.name for b in states]
         i = self._pos % len(names)
         self._pos = (self._pos + 1) % (1 << 62)
-        return Decision(names[i], Reason.BALANCED, self.name)
+        return names[i]
 
 
-class WeightedRoundRobin:
+class WeightedRoundRobin(SessionFirst):
     """nginx's smooth weighted round robin: weights 5,1,1 give a,a,b,a,c,a,a, not a,a,a,a,a,b,c.
 
     Each pick adds every eligible backend's weight to its current weight, takes the largest and subtracts
@@ -64,21 +85,12 @@ class WeightedRoundRobin:
     name = "weighted_round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._cfg = cfg
+        super().__init__(cfg)
         self._current: dict[str, float] = {}
         self._version = -1
 
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         current = self._current
         if snapshot.version != self._version:
             self._version = snapshot.version
@@ -96,18 +108,16 @@ class WeightedRoundRobin:
                 best, best_w = b.name, cw
         assert best is not None
         current[best] = best_w - total
-        return Decision(best, Reason.BALANCED, self.name)
+        return best
 
 
-class _LeastLoaded(abc.ABC):
+class _LeastLoaded(SessionFirst):
     """Shared by the "fewest of something per unit of weight" policies: rank, then break ties by a
     rotating start, so that an idle fleet is used evenly instead of the first backend taking every request
     that arrives between completions. Subclasses only say what load is (`_loads`)."""
 
-    name: str
-
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
-        self._cfg = cfg
+        super().__init__(cfg)
         self._rot = 0
 
     @abc.abstractmethod
@@ -115,23 +125,14 @@ class _LeastLoaded(abc.ABC):
                inflight: Mapping[str, Inflight]) -> list[float]:
         """Each eligible backend's load per unit of weight, in the order of `states`."""
 
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         n = len(states)
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
         loads = self._loads(states, snapshot, inflight)
         best = min((load, (i - start) % n, b.name) for i, (b, load) in enumerate(zip(states, loads)))
-        return Decision(best[2], Reason.BALANCED, self.name)
+        return best[2]
 
 
 class LeastRequest(_LeastLoaded):
@@ -144,26 +145,17 @@ class LeastRequest(_LeastLoaded):
         return [inflight.get(b.name, NO_INFLIGHT).requests / b.effective_weight for b in states]
 
 
-class RandomPolicy:
+class RandomPolicy(SessionFirst):
     """Weighted random choice from a seeded generator: reproducible, and the same in every worker."""
 
     name = "random"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
-        self._cfg = cfg
+        super().__init__(cfg)
         self._rng = random.Random(stream_seed(cfg.seed, instance))
 
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         x = self._rng.random() * sum(b.effective_weight for b in states)
         chosen = states[-1]
         for b in states:
@@ -171,10 +163,10 @@ class RandomPolicy:
             if x < 0:
                 chosen = b
                 break
-        return Decision(chosen.name, Reason.BALANCED, self.name)
+        return chosen.name
 
 
-class PowerOfTwo:
+class PowerOfTwo(SessionFirst):
     """Power of two choices: two distinct random backends, the less loaded (per weight) wins.
 
     Load is `effective_load` (telemetry + in-flight), so P2C works with or without telemetry. With one
@@ -184,29 +176,20 @@ class PowerOfTwo:
     name = "power_of_two"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
-        self._cfg = cfg
+        super().__init__(cfg)
         self._rng = random.Random(stream_seed(cfg.seed, instance))
 
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         n = len(states)
         if n == 1:
-            return Decision(states[0].name, Reason.BALANCED, self.name)
+            return states[0].name
         i, j = self._rng.sample(range(n), 2)
         a, b = states[i], states[j]
         assumed = assumed_score(snapshot.backends, self._cfg.load)
         la = effective_load(a, inflight.get(a.name), self._cfg.load, assumed=assumed) / a.effective_weight
         lb = effective_load(b, inflight.get(b.name), self._cfg.load, assumed=assumed) / b.effective_weight
-        return Decision((a if la <= lb else b).name, Reason.BALANCED, self.name)
+        return (a if la <= lb else b).name
 
 
 class LeastLoad(_LeastLoaded):
@@ -228,7 +211,7 @@ class LeastLoad(_LeastLoaded):
         ]
 
 
-class LeastCost:
+class LeastCost(SessionFirst):
     """The design's request-aware score: the backend where THIS request is estimated to finish soonest.
 
     Per candidate, `score.request_cost_s` with the request's own prompt length and `max_tokens`: the
@@ -243,21 +226,12 @@ class LeastCost:
     name = "least_cost"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), score: ScoreConfig = ScoreConfig()) -> None:
-        self._cfg = cfg
+        super().__init__(cfg)
         self._score = score
         self._rot = 0
 
-    def pick(
-        self,
-        req: RequestSummary,
-        snapshot: Snapshot,
-        inflight: Mapping[str, Inflight],
-        exclude: frozenset[str] = frozenset(),
-    ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
+    def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
+               inflight: Mapping[str, Inflight]) -> str:
         n = len(states)
         start = self._rot % n
         self._rot = (self._rot + 1) % (1 << 62)
@@ -271,4 +245,4 @@ class LeastCost:
                                   mine.requests, mine.tokens)
             costs.append((cost / b.effective_weight, (i - start) % n, b.name))
         best = min(costs)
-        return Decision(best[2], Reason.BALANCED, self.name)
+        return best[2]
