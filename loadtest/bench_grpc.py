@@ -366,11 +366,214 @@ def markdown(summary: dict[str, object], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- in-process relay cost
+
+class _Wire:
+    """An in-memory transport: what the proxy writes is kept for the other end to read."""
+
+    def __init__(self, peer: tuple[str, int]) -> None:
+        self.out = bytearray()
+        self._peer = peer
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def take(self) -> bytes:
+        data, self.out = bytes(self.out), bytearray()
+        return data
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._peer if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+async def _relay_cost(calls: int, batches: int, messages: int) -> dict[str, float]:
+    """The proxy's own CPU per unary call and per streamed message, without sockets or other processes.
+
+    The real listener (`AffinityProxy` with the benchmark's config) relays between an h2 client and an h2
+    backend that live in this process behind in-memory transports; only the proxy's callbacks (its
+    connections' `data_received` and the write flusher) are timed, on this thread's CPU clock, so time
+    the scheduler gives to other processes is not counted. Per batch of `calls` calls (or streamed
+    messages); the minimum over `batches` is the figure that neighbours inflate least.
+    """
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    from proxy.app import AffinityProxy
+    from proxy.config import parse_config
+    from proxy.grpc.downstream import Downstream
+    from proxy.grpc.upstream import Upstream
+    from proxy.protos import generate_pb2 as gen
+
+    backend_address = f"127.0.0.1:{_free_port()}"  # never connected to: the backend is in-process
+    cfg = ("listen: {host: 127.0.0.1, port: 0}\ngrpc_listen: {host: 127.0.0.1, port: 0}\n"
+           "admin: {host: 127.0.0.1, port: 0}\ntelemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
+           "routing: {policy: round_robin}\nbackends:\n"
+           f"  - {{name: bench, url: 'http://127.0.0.1:9', grpc: '{backend_address}'}}\n")
+    proxy = AffinityProxy(parse_config(cfg))
+    await proxy.start()
+    try:
+        assert proxy.grpc is not None and proxy.grpc.ctx is not None
+        ctx = proxy.grpc.ctx
+        flusher = ctx.flusher
+        clock = time.thread_time_ns
+        spent = [0]
+
+        def timed(fn: Callable[[bytes], None], data: bytes) -> None:
+            t0 = clock()
+            fn(data)
+            flusher.run()
+            spent[0] += clock() - t0
+
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        backend = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        client.initiate_connection()
+        backend.initiate_connection()
+        down_wire, up_wire = _Wire(("127.0.0.1", 50000)), _Wire(("127.0.0.1", 1))
+        down = Downstream(ctx)
+        down.connection_made(down_wire)  # type: ignore[arg-type]  # an in-memory transport
+        pool = ctx.pools.get("bench", backend_address)
+        pool.connecting += 1  # as `BackendPool._connect` counts it until the backend's SETTINGS
+        up = Upstream(pool)
+        up.connection_made(up_wire)  # type: ignore[arg-type]
+
+        def pump() -> None:
+            """Move bytes between the four ends until nobody has anything to say."""
+            while True:
+                flusher.run()
+                moved = False
+                data = client.data_to_send()
+                if data:
+                    timed(down.data_received, data)
+                    moved = True
+                data = down_wire.take()
+                if data:
+                    for ev in client.receive_data(data):
+                        if isinstance(ev, h2.events.DataReceived):
+                            client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    moved = True
+                data = up_wire.take()
+                if data:
+                    for ev in backend.receive_data(data):
+                        if isinstance(ev, h2.events.DataReceived):
+                            backend.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                            if ev.stream_ended is not None:
+                                answer(ev.stream_id)
+                        elif isinstance(ev, h2.events.StreamEnded) and ev.stream_id in pending:
+                            answer(ev.stream_id)
+                    moved = True
+                data = backend.data_to_send()
+                if data:
+                    timed(up.data_received, data)
+                    moved = True
+                if not moved:
+                    return
+
+        request = gen.GenerateRequest(prompt="the quick brown fox jumps over the lazy dog", max_tokens=16)
+        body = request.SerializeToString()
+        message = b"\x00" + len(body).to_bytes(4, "big") + body
+        reply = gen.GenerateResponse(text="ok", finished=True, backend="bench").SerializeToString()
+        reply_msg = b"\x00" + len(reply).to_bytes(4, "big") + reply
+        chunk = gen.GenerateResponse(text="token ", backend="bench").SerializeToString()
+        chunk_msg = b"\x00" + len(chunk).to_bytes(4, "big") + chunk
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", GENERATE.encode()),
+                   (b":authority", b"127.0.0.1:50000"), (b"te", b"trailers"),
+                   (b"content-type", b"application/grpc"),
+                   (b"user-agent", b"grpc-python-asyncio/1.66.1 grpc-c/43.0.0 (linux; chttp2)"),
+                   (b"grpc-accept-encoding", b"identity, deflate, gzip")]
+        pending: set[int] = set()
+        streamed = {"n": 0}
+
+        def answer(sid: int) -> None:
+            pending.discard(sid)
+            backend.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc+proto")])
+            if streamed["n"]:
+                for _ in range(streamed["n"]):
+                    backend.send_data(sid, chunk_msg)
+                    timed(up.data_received, backend.data_to_send())  # one message per read: the costly case
+            else:
+                backend.send_data(sid, reply_msg)
+            backend.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+
+        def one_call(n_messages: int) -> None:
+            sid = client.get_next_available_stream_id()
+            streamed["n"] = n_messages
+            pending.add(sid)
+            client.send_headers(sid, headers)
+            client.send_data(sid, message, end_stream=True)
+            pump()
+
+        pump()  # prefaces and SETTINGS
+        for _ in range(200):  # warm-up: HPACK tables, code paths
+            one_call(0)
+        per_call: list[float] = []
+        for _ in range(batches):
+            spent[0] = 0
+            for _ in range(calls):
+                one_call(0)
+            per_call.append(spent[0] / calls / 1000)
+            await asyncio.sleep(0)  # let the loop run what the calls scheduled
+        per_msg: list[float] = []
+        if messages:
+            for _ in range(batches):
+                spent[0] = 0
+                one_call(messages)
+                per_msg.append(spent[0] / messages / 1000)
+                await asyncio.sleep(0)
+        out = {"unary_us_min": min(per_call), "unary_us_median": statistics.median(per_call)}
+        if per_msg:
+            out.update(stream_us_per_msg_min=min(per_msg), stream_us_per_msg_median=statistics.median(per_msg))
+        return out
+    finally:
+        await proxy.stop()
+
+
+def relay_ab(trees: list[tuple[str, Path]], rounds: int, calls: int, batches: int, messages: int) -> dict[str, object]:
+    """`_relay_cost` for each tree in its own process, trees alternating, `rounds` times."""
+    script = Path(__file__).resolve()
+    got: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+    for r in range(rounds):
+        shift = r % len(trees)
+        for label, tree in trees[shift:] + trees[:shift]:
+            python = tree / ".venv" / "bin" / "python"
+            cmd = [str(python) if python.exists() else sys.executable, "-P", str(script), "_relay",
+                   "--calls", str(calls), "--batches", str(batches), "--messages", str(messages)]
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=600)
+            if res.returncode != 0:
+                raise RuntimeError(f"{label}: relay cost run failed: {res.stderr[-2000:]}")
+            fig = json.loads(res.stdout.strip().splitlines()[-1])
+            got[label].append(fig)
+            print(f"round {r + 1} relay {label:10s} " + "  ".join(f"{k} {v:.2f}" for k, v in fig.items()), flush=True)
+    summary: dict[str, object] = {label: {k: round(statistics.median(f[k] for f in figs), 2) for k in figs[0]}
+                                  for label, figs in got.items()}
+    this = trees[0][0]
+    for other, _ in trees[1:]:
+        ratios = {k: round(statistics.median(a[k] / b[k] for a, b in zip(got[this], got[other])), 3)
+                  for k in got[this][0]}
+        summary[f"{this}_vs_{other}"] = ratios
+    summary["raw"] = got
+    return summary
+
+
 # ---------------------------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", nargs="?", default="bench", choices=["bench", "_backend"])
+    ap.add_argument("mode", nargs="?", default="bench", choices=["bench", "relay", "_backend", "_relay"],
+                    help="bench: the processes above; relay: the in-process relay cost per tree (_relay)")
+    ap.add_argument("--calls", type=int, default=500, help="relay: unary calls per timed batch")
+    ap.add_argument("--batches", type=int, default=15, help="relay: timed batches per run")
+    ap.add_argument("--messages", type=int, default=500, help="relay: messages per streamed call (0: none)")
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per measured phase")
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every phase once per target")
     ap.add_argument("--concurrency", type=int, default=32, help="concurrent unary calls")
@@ -391,6 +594,15 @@ def main(argv: list[str] | None = None) -> int:
 
         uvloop.run(_serve_backend(0))
         return 0
+    if args.mode == "_relay":
+        import logging
+
+        import uvloop
+
+        logging.basicConfig(level=logging.WARNING)
+        result = uvloop.run(_relay_cost(args.calls, args.batches, args.messages))
+        print(json.dumps(result), flush=True)
+        return 0
     kinds = list(KINDS) if args.only is None else [k.strip() for k in args.only.split(",")]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
@@ -404,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     labels = [t[0] for t in trees]
     if len(set(labels)) != len(labels) or "direct" in labels:
         ap.error("labels must be distinct and not 'direct'")
+    if args.mode == "relay":
+        relay = relay_ab(trees, args.rounds, args.calls, args.batches, args.messages)
+        print(json.dumps({k: v for k, v in relay.items() if k != "raw"}, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(relay, indent=2) + "\n")
+        return 0
 
     # A SIGTERM (e.g. from `timeout`) must still stop the child processes in the `finally` below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
