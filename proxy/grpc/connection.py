@@ -192,7 +192,8 @@ class H2Side(asyncio.Protocol, abc.ABC):
         (9-byte header), charged to h2's own inbound flow-control windows (so its WINDOW_UPDATE
         accounting and FLOW_CONTROL_ERROR checks stay exact) and returned as `FastData` events, in
         order with h2's events for every other frame, which h2 still parses: it is handed complete
-        frames in the original order. A DATA frame that ends its stream (a unary request's only frame)
+        frames in the original order. Streams opened by a HEADERS frame earlier in the same read qualify
+        too (h2 is handed those HEADERS first). A DATA frame that ends its stream (a unary request's only frame)
         is handed to h2's stream object directly, so the stream's state machine closes it and h2's own
         DataReceived/StreamEnded events come out. A padded DATA frame, one inside a header block, on a
         stream h2 does not think open, with a content-length to check, or over the frame size limit goes
@@ -214,6 +215,9 @@ class H2Side(asyncio.Protocol, abc.ABC):
         calls = self.calls
         streams = conn.streams
         max_frame = conn.local_settings.max_frame_size
+        # Streams whose HEADERS came earlier in this read: not in `calls` yet (their events are handled once
+        # this returns), but a unary request's only DATA frame usually follows its HEADERS in the same read.
+        fresh: set[int] | None = None
         while end - pos >= 9:
             length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
             nxt = pos + 9 + length
@@ -224,7 +228,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
             if ftype == 0:
                 if not (flags & _PADDED) and not self._in_header_block and length <= max_frame:
                     sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
-                    if sid in calls:
+                    if sid in calls or (fresh is not None and sid in fresh):
                         if slow < pos:
                             events.extend(conn.receive_data(buf[slow:pos]))
                             slow = pos
@@ -244,6 +248,10 @@ class H2Side(asyncio.Protocol, abc.ABC):
                             slow = nxt
             elif ftype == 1 or ftype == 5 or ftype == 9:  # HEADERS, PUSH_PROMISE, CONTINUATION
                 self._in_header_block = not (flags & _END_HEADERS)
+                if ftype == 1:
+                    if fresh is None:
+                        fresh = set()
+                    fresh.add(int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF)
             pos = nxt
         if slow < pos:
             events.extend(conn.receive_data(buf[slow:pos]))

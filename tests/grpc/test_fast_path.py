@@ -35,10 +35,12 @@ def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int]) -> byte
     return client.data_to_send()
 
 
-def _run(side_fast: bool, wire: bytes, cuts: list[int]) -> tuple[dict[int, bytes], set[int], list[int]]:
+def _run(side_fast: bool, wire: bytes, cuts: list[int], known: bool = True) -> tuple[dict[int, bytes], set[int], list[int]]:
+    """`known`: the streams are relayed calls from the start; else none is (a stream whose HEADERS are in
+    the same read still takes the fast path)."""
     side = _Side(flusher=None, client_side=False)  # type: ignore[arg-type]
     side.fast = side_fast
-    side.calls = {1: None, 3: None, 5: None}  # type: ignore[dict-item]
+    side.calls = {1: None, 3: None, 5: None} if known else {}  # type: ignore[dict-item]
     got: dict[int, bytes] = {1: b"", 3: b"", 5: b""}
     ended: set[int] = set()
     start = 0
@@ -62,11 +64,27 @@ def _run(side_fast: bool, wire: bytes, cuts: list[int]) -> tuple[dict[int, bytes
     plan=st.lists(st.tuples(st.sampled_from([1, 3, 5]), st.binary(max_size=3000), st.booleans()), max_size=25),
     padded=st.sets(st.integers(0, 24), max_size=5),
     cuts=st.lists(st.integers(0, 90_000), max_size=12),
+    known=st.booleans(),
 )
-def test_fast_path_matches_plain_h2(plan: list[tuple[int, bytes, bool]], padded: set[int], cuts: list[int]) -> None:
+def test_fast_path_matches_plain_h2(plan: list[tuple[int, bytes, bool]], padded: set[int], cuts: list[int],
+                                    known: bool) -> None:
     wire = _client_bytes(plan, padded)
     cuts = [c % (len(wire) + 1) for c in cuts]
-    assert _run(True, wire, cuts) == _run(False, wire, cuts)
+    assert _run(True, wire, cuts, known) == _run(False, wire, cuts, known)
+
+
+def test_data_in_the_read_of_its_headers_takes_the_fast_path() -> None:
+    """A unary request: HEADERS, then one DATA frame in the same read, before the stream is a known call."""
+    from proxy.grpc.connection import _FAST_PATH
+
+    wire = _client_bytes([(1, b"\x00\x00\x00\x00\x02hi", False), (3, b"\x00\x00\x00\x00\x01x", True)], set())
+    side = _Side(flusher=None, client_side=False)  # type: ignore[arg-type]
+    events = side.receive(wire)
+    data = [ev for ev in events if isinstance(ev, (FastData, h2.events.DataReceived))]
+    assert [(ev.stream_id, ev.data) for ev in data] == [(1, b"\x00\x00\x00\x00\x02hi"), (3, b"\x00\x00\x00\x00\x01x")]
+    if _FAST_PATH:
+        assert isinstance(data[0], FastData)  # not ending its stream: the fast path's own event
+    assert 3 in {ev.stream_id for ev in events if isinstance(ev, h2.events.StreamEnded)}
 
 
 def test_h2_config_keeps_headers_as_bytes() -> None:
