@@ -19,7 +19,9 @@ class _Side(H2Side):
         raise AssertionError("unexpected flush")
 
 
-def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int]) -> bytes:
+def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int],
+                  updates: dict[int, tuple[int, int]] | None = None) -> bytes:
+    """`updates`: after plan item i, a WINDOW_UPDATE (stream id, 0 = the connection; increment)."""
     client = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=True, header_encoding=None))
     client.initiate_connection()
     for sid in (1, 3, 5):
@@ -32,6 +34,9 @@ def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int]) -> byte
         client.send_data(sid, data, end_stream=end, pad_length=3 if i in padded else None)
         if end:
             ended.add(sid)
+        if updates and i in updates:
+            wsid, inc = updates[i]
+            client.increment_flow_control_window(inc, stream_id=wsid or None)
     return client.data_to_send()
 
 
@@ -54,8 +59,9 @@ def _run(side_fast: bool, wire: bytes, cuts: list[int], known: bool = True) -> t
             elif isinstance(ev, h2.events.StreamEnded):
                 ended.add(ev.stream_id)
         start = cut
-    windows = [side.conn.inbound_flow_control_window]
+    windows = [side.conn.inbound_flow_control_window, side.conn.outbound_flow_control_window]
     windows += [side.conn.streams[s].inbound_flow_control_window for s in (1, 3, 5) if s in side.conn.streams]
+    windows += [side.conn.streams[s].outbound_flow_control_window for s in (1, 3, 5) if s in side.conn.streams]
     return got, ended, windows
 
 
@@ -65,10 +71,12 @@ def _run(side_fast: bool, wire: bytes, cuts: list[int], known: bool = True) -> t
     padded=st.sets(st.integers(0, 24), max_size=5),
     cuts=st.lists(st.integers(0, 90_000), max_size=12),
     known=st.booleans(),
+    updates=st.dictionaries(st.integers(0, 24), st.tuples(st.sampled_from([0, 1, 3, 5]), st.integers(1, 2**20)),
+                            max_size=6),
 )
 def test_fast_path_matches_plain_h2(plan: list[tuple[int, bytes, bool]], padded: set[int], cuts: list[int],
-                                    known: bool) -> None:
-    wire = _client_bytes(plan, padded)
+                                    known: bool, updates: dict[int, tuple[int, int]]) -> None:
+    wire = _client_bytes(plan, padded, updates)
     cuts = [c % (len(wire) + 1) for c in cuts]
     assert _run(True, wire, cuts, known) == _run(False, wire, cuts, known)
 
@@ -89,3 +97,32 @@ def test_data_in_the_read_of_its_headers_takes_the_fast_path() -> None:
 
 def test_h2_config_keeps_headers_as_bytes() -> None:
     assert h2_config(client_side=False).header_encoding is None
+
+
+def _window_update(sid: int, increment: int) -> bytes:
+    return b"\x00\x00\x04\x08\x00" + sid.to_bytes(4, "big") + increment.to_bytes(4, "big")
+
+
+def test_window_updates_take_the_fast_path_and_invalid_ones_stay_h2s() -> None:
+    import h2.exceptions
+    import pytest
+
+    from proxy.grpc.connection import _FAST_PATH, FastWindow
+
+    wire = _client_bytes([(1, b"x", False)], set())
+    side = _Side(flusher=None, client_side=False)  # type: ignore[arg-type]
+    side.receive(wire)
+    before = side.conn.outbound_flow_control_window, side.conn.streams[1].outbound_flow_control_window
+    events = side.receive(_window_update(0, 1000) + _window_update(1, 500))
+    assert [(ev.stream_id, ev.delta) for ev in events] == [(0, 1000), (1, 500)]
+    if _FAST_PATH:
+        assert isinstance(events[0], FastWindow)
+    assert (side.conn.outbound_flow_control_window, side.conn.streams[1].outbound_flow_control_window) == (
+        before[0] + 1000, before[1] + 500)
+    # A zero increment and one that overflows the connection window are protocol errors, as in plain h2.
+    with pytest.raises(h2.exceptions.ProtocolError):
+        side.receive(_window_update(0, 0))
+    side = _Side(flusher=None, client_side=False)  # type: ignore[arg-type]
+    side.receive(wire)
+    with pytest.raises(h2.exceptions.FlowControlError):
+        side.receive(_window_update(0, 2**31 - 1))
