@@ -460,6 +460,13 @@ async def _relay_cost(calls: int, batches: int, messages: int) -> dict[str, floa
                     for ev in client.receive_data(data):
                         if isinstance(ev, h2.events.DataReceived):
                             client.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                            received["bytes"] += len(ev.data)
+                        elif isinstance(ev, h2.events.TrailersReceived):
+                            if (b"grpc-status", b"0") not in [tuple(h) for h in ev.headers]:
+                                raise RuntimeError(f"a relayed call failed: {ev.headers}")
+                            received["ok"] += 1
+                        elif isinstance(ev, h2.events.StreamReset):
+                            raise RuntimeError(f"a relayed call was reset: {ev}")
                     moved = True
                 data = up_wire.take()
                 if data:
@@ -492,6 +499,7 @@ async def _relay_cost(calls: int, batches: int, messages: int) -> dict[str, floa
                    (b"grpc-accept-encoding", b"identity, deflate, gzip")]
         pending: set[int] = set()
         streamed = {"n": 0}
+        received = {"ok": 0, "bytes": 0}  # what the client got: calls ended with grpc-status 0, DATA bytes
 
         def answer(sid: int) -> None:
             pending.discard(sid)
@@ -529,6 +537,10 @@ async def _relay_cost(calls: int, batches: int, messages: int) -> dict[str, floa
                 one_call(messages)
                 per_msg.append(spent[0] / messages / 1000)
                 await asyncio.sleep(0)
+        expected = 200 + calls * batches + (batches if messages else 0)
+        want_bytes = (200 + calls * batches) * len(reply_msg) + (batches * messages * len(chunk_msg) if messages else 0)
+        if received["ok"] != expected or received["bytes"] != want_bytes:
+            raise RuntimeError(f"the client got {received} of {expected} calls and {want_bytes} bytes")
         out = {"unary_us_min": min(per_call), "unary_us_median": statistics.median(per_call)}
         if per_msg:
             out.update(stream_us_per_msg_min=min(per_msg), stream_us_per_msg_median=statistics.median(per_msg))
