@@ -39,6 +39,7 @@ from proxy.core.request import RequestSummary
 from proxy.dataplane.request_ids import new_request_id
 from proxy.dataplane.retry import Attempts, RetryableFailure
 from proxy.dataplane.router import Lease, Overloaded
+from proxy.grpc.connection import per_call
 from proxy.grpc.context import CLIENT_CHOSEN, RelayContext, http_status_for
 from proxy.grpc.extractors import Extractor
 from proxy.grpc.streams import ClientConnection
@@ -85,17 +86,23 @@ class Call:
         self.encoding = b"identity"
         self.route_key: str | None = None
         request_id: bytes | None = None
-        for name, value in headers:
+        at = -1
+        for i, (name, value) in enumerate(headers):
             if name == b"grpc-timeout":
                 self.timeout = wire.parse_timeout(value)
             elif name == b"grpc-encoding":
                 self.encoding = value
             elif name == b"x-request-id":
                 request_id = value
+                at = i
+        # The id differs on every call: it goes to the backend never indexed (connection.PerCallEncoder).
         if request_id is None:
             # As for HTTP: the backend gets an x-request-id, from the one id source of every protocol.
             request_id = new_request_id().encode("ascii")
-            self.headers = [*headers, (b"x-request-id", request_id)]
+            self.headers = [*headers, per_call(b"x-request-id", request_id)]
+        else:
+            self.headers = [*headers]
+            self.headers[at] = per_call(b"x-request-id", request_id)
         self.request_id = request_id.decode("latin-1")
         self.state = _HOLD
         self.held = bytearray()
@@ -320,7 +327,7 @@ class Call:
         if self.obs is not None:
             trace_headers = self.obs.picked(lease, f"http://{address}")
             if trace_headers:  # tracing on: the upstream span's context replaces the client's
-                self.headers = [*strip_trace_headers(self.headers), *trace_headers]
+                self.headers = [*strip_trace_headers(self.headers), *(per_call(n, v) for n, v in trace_headers)]
         self._use_pool(self.ctx.pools.get(backend.name, address))
 
     def _use_pool(self, pool: BackendPool) -> None:
@@ -342,8 +349,8 @@ class Call:
             if left <= 0:
                 self.fail(DEADLINE_EXCEEDED, "deadline exceeded before the call reached a backend")
                 return
-            value = wire.format_timeout(left)
-            headers = [(n, value if n == b"grpc-timeout" else v) for n, v in headers]
+            timeout = per_call(b"grpc-timeout", wire.format_timeout(left))  # the time left: new each call
+            headers = [timeout if h[0] == b"grpc-timeout" else h for h in headers]
         try:
             self.uid = up.open_stream(self, headers)
         except (h2.exceptions.ProtocolError, h2.exceptions.TooManyStreamsError) as err:

@@ -19,7 +19,7 @@ import hyperframe.frame
 
 from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.call import Call
-from proxy.grpc.connection import FastData, H2Side
+from proxy.grpc.connection import FastData, FastWindow, H2Side
 from proxy.grpc.context import RelayContext
 from proxy.wire.grpc import CANCELLED, UNAVAILABLE
 
@@ -56,6 +56,7 @@ class Downstream(H2Side):
             h2.events.RequestReceived: self._on_request,
             h2.events.StreamEnded: self._on_ended,
             h2.events.WindowUpdated: self._on_window,
+            FastWindow: self._on_window,
             h2.events.StreamReset: self._on_reset,
             h2.events.TrailersReceived: self._on_trailers,
             h2.events.RemoteSettingsChanged: self._on_settings,

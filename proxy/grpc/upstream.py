@@ -18,7 +18,7 @@ from typing import Any, Callable
 import h2.events
 import h2.exceptions
 
-from proxy.grpc.connection import FastData, Flusher, H2Side
+from proxy.grpc.connection import FastData, FastWindow, Flusher, H2Side
 from proxy.grpc.streams import BackendStream
 from proxy.tls import ClientTls, describe_tls_error, grpc_host_port
 
@@ -50,6 +50,7 @@ class Upstream(H2Side):
             h2.events.TrailersReceived: self._on_trailers,
             h2.events.StreamEnded: self._on_ended,
             h2.events.WindowUpdated: self._on_window,
+            FastWindow: self._on_window,
             h2.events.StreamReset: self._on_reset,
             h2.events.RemoteSettingsChanged: self._on_settings,
             h2.events.ConnectionTerminated: self._on_terminated,
