@@ -382,7 +382,8 @@ def c1_latencies(port: int, secs: float, tls: bool = False) -> dict[str, float]:
 
 
 def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
-               names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"})) -> dict[str, object]:
+               names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"}),
+               baseline: str | None = None) -> dict[str, object]:
     """The rows the main run lacks, side by side in one run (each proxy pinned alone on core 0; backends and
     load on core 1; targets alternate their order every repetition):
 
@@ -393,7 +394,8 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
       only: every proxy talks plain HTTP/1.1 to the backends);
     - p50 and p99 at one connection over TLS (minus direct's plain-HTTP figures: the TLS cost included).
     A target that does not speak a protocol (h2c refused, or no TLS option) shows '-'. `rows`: which of
-    c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure."""
+    c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure. `ap-rr-base` and
+    `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one."""
     import shutil
     import signal
     import subprocess
@@ -470,11 +472,15 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
             if name == "sglang-rr":  # vllm-router has no server TLS option (its --help lists none)
                 tls_pid = start(cmd_of(p + 2) + ["--tls-cert-path", cert, "--tls-key-path", key], "0")
                 ports[name]["tls"] = (p + 2, tls_pid)
-        for name, policy in (("ap-rr", "round_robin"), ("ap-aff", "affinity")):
+        this_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for name, policy in (("ap-rr", "round_robin"), ("ap-aff", "affinity"), ("ap-rr-base", "round_robin"),
+                             ("ap-aff-base", "affinity")):
             if name not in names:
                 continue
+            if name.endswith("-base") and baseline is None:
+                raise SystemExit(f"{name} needs --baseline")
             p += 10
-            env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = dict(os.environ, PYTHONPATH=baseline if name.endswith("-base") else this_tree)
             pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name, policy, p, False), "--workers", "1"],
                         "0", env)
             tls_pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name + "-tls", policy, p + 2, True),
@@ -632,7 +638,8 @@ def main() -> None:
         return
     if a.extra:
         raw = extra_rows(a.peers_dir, a.ap_bin, a.reps, a.port_base + 700, a.c1_secs, a.duration,
-                         a.extra_targets.split(","), frozenset(a.extra_rows.split(",")))
+                         a.extra_targets.split(","), frozenset(a.extra_rows.split(",")),
+                         os.path.abspath(a.baseline) if a.baseline else None)
         out = os.path.join(a.results, "peers-extra-raw-%s.json" % time.strftime("%Y%m%d-%H%M%S"))
         with open(out, "w") as f:
             json.dump(raw, f, indent=1)
