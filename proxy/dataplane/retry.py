@@ -24,7 +24,7 @@ from proxy.control.resilience_metrics import ResilienceMetrics
 from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
 from proxy.core.request import RequestSummary
-from proxy.dataplane.router import Lease, Overloaded, Router
+from proxy.dataplane.router import Lease, Router
 
 T = TypeVar("T")
 
@@ -134,20 +134,12 @@ async def run_with_retries(
     attempts = Attempts(controller)
     while True:
         try:
-            # `async with lease` spelled out: the pick is synchronous unless the overload queue waits, so
-            # the common request skips two coroutine frames (__aenter__/__aexit__).
-            lease = router.route(summary, attempts.exclude, received_at=received_at)
-            try:
-                lease.try_pick()
-            except Overloaded as exc:
-                await lease.wait_in_queue(exc)
-            try:
-                return await attempt(lease)
-            except RetryableFailure as failure:
-                last: RetryableFailure[T] = failure
-                tried = lease.tried
-            finally:
-                lease.finish()
+            async with router.route(summary, attempts.exclude, received_at=received_at) as lease:
+                try:
+                    return await attempt(lease)
+                except RetryableFailure as failure:
+                    last: RetryableFailure[T] = failure
+                    tried = lease.tried
         except NoBackendAvailable:
             if attempts.count == 1:
                 raise
