@@ -29,9 +29,11 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from typing import Any, Callable
 
 COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff"]
 DEFAULT_TARGETS = "direct,nginx,vllm-rr,sglang-rr,sglang-cache,ap-rr,ap-aff"
@@ -244,6 +246,13 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
         print(f"| {policy}, wrk -c{conns}, {reps}× 3 s alternating | baseline | this tree | ratio |\n|---|---|---|---|")
         print(f"| CPU µs per request | {med['base'][0]:.1f} | {med['this'][0]:.1f} | {med['this'][0] / med['base'][0]:.2f}× |")
         print(f"| p50 µs (wrk) | {med['base'][1]:.0f} | {med['this'][1]:.0f} | {med['this'][1] / med['base'][1]:.2f}× |")
+        # Each round measured both back to back: the median of the per-round ratios is the least swayed by
+        # a round that a burst of foreign load hit (on a machine at load 13-16 one side of a round can
+        # read 2-3x its neighbours).
+        pairs = sorted(t[0] / bb[0] for t, bb in zip(res["this"], res["base"]))
+        lower = sum(1 for x in pairs if x < 1.0)
+        print(f"| CPU/request, median of the {len(pairs)} per-round ratios (this lower in {lower}) | | | "
+              f"{statistics.median(pairs):.2f}× |")
     finally:
         for p in procs:
             try:
@@ -252,6 +261,350 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
                 pass
         for p in procs:
             p.wait(timeout=15)
+
+
+NGINX_EXTRA = """daemon off;
+master_process on;
+worker_processes 1;
+pid nginx.pid;
+error_log logs/error.log warn;
+worker_rlimit_nofile 65536;
+events {{ worker_connections 16384; multi_accept on; }}
+http {{
+    access_log off;
+    client_body_temp_path client_body;
+    proxy_temp_path proxy;
+    fastcgi_temp_path fastcgi;
+    uwsgi_temp_path uwsgi;
+    scgi_temp_path scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 75s;
+    http2_max_requests 1000000;
+    upstream llm {{
+        server 127.0.0.1:{b0};
+        server 127.0.0.1:{b1};
+        keepalive 128;
+        keepalive_requests 1000000;
+        keepalive_timeout 60s;
+    }}
+    server {{
+        listen 127.0.0.1:{h1} backlog=4096;
+        listen 127.0.0.1:{h2c} http2 backlog=4096;
+        listen 127.0.0.1:{tls} ssl backlog=4096;
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        location / {{
+            proxy_pass http://llm;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+# The body h2load sends (every request the same: for the affinity policy these are exact repeats).
+H2_BODY = (b'{"model":"fake-model","prompt":"System prompt 1: You are a helpful assistant. ' + b"a" * 150 +
+           b' user question 0-1","max_tokens":16,"temperature":0}')
+
+
+def parse_h2load(out: str) -> dict[str, float]:
+    """h2load's summary: requests succeeded and the run's time (its -D duration, or 'finished in')."""
+    m = re.search(r"requests: \d+ total, \d+ started, \d+ done, (\d+) succeeded", out)
+    t = re.search(r"finished in ([\d.]+)(m?s)", out)
+    if m is None or t is None:
+        raise RuntimeError("unexpected h2load output:\n" + out[-2000:])
+    secs = float(t.group(1)) / (1000.0 if t.group(2) == "ms" else 1.0)
+    return {"requests": float(m.group(1)), "rps": float(m.group(1)) / secs if secs else 0.0}
+
+
+def c1_latencies(port: int, secs: float, tls: bool = False) -> dict[str, float]:
+    """One connection, one request at a time, for `secs`: every request's latency as this client sees it
+    (perf_counter around send + read of the whole answer), p50/p99/p99.9 over all of them.
+
+    Not wrk's -c1 figures: wrk corrects for coordinated omission, adding synthetic samples for every
+    request slower than twice the mean interval, so that one 0.5 s stall of a busy machine in a 10 s run at
+    c=1 becomes thousands of samples and its "p99" is the stall (direct's p99 read 673 ms in a run of
+    137,800 requests, which cannot be a 1 % tail). Here a stall is one slow sample. The bodies are those of
+    post_completions.lua (8 shared prefixes, a unique suffix)."""
+    import socket
+    import ssl
+
+    prefixes = [f"System prompt {i}: You are a helpful assistant. " + chr(96 + i) * 150 for i in range(1, 9)]
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        sock = ctx.wrap_socket(sock, server_hostname="127.0.0.1")
+    lat: list[float] = []
+    clock = time.perf_counter_ns
+    end = time.monotonic() + secs
+    n = 0
+    buf = b""
+    try:
+        while time.monotonic() < end:
+            n += 1
+            body = ('{"model":"fake-model","prompt":"%s user question c1-%d","max_tokens":16,"temperature":0}'
+                    % (prefixes[n % 8], n)).encode()
+            req = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            t0 = clock()
+            sock.sendall(req)
+            while b"\r\n\r\n" not in buf:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise RuntimeError("connection closed")
+                buf += chunk
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lower = head.lower()
+            if b"transfer-encoding: chunked" in lower:
+                while b"\r\n0\r\n\r\n" not in buf and not buf.startswith(b"0\r\n\r\n"):
+                    buf += sock.recv(65536)
+                buf = buf.split(b"0\r\n\r\n", 1)[1] if buf.startswith(b"0\r\n\r\n") else buf.split(b"\r\n0\r\n\r\n", 1)[1]
+            else:
+                length = int(lower.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+                while len(buf) < length:
+                    buf += sock.recv(65536)
+                buf = buf[length:]
+            lat.append((clock() - t0) / 1000.0)
+    finally:
+        sock.close()
+    lat.sort()
+
+    def q(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))]
+
+    return {"requests": float(len(lat)), "p50_us": q(0.50), "p99_us": q(0.99), "p999_us": q(0.999)}
+
+
+def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
+               names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"}),
+               baseline: str | None = None) -> dict[str, object]:
+    """The rows the main run lacks, side by side in one run (each proxy pinned alone on core 0; backends and
+    load on core 1; targets alternate their order every repetition):
+
+    - p50, p99 and p99.9 at one connection over HTTP/1.1, from `c1_secs` seconds of `c1_latencies` each
+      (thousands of requests, every one a sample, none synthetic), with direct's beside them;
+    - CPU µs per small POST over HTTP/1.1 (wrk -c64), over h2c with prior knowledge (h2load, 16
+      connections x 4 streams, the same body every time) and over TLS (wrk https -c64, TLS at the proxy
+      only: every proxy talks plain HTTP/1.1 to the backends);
+    - p50 and p99 at one connection over TLS (minus direct's plain-HTTP figures: the TLS cost included).
+    A target that does not speak a protocol (h2c refused, or no TLS option) shows '-'. `rows`: which of
+    c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure. `ap-rr-base` and
+    `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one."""
+    import shutil
+    import signal
+    import subprocess
+
+    hz = os.sysconf("SC_CLK_TCK")
+    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
+    venv = os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv"))
+    fake_py = os.path.join(venv, "bin", "python")
+    lua = os.path.join(peers_dir, "post_completions.lua")
+    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"extra-{base_port}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir + "/nginx/logs", exist_ok=True)
+    b = load_harness(peers_dir)
+    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
+    b.ensure_tokenizer()
+    cert, key = os.path.join(run_dir, "cert.pem"), os.path.join(run_dir, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    body_file = os.path.join(run_dir, "body.json")
+    with open(body_file, "wb") as bf:
+        bf.write(H2_BODY)
+    backends = [base_port + 1, base_port + 2]
+    workers = ["http://127.0.0.1:%d" % p for p in backends]
+    procs: list[subprocess.Popen[bytes]] = []
+    logf = open(os.path.join(run_dir, "extra.log"), "a")
+
+    def start(cmd: list[str], cpus: str, env: dict[str, str] | None = None) -> int:
+        p = subprocess.Popen(["taskset", "-c", cpus, *cmd], stdout=logf, stderr=logf, env=env,
+                             start_new_session=True, cwd=run_dir)
+        procs.append(p)
+        return p.pid
+
+    def ap_config(name: str, policy: str, port: int, tls: bool) -> str:
+        path = os.path.join(run_dir, name + ".yaml")
+        tls_line = f", tls: {{cert_file: '{cert}', key_file: '{key}'}}" if tls else ""
+        with open(path, "w") as f:
+            f.write(f"listen: {{host: 127.0.0.1, port: {port}{tls_line}}}\n"
+                    f"admin: {{host: 127.0.0.1, port: {port + 1000}}}\nbackends:\n"
+                    + "".join(f"  - {{name: be{i}, url: '{u}'}}\n" for i, u in enumerate(workers))
+                    + f"routing: {{policy: {policy}}}\n")
+        return path
+
+    # name -> {protocol: (port, pid)}; direct: the first backend (plain HTTP/1.1 only).
+    ports: dict[str, dict[str, tuple[int, int]]] = {"direct": {}}
+    os.sched_setaffinity(0, {1})  # this process is the 1-connection client: on the load core, like wrk
+    try:
+        for port in backends:
+            pid = start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "16",
+                         "--model-path", b.TOKDIR], "1")
+        ports["direct"]["h1"] = (backends[0], pid)
+        p = base_port + 10
+        if "nginx" in names:
+            conf = os.path.join(run_dir, "nginx.conf")
+            with open(conf, "w") as nf:
+                nf.write(NGINX_EXTRA.format(b0=backends[0], b1=backends[1], h1=p, h2c=p + 1, tls=p + 2,
+                                           cert=cert, key=key))
+            pid = start(["nginx", "-p", run_dir + "/nginx", "-c", conf], "0")
+            ports["nginx"] = {"h1": (p, pid), "h2c": (p + 1, pid), "tls": (p + 2, pid)}
+        for name, cmd_of in (("vllm-rr", lambda port: [os.path.join(venv, "bin", "vllm-router"), "--host", "127.0.0.1",
+                                                       "--port", str(port), "--prometheus-host", "127.0.0.1",
+                                                       "--prometheus-port", str(port + 1000), "--worker-urls",
+                                                       *workers, "--policy", "round_robin", "--log-level", "warning"]),
+                             ("sglang-rr", lambda port: [fake_py, "-m", "sglang_router.launch_router", "--host",
+                                                         "127.0.0.1", "--port", str(port), "--prometheus-host",
+                                                         "127.0.0.1", "--prometheus-port", str(port + 1000),
+                                                         "--worker-urls", *workers, "--policy", "round_robin",
+                                                         "--log-level", "warn"])):
+            if name not in names:
+                continue
+            p += 10
+            pid = start(cmd_of(p), "0")
+            ports[name] = {"h1": (p, pid), "h2c": (p, pid)}
+            if name == "sglang-rr":  # vllm-router has no server TLS option (its --help lists none)
+                tls_pid = start(cmd_of(p + 2) + ["--tls-cert-path", cert, "--tls-key-path", key], "0")
+                ports[name]["tls"] = (p + 2, tls_pid)
+        this_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for name, policy in (("ap-rr", "round_robin"), ("ap-aff", "affinity"), ("ap-rr-base", "round_robin"),
+                             ("ap-aff-base", "affinity")):
+            if name not in names:
+                continue
+            if name.endswith("-base") and baseline is None:
+                raise SystemExit(f"{name} needs --baseline")
+            p += 10
+            env = dict(os.environ, PYTHONPATH=baseline if name.endswith("-base") else this_tree)
+            pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name, policy, p, False), "--workers", "1"],
+                        "0", env)
+            tls_pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name + "-tls", policy, p + 2, True),
+                             "--workers", "1"], "0", env)
+            ports[name] = {"h1": (p, pid), "h2c": (p, pid), "tls": (p + 2, tls_pid)}
+        time.sleep(12)
+
+        def wrk(url: str, conns: int, secs: int) -> dict[str, float]:
+            out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1" if conns == 1 else "-t2", f"-c{conns}",
+                                  f"-d{secs}s", "--latency", "-s", lua, url], capture_output=True, text=True).stdout
+            return b.parse_result(out)
+
+        def h2load(port: int, secs: int) -> dict[str, float]:
+            out = subprocess.run(["taskset", "-c", "1", "h2load", "-t1", "-c16", "-m4", "-D", str(secs),
+                                  "-d", body_file, "-H", "content-type: application/json",
+                                  f"http://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True).stdout
+            return parse_h2load(out)
+
+        def measured(pid: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+            pids = b.tree(pid)
+            t0 = b.cpu_ticks(pids)
+            r = fn()
+            t1 = b.cpu_ticks(pids)
+            r["cpu_us"] = (t1 - t0) / hz / r["requests"] * 1e6 if r.get("requests") else float("nan")
+            return r
+
+        order = [n for n in ["direct", *names] if n in ports]
+        for n in order:  # warm-up: connections to the backends, JIT-free but caches and pools filled
+            for proto, (port, _) in ports[n].items():
+                try:
+                    if proto == "h2c":
+                        h2load(port, 1)
+                    else:
+                        wrk(("https" if proto == "tls" else "http") + f"://127.0.0.1:{port}", 4, 1)
+                except Exception as exc:  # noqa: BLE001  # a target that does not speak it shows "-"
+                    b.log(f"extra warm-up {n} {proto}: {exc!s:.200}")
+        res: dict[str, dict[str, list[dict[str, float]]]] = {}
+
+        def keep(n: str, row: str, r: dict[str, float], rep: int) -> None:
+            r["rep"] = rep
+            res.setdefault(n, {}).setdefault(row, []).append(r)
+            b.log(f"extra rep{rep} {n} {row}: " + ", ".join(f"{k}={v:.1f}" for k, v in r.items()
+                                                           if k in ("requests", "p50_us", "p99_us", "cpu_us")))
+
+        for rep in range(reps):
+            seq = order if rep % 2 == 0 else order[::-1]
+            if "c1" in rows:
+                for n in seq:
+                    port, pid = ports[n]["h1"]
+                    keep(n, "h1_c1", measured(pid, lambda: c1_latencies(port, c1_secs)), rep)
+            if "cpu" in rows:
+                for n in seq:
+                    if n != "direct":
+                        port, pid = ports[n]["h1"]
+                        keep(n, "h1_cpu", measured(pid, lambda: wrk(f"http://127.0.0.1:{port}", 64, load_secs)), rep)
+            for n in seq if "h2c" in rows else []:
+                if "h2c" in ports[n]:
+                    port, pid = ports[n]["h2c"]
+                    try:
+                        r = measured(pid, lambda: h2load(port, load_secs))
+                    except RuntimeError as exc:
+                        b.log(f"extra rep{rep} {n} h2c: {exc!s:.300}")
+                        continue
+                    if r["requests"] > 0:
+                        keep(n, "h2c_cpu", r, rep)
+            for n in seq if "tls" in rows else []:
+                if "tls" in ports[n]:
+                    port, pid = ports[n]["tls"]
+                    url = f"https://127.0.0.1:{port}"
+                    try:
+                        keep(n, "tls_cpu", measured(pid, lambda: wrk(url, 64, load_secs)), rep)
+                        keep(n, "tls_c1", measured(pid, lambda: c1_latencies(port, max(2, c1_secs // 2), tls=True)),
+                             rep)
+                    except (RuntimeError, OSError) as exc:
+                        b.log(f"extra rep{rep} {n} tls: {exc!s:.300}")
+        return {"reps": reps, "c1_secs": c1_secs, "load_secs": load_secs, "targets": order, "results": res}
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def extra_table(raw: dict[str, Any]) -> str:
+    """Medians over repetitions; 'added' paired with direct's figure of the same repetition."""
+    res = raw["results"]
+    names = [n for n in raw["targets"] if n != "direct"]
+    direct = {r["rep"]: r for r in res.get("direct", {}).get("h1_c1", [])}
+
+    def med(xs: list[float]) -> float | None:
+        xs = [x for x in xs if x is not None and x == x]
+        return statistics.median(xs) if xs else None
+
+    def cell(n: str, row: str, key: str, added: bool = False) -> float | None:
+        rs = res.get(n, {}).get(row, [])
+        if not added:
+            return med([r.get(key) for r in rs])
+        return med([r[key] - direct[r["rep"]][key] for r in rs if r["rep"] in direct and key in r])
+
+    spec = [
+        ("p50 at 1 connection, HTTP/1.1 (µs)", "h1_c1", "p50_us", False, "%.0f"),
+        ("p99 at 1 connection, HTTP/1.1 (µs)", "h1_c1", "p99_us", False, "%.0f"),
+        ("added p50 at 1 connection (µs, minus direct's)", "h1_c1", "p50_us", True, "%.0f"),
+        ("added p99 at 1 connection (µs, minus direct's)", "h1_c1", "p99_us", True, "%.0f"),
+        ("p99.9 at 1 connection, HTTP/1.1 (µs)", "h1_c1", "p999_us", False, "%.0f"),
+        ("requests per 1-connection run", "h1_c1", "requests", False, "%.0f"),
+        ("CPU µs per small POST, HTTP/1.1, 64 connections", "h1_cpu", "cpu_us", False, "%.1f"),
+        ("CPU µs per small POST, h2c, 16 conns x 4 streams", "h2c_cpu", "cpu_us", False, "%.1f"),
+        ("CPU µs per small POST, TLS (HTTP/1.1), 64 connections", "tls_cpu", "cpu_us", False, "%.1f"),
+        ("added p50 at 1 connection over TLS (µs, minus direct's plain)", "tls_c1", "p50_us", True, "%.0f"),
+        ("added p99 at 1 connection over TLS (µs, minus direct's plain)", "tls_c1", "p99_us", True, "%.0f"),
+    ]
+    lines = ["| per proxy core | direct | " + " | ".join(names) + " |", "|---|" + "---|" * (len(names) + 1)]
+    for title, row, key, added, fmt in spec:
+        d = "" if added or row != "h1_c1" else (lambda v: "-" if v is None else fmt % v)(cell("direct", row, key))
+        cells = [(lambda v: "-" if v is None else fmt % v)(cell(n, row, key, added)) for n in names]
+        lines.append(f"| {title} | {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -273,7 +626,26 @@ def main() -> None:
     ap.add_argument("--ab", metavar="POLICY", help="only the A/B CPU comparison of this tree and --baseline")
     ap.add_argument("--ab-conns", type=int, default=64)
     ap.add_argument("--ab-reps", type=int, default=6)
+    ap.add_argument("--extra", action="store_true", help="only the rows the main run lacks: p99 at one "
+                    "connection from long runs, h2c and TLS (see extra_rows)")
+    ap.add_argument("--extra-targets", default="nginx,vllm-rr,sglang-rr,ap-rr,ap-aff")
+    ap.add_argument("--c1-secs", type=int, default=10, help="--extra: seconds of each 1-connection run")
+    ap.add_argument("--extra-rows", default="c1,cpu,h2c,tls", help="--extra: which rows (c1,cpu,h2c,tls)")
     a = ap.parse_args()
+    if a.render and a.extra:
+        with open(a.render) as f:
+            print(extra_table(json.load(f)))
+        return
+    if a.extra:
+        raw = extra_rows(a.peers_dir, a.ap_bin, a.reps, a.port_base + 700, a.c1_secs, a.duration,
+                         a.extra_targets.split(","), frozenset(a.extra_rows.split(",")),
+                         os.path.abspath(a.baseline) if a.baseline else None)
+        out = os.path.join(a.results, "peers-extra-raw-%s.json" % time.strftime("%Y%m%d-%H%M%S"))
+        with open(out, "w") as f:
+            json.dump(raw, f, indent=1)
+        print(f"raw: {out}\n")
+        print(extra_table(raw))
+        return
     if a.ab:
         if not a.baseline:
             raise SystemExit("--ab needs --baseline")

@@ -266,6 +266,8 @@ class AffinityPolicy:
     def _top(self, scores: list[float]) -> list[int]:
         """Indexes of the best-ranked backends, best first (the hash home is the first)."""
         k = 2
+        if len(scores) == 2:  # the stable descending sort of two, without a sort (ties keep index order)
+            return [0, 1] if scores[0] >= scores[1] else [1, 0]
         if len(scores) <= k:
             return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
         return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)

@@ -373,7 +373,7 @@ def summary_from_openai(
     affinity can keep an adapter's traffic where it is already loaded. A `session_key` from the request's
     header wins over one the body implies (`previous_response_id`).
     """
-    if not isinstance(body, Mapping):
+    if type(body) is not dict and not isinstance(body, Mapping):  # a parsed body is a dict: skip the ABC check
         raise RequestError("request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):

@@ -159,7 +159,12 @@ def parse_json(body: bytes | bytearray) -> Any:
     only bodies with many brackets (inside strings, usually) get their parsed tree measured.
     """
     try:
-        parsed = json.loads(body)
+        # An object whose first two bytes are not NUL is UTF-8 by json.detect_encoding's own rules (no
+        # BOM starts with "{"): decode it here and skip the detection, the common request's whole case.
+        if body[:1] == b"{" and len(body) > 1 and body[1]:
+            parsed = json.loads(body.decode("utf-8", "surrogatepass"))
+        else:
+            parsed = json.loads(body)
     except RecursionError:
         raise JsonTooDeep(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
     if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _deeper_than(parsed, MAX_JSON_DEPTH):

@@ -14,7 +14,6 @@ import copy
 import enum
 import os
 import select
-from dataclasses import fields
 from typing import Callable, Literal
 
 import msgspec
@@ -24,7 +23,7 @@ from proxy.observability.record import RequestRecord
 
 # Writes of at most PIPE_BUF bytes to a pipe are atomic (POSIX); 4096 on Linux.
 PIPE_BUF = getattr(select, "PIPE_BUF", 4096)
-_FIELDS = tuple(f.name for f in fields(RequestRecord))
+_FIELDS = RequestRecord.__struct_fields__
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:

@@ -57,7 +57,9 @@ def downstream_response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[s
 
 
 _REQUEST_DROP_BYTES = frozenset(n.encode() for n in _REQUEST_DROP) | {b"x-request-id", b"x-forwarded-for"}
+_REQUEST_DROP_LENGTHS = frozenset(len(n) for n in _REQUEST_DROP_BYTES)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_METHOD_LINES = {m: f"{m} ".encode() for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")}
 
 
 def upstream_request_head(
@@ -77,24 +79,29 @@ def upstream_request_head(
     backend, X-Forwarded-For appended, X-Forwarded-Proto added unless present, x-request-id set), without
     decoding and re-encoding every header: the bytes the client sent are the bytes the backend gets.
     """
-    parts = [f"{method} ".encode(), raw_path.encode("utf-8", "surrogateescape"), b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    parts = [_METHOD_LINES.get(method) or f"{method} ".encode(), raw_path.encode("utf-8", "surrogateescape"),
+             b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     drop = _REQUEST_DROP_BYTES
+    lengths = _REQUEST_DROP_LENGTHS
+    for name, value in raw_headers:
+        if len(name) == 10 and name.lower() == b"connection":
+            tokens = frozenset(t.strip().lower() for t in value.split(b",") if t.strip())
+            drop = drop | tokens
+            lengths = lengths | {len(t) for t in tokens}
+            break
     prior_xff: bytes | None = None
     has_proto = False
     for name, value in raw_headers:
-        lname = name.lower()
-        if lname == b"connection":
-            tokens = frozenset(t.strip().lower() for t in value.split(b",") if t.strip())
-            drop = drop | tokens
-            break
-    for name, value in raw_headers:
-        lname = name.lower()
-        if lname in drop:
-            if lname == b"x-forwarded-for":
-                prior_xff = value if prior_xff is None else prior_xff + b", " + value
-            continue
-        if lname == b"x-forwarded-proto":
-            has_proto = True
+        n = len(name)
+        # Only a name as long as a dropped one or X-Forwarded-Proto needs lowering (most do not).
+        if n in lengths or n == 17:
+            lname = name.lower()
+            if lname in drop:
+                if lname == b"x-forwarded-for":
+                    prior_xff = value if prior_xff is None else prior_xff + b", " + value
+                continue
+            if lname == b"x-forwarded-proto":
+                has_proto = True
         parts += (name, b": ", value, b"\r\n")
     if peer:
         parts += (b"X-Forwarded-For: ", (prior_xff + b", " if prior_xff else b""), peer.encode(), b"\r\n")
