@@ -31,6 +31,7 @@ from . import metrics as sim_metrics
 from .api import (ConnectionDropped, InvalidRequest, SimError, SimRequest, TokenChunk, Usage, count_tokens, render_anthropic,
                   render_chat, render_responses)
 from .backend import SimBackend
+from .engine import Engine
 from .tokenizer import TOKENIZER_DIR, token_ids, token_str
 
 SIM_HEADER = "x-sim-backend"
@@ -360,32 +361,8 @@ class SimHttpApp:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        e = self.backend.engine
-        created = int(time.time())
-        base = {
-            "id": e.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": e.model_name,
-            "parent": None,
-            "max_model_len": self.backend.profile.model.max_model_len,
-        }
-        data = [base]
-        loaded = set(e.loaded_adapters)
-        for name in e.known_adapters:
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "vllm",
-                    "root": name,
-                    "parent": e.model_name,
-                    "loaded": name in loaded,
-                }
-            )
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(models_listing(self.backend.engine, self.backend.profile.model.max_model_len,
+                                                int(time.time())))
 
     # ---- runtime LoRA adapters -------------------------------------------------------------------------
     def _lora_name(self, body: dict[str, Any]) -> str:
@@ -875,3 +852,32 @@ class SimHttpApp:
                 "ttft_sum": st.ttft.sum,
             }
         )
+
+
+def models_listing(e: Engine, max_model_len: int, created: int) -> dict[str, Any]:
+    """vLLM's /v1/models answer: the base model, then every registered LoRA adapter with the base as its
+    `parent` (what the proxy's adapter discovery reads; the offline replay serves the same page)."""
+    base = {
+        "id": e.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": e.model_name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
+    data: list[dict[str, Any]] = [base]
+    loaded = set(e.loaded_adapters)
+    for name in e.known_adapters:
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": name,
+                "parent": e.model_name,
+                "loaded": name in loaded,
+            }
+        )
+    return {"object": "list", "data": data}
