@@ -38,6 +38,7 @@ SIM_HEADER = "x-sim-backend"
 ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
 ORCA_RESPONSE_HEADER = "endpoint-load-metrics"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+RESPONSES_STORED_MAX = 10_000  # stored Responses API responses kept per server (the oldest go first)
 LORA_REGISTER_S = 0.5  # reading an adapter's weights from disk into host memory (engine seconds)
 
 _dumps = json.dumps
@@ -49,6 +50,13 @@ def error_body(message: str, type_: str, status: int, param: str | None = None, 
 
 def error_response(err: SimError) -> web.Response:
     return web.json_response(error_body(err.message, err.type, err.status, err.param, err.code), status=err.status)
+
+
+class ResponseNotFound(SimError):
+    """A `previous_response_id` this server did not store (vLLM's answer, status and type included)."""
+
+    status = 404
+    type = "invalid_request_error"
 
 
 def _bad(message: str, param: str | None = None) -> InvalidRequest:
@@ -95,6 +103,7 @@ class SimHttpApp:
         self.on_faults_change = on_faults_change
         self.lookup = lookup
         self._ids = itertools.count(1)
+        self._stored: dict[str, str] = {}  # Responses API: response id -> its conversation (prompt + answer)
         self._refuse_timer: asyncio.TimerHandle | None = None
         self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
         self.app.on_response_prepare.append(self._tag)
@@ -520,11 +529,25 @@ class SimHttpApp:
                                   "usage": {"total_tokens": usage.prompt_tokens}, "results": results})
 
     # Responses API (OpenAI): one message output item with one output_text part.
+    # Stored responses (`store`, true by default) live in this server's memory, as in vLLM: a request whose
+    # `previous_response_id` this server did not produce gets vLLM's 404; a known one continues that
+    # conversation (its prompt and answer come first).
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        prompt = render_responses(body)
-        if not prompt.strip():
+        history = ""
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            if not isinstance(prev, str):
+                raise _bad("'previous_response_id' must be a string", "previous_response_id")
+            stored = self._stored.get(prev)
+            if stored is None:
+                raise ResponseNotFound(f"Response with id '{prev}' not found.", "response_id")
+            history = stored
+        store = body.get("store", True) is not False
+        turn = render_responses(body)
+        if not turn.strip():
             raise _bad("'input' is required", "input")
+        prompt = history + turn
         req = self._plain_request(body, prompt + "assistant\n", "resp", request, "max_output_tokens")
         chunks = await self._chunks(req)
         model = self._model(body)
@@ -563,6 +586,8 @@ class SimHttpApp:
                 last = chunk
             assert last is not None
             status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+            if store:
+                self._store_response(rid, req.prompt + "".join(parts) + "\n")
             return web.json_response(response(status, "".join(parts), last.usage, last.finish_reason),
                                      headers=self._orca(request))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._orca(request)})
@@ -597,9 +622,17 @@ class SimHttpApp:
         await event("response.content_part.done", {**where, "part": done_part})
         await event("response.output_item.done", {"output_index": 0, "item": {**item, "status": "completed", "content": [done_part]}})
         status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+        if store:
+            self._store_response(rid, req.prompt + text + "\n")
         await event(f"response.{status}", {"response": response(status, text, last.usage, last.finish_reason)})
         await resp.write_eof()
         return resp
+
+    def _store_response(self, rid: str, conversation: str) -> None:
+        stored = self._stored
+        stored[rid] = conversation
+        if len(stored) > RESPONSES_STORED_MAX:
+            del stored[next(iter(stored))]
 
     # Anthropic Messages API (as vLLM and SGLang serve it at /v1/messages).
     async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
-from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy
+from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy, Reason
 from proxy.core.overload import OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
@@ -323,6 +323,15 @@ class Router:
         if arm is not None:
             policy = arm.policy or policy
             exclude = exclude | arm.outside(snapshot)
+        home = summary.state_home
+        if home is not None and home not in exclude:
+            # The engine there holds state the request refers to (a stored Responses API response): anywhere
+            # else it is a sure 404, so it goes there while routable, whatever its load.
+            state = snapshot.get(home)
+            if state is not None and state.routable:
+                decision = Decision(home, Reason.SESSION, policy.name)
+                self.metrics.decision(decision.policy, decision.reason)
+                return decision, state
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:
