@@ -109,6 +109,8 @@ class HostHooks:
     collectors: Sequence[Callable[[], Iterable[Metric]]] = ()
     ready_checks: Sequence[Callable[[], list[str]]] = ()
     on_reload: Sequence[Callable[[Config], None]] = ()
+    # The LoRA pool's demand: every worker's, as they report it (the supervisor's own router routes nothing).
+    adapter_demand: Callable[[], dict[str, int]] | None = None
 
 
 class AffinityProxy:
@@ -261,8 +263,9 @@ class AffinityProxy:
         )
         # The LoRA adapter pool (off unless configured): a control-plane service acting on the router's demand.
         if config.lora_pool.enabled and control:
-            self.add_service(LoraPool(self.store, self.router.take_adapter_demand, self.inflight, config.lora_pool,
-                                      self.metrics.registry))
+            demand = self._host.adapter_demand if self._host is not None else None
+            self.add_service(LoraPool(self.store, demand or self.router.take_adapter_demand, self.inflight,
+                                      config.lora_pool, self.metrics.registry))
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
         # Called with every configuration a reload swapped in: the supervisor's copy of the experiment

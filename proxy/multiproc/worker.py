@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
 from proxy.multiproc.channel import (
+    AdapterDemand,
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
@@ -160,11 +161,24 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
             log.error("worker %d lost its supervisor: draining", init.index)
             stop.set()
 
+    async def report_adapter_demand(every_s: float) -> None:
+        """The supervisor runs the one LoRA pool: it hears this worker's adapter demand a few times a round."""
+        while True:
+            await asyncio.sleep(every_s)
+            counts = proxy.router.take_adapter_demand()
+            if counts:
+                write_message(writer, AdapterDemand(counts))
+
     await proxy.start()
     reading = asyncio.create_task(channel(), name="worker-channel")
+    pool = init.config.lora_pool
+    demand = (asyncio.create_task(report_adapter_demand(min(0.25, pool.interval_s / 4)), name="worker-lora-demand")
+              if pool.enabled else None)
     write_message(writer, WorkerReady(init.index, os.getpid()))
     await writer.drain()
     await stop.wait()
+    if demand is not None:
+        demand.cancel()
     await proxy.stop()
     reading.cancel()
     writer.close()
