@@ -10,15 +10,17 @@ a bounded map (least recently learned or used entries go first). The summary of 
 a known response carries that backend as its `state_home`, which the Router honours while the backend is
 routable (proxy/dataplane/router.py).
 
-The map is per process: with `--workers N` every worker learns from the answers it relays itself, so a
-chain whose turns reach different workers (a client that opens a new connection per turn) is routed by
-its session key on the turns a worker has not seen, and may get the engine's 404.
+With `--workers N` every worker keeps its own map and shares what it learns: `on_learn` sends each new
+entry up the supervisor channel, the supervisor passes it to every other worker, which `adopt`s it (a few
+hundred microseconds later on an idle host; a turn that reaches another worker sooner than that, or a worker
+started after the entry was shared, routes by the session key and may get the engine's 404).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
 RESPONSES_PATH = "/v1/responses"
 DEFAULT_MAX_ENTRIES = 100_000
@@ -31,18 +33,28 @@ _LEADING_ID = re.compile(rb'^\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
 class ResponseHomes:
     """response id -> backend name, at most `max_entries` of them (insertion order; a lookup refreshes)."""
 
-    __slots__ = ("max_entries", "_homes")
+    __slots__ = ("max_entries", "_homes", "_on_learn")
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *,
+                 on_learn: Callable[[str, str], None] | None = None) -> None:
+        """`on_learn(response_id, backend)`: told of every entry this process learns itself (the --workers
+        channel shares them; entries `adopt`ed from elsewhere are not told again)."""
         if max_entries < 1:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
         self._homes: dict[str, str] = {}
+        self._on_learn = on_learn
 
     def __len__(self) -> int:
         return len(self._homes)
 
     def learn(self, response_id: str, backend: str) -> None:
+        self.adopt(response_id, backend)
+        if self._on_learn is not None:
+            self._on_learn(response_id, backend)
+
+    def adopt(self, response_id: str, backend: str) -> None:
+        """Record an entry without telling `on_learn` (what another process learned)."""
         homes = self._homes
         homes.pop(response_id, None)
         homes[response_id] = backend

@@ -1,6 +1,7 @@
 """The supervisor <-> worker channel: length-prefixed pickle frames over a private socketpair, and the
 messages that travel on it (down: WorkerInit, PublishSnapshot, ApplyConfig, CollectMetrics, CollectWindows; up:
-WorkerReady, Outcomes, BackendChanges, OrcaReports, AdapterDemand, MetricsReply, WindowsReply). In-flight work is not sent: it lives in the shared
+WorkerReady, Outcomes, BackendChanges, OrcaReports, AdapterDemand, MetricsReply, WindowsReply; both ways:
+ResponseHomesLearned). In-flight work is not sent: it lives in the shared
 load block (proxy/multiproc/shared_load.py)."""
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ class AdapterDemand:
     demand (proxy/control/lora_pool.py), and its loads reach the workers as snapshots."""
 
     counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ResponseHomesLearned:
+    """Responses API: (response id, backend that stored it) pairs a worker learned from the answers it relayed
+    (proxy/dataplane/response_homes.py), batched per event-loop turn; the supervisor passes them on to every
+    other worker, so a chain's next turn finds its backend whichever worker accepts it."""
+
+    items: list[tuple[str, str]]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from proxy.multiproc.channel import (
     OrcaReports,
     Outcomes,
     PublishSnapshot,
+    ResponseHomesLearned,
     WorkerInit,
     WindowsReply,
     WorkerReady,
@@ -292,6 +293,10 @@ class Supervisor:
                         self.on_orca(message.items)
                 elif isinstance(message, BackendChanges):
                     self._apply_changes(message.changes)
+                elif isinstance(message, ResponseHomesLearned):
+                    for other in self._workers:  # every other worker learns where those responses live
+                        if other is not worker and other.writer is not None and other.ready.is_set():
+                            write_message(other.writer, message)
                 elif isinstance(message, AdapterDemand):
                     demand = self._adapter_demand
                     for adapter, n in message.counts.items():

@@ -16,12 +16,14 @@ from typing import Any, Callable, Sequence
 
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
+from proxy.dataplane.response_homes import ResponseHomes
 from proxy.multiproc.channel import (
     AdapterDemand,
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
     CollectWindows,
+    ResponseHomesLearned,
     MetricsReply,
     OrcaReports,
     Outcomes,
@@ -132,10 +134,14 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
     # asks backends for them and this forwards what they send (HTTP/1.1 and the HTTP/2 bridge alike).
     telemetry = init.config.telemetry
     orca = _Batch(writer, OrcaReports) if telemetry.enabled and telemetry.orca else None
+    # Responses API: where each stored response lives, shared with the other workers through the supervisor.
+    learned = _Batch(writer, ResponseHomesLearned)
+    homes = ResponseHomes(on_learn=lambda rid, backend: learned.add((rid, backend)))
     proxy = AffinityProxy(
         _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight,
         on_outcome=lambda name, outcome: outcomes.add((name, outcome)),
         load_report=None if orca is None else (lambda name, header: orca.add((name, header))),
+        response_homes=homes,
     )
 
     stop = asyncio.Event()
@@ -149,6 +155,9 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
                     if message.slots is not None:
                         inflight.assign(message.slots)
                     _apply(proxy.store, message.snapshot)
+                elif isinstance(message, ResponseHomesLearned):
+                    for rid, backend in message.items:
+                        homes.adopt(rid, backend)
                 elif isinstance(message, ApplyConfig):
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
                 elif isinstance(message, CollectMetrics):
