@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -172,8 +173,10 @@ async def live_run(spec: LoraLiveSpec, workload: Workload, placement: Placement,
         url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
         await wait_http(url + "/v1/models", proxy)
         await wait_for_discovery(admin_url, placement)
+        load0 = os.getloadavg()
         result = await drive(workload, [url], fleet_spec, {s["name"]: s["url"] + "/metrics" for s in servers},
                              [proxy.pid])
+        result.meta["loadavg_before"], result.meta["loadavg_after"] = load0, os.getloadavg()
         if not proxy.alive():
             raise RuntimeError(f"the proxy died during the run:\n{proxy.tail()}")
         result.meta["label"] = "live affinity lora"
