@@ -459,7 +459,7 @@ class OpenAIPipeline(Generic[T]):
         await responder.start(up, headers)
         try:
             if up.status == 200 and lease.summary.endpoint == RESPONSES_PATH:
-                await self._relay_learning(up, responder, lease.backend.name)
+                await self._relay_learning(up, responder, lease.backend.name, sse)
             else:
                 await responder.relay(up)
         except UPSTREAM_ERRORS as exc:
@@ -497,9 +497,10 @@ class OpenAIPipeline(Generic[T]):
             await responder.write(sse_error_event("Internal proxy error while streaming", "internal_error"))
         return await responder.end()
 
-    async def _relay_learning(self, up: Exchange, responder: Responder[T], backend: str) -> None:
-        """A Responses API stream, piece by piece, remembering the id its `response.created` event names."""
-        sniffer = CreatedSniffer()
+    async def _relay_learning(self, up: Exchange, responder: Responder[T], backend: str, sse: bool) -> None:
+        """A Responses API answer relayed as it arrives (an event stream, or JSON sent chunked), piece by
+        piece, remembering the response id it names first."""
+        sniffer = CreatedSniffer(sse)
         async for piece in up.stream():
             if not sniffer.done:
                 sniffer.feed(piece)

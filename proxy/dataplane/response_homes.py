@@ -28,6 +28,7 @@ DEFAULT_MAX_ENTRIES = 100_000
 SNIFF_LIMIT_BYTES = 64 * 1024
 # The top-level `id` at the start of a JSON answer (vLLM and OpenAI put it first), else a full parse.
 _LEADING_ID = re.compile(rb'^\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
+_LEADING_ID_MAX = 512  # bytes: past this without a match, a streamed JSON answer's id is not leading
 
 
 class ResponseHomes:
@@ -83,22 +84,33 @@ def response_id_from_json(body: bytes) -> str | None:
 
 
 class CreatedSniffer:
-    """Reads a Responses API event stream until its `response.created` event names the response.
+    """Reads a Responses API event stream until its `response.created` event names the response (with
+    `sse=False`, a JSON answer relayed as it arrives, chunked: until its leading `id`).
 
     `feed(piece)` with each body piece as relayed; `done` turns true once the id is found (`response_id`)
     or the search gave up (another event came first with an id, or `SNIFF_LIMIT_BYTES` passed)."""
 
-    __slots__ = ("response_id", "done", "_buf")
+    __slots__ = ("response_id", "done", "_buf", "_sse")
 
-    def __init__(self) -> None:
+    def __init__(self, sse: bool = True) -> None:
         self.response_id: str | None = None
         self.done = False
         self._buf = b""
+        self._sse = sse
 
     def feed(self, piece: bytes) -> None:
         if self.done:
             return
         buf = self._buf + piece
+        if not self._sse:
+            m = _LEADING_ID.match(buf)
+            if m is not None:
+                self.response_id = m[1].decode("utf-8", "replace")
+                self.done = True
+            elif len(buf) > _LEADING_ID_MAX or (buf.lstrip()[:1] not in (b"", b"{")):
+                self.done = True  # the id is not where vLLM and OpenAI put it: not learned
+            self._buf = buf
+            return
         while True:
             end = _event_end(buf)
             if end is None:

@@ -54,3 +54,16 @@ def test_the_sniffer_gives_up_on_a_stream_without_the_created_event_first() -> N
     s = CreatedSniffer()
     s.feed(b"data: {not json\r\n\r\n")
     assert s.done and s.response_id is None
+
+
+def test_a_json_answer_relayed_in_pieces_names_its_leading_id() -> None:
+    s = CreatedSniffer(sse=False)
+    for piece in (b' {"i', b'd": "resp_', b'9", "object": "response"}'):
+        s.feed(piece)
+    assert s.done and s.response_id == "resp_9"
+    s = CreatedSniffer(sse=False)
+    s.feed(b'{"object": "response", "id": "late"' + b" " * 600)
+    assert s.done and s.response_id is None
+    s = CreatedSniffer(sse=False)
+    s.feed(b"[]")
+    assert s.done and s.response_id is None
