@@ -109,8 +109,8 @@ def build_workload(spec: LoraLiveSpec) -> Workload:
 def proxy_config_yaml(spec: LoraLiveSpec, servers: Sequence[dict[str, Any]], placement: Placement,
                       port: int, admin_port: int) -> str:
     """The proxy's defaults (affinity, telemetry every 200 ms = the replay's poll), the fleet's backends with
-    their adapters declared unless `discover`. No `models:` list: the router would refuse an adapter's name
-    that is not in it (its known-model check reads `models` only)."""
+    their adapters declared unless `discover` (no `models:` list: every backend serves any model, as the
+    replay's do)."""
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         f"admin: {{host: 127.0.0.1, port: {admin_port}}}",
