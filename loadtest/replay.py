@@ -39,6 +39,7 @@ from sim.api import SimRequest, render_chat
 from sim.engine import Engine
 from sim.kvcache import Removed as KVRemoved, Stored as KVStored
 from sim.metrics import render as render_metrics
+from sim.server import models_listing
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
 from proxy.control.poller import Poller
@@ -55,6 +56,9 @@ from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.core.inflight import InflightTable
+from proxy.core.decision import NoBackendAvailable
+from proxy.dataplane.router import Router, UnknownModel
+from proxy.metrics import ProxyMetrics
 
 _RATE_WINDOW_S = 1.0
 # Policies that read telemetry (load scores). For the others the poller is skipped: their decisions cannot
@@ -99,8 +103,12 @@ class _VirtualPoller(Poller):
     def __init__(self, store: SnapshotStore, config: TelemetryConfig, backends: dict[str, VirtualBackend], clock: Any) -> None:
         super().__init__(store, config, clock=clock)
         self._pages = {f"virtual://{name}/metrics": b for name, b in backends.items()}
+        self._models = {f"virtual://{name}/v1/models": b for name, b in backends.items()}
 
     async def _fetch(self, url: str) -> str:
+        if url in self._models:  # adapter discovery reads the engine's /v1/models, as live
+            b = self._models[url]
+            return json.dumps(models_listing(b.engine, b.profile.model.max_model_len, 0))
         return render_metrics(self._pages[url], "vllm")
 
 
@@ -114,7 +122,12 @@ class ReplayConfig:
     affinity_overrides: tuple[tuple[str, float], ...] = ()  # any AffinityConfig field, e.g. (("request_epsilon", 3),)
     speed: float = 1.0
     model: str = "llama3-8b"
-    adapters: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()  # LoRA adapters every engine has registered
+    # Per-backend LoRA adapters (backend name -> adapters registered on that engine, on top of `adapters`),
+    # as a live fleet loaded through /v1/load_lora_adapter; with `declare_adapters` they are also declared
+    # in the backends' specs (YAML backends[].adapters), else the proxy learns them by discovery only.
+    placement: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    declare_adapters: bool = False
     # None: the proxy's own default (AffinityConfig), so a replay matches a live proxy run without flags.
     epsilon: float | None = None
     block_bytes: int | None = None
@@ -209,8 +222,14 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     # so equal names give a live run and its replay the same hash homes.
     names = [f"sim-{i}" for i in range(cfg.backends)]
     precise = cfg.index == "precise"
-    backends = {n: VirtualBackend(n, profile, cfg.seed + i, cfg.adapters, kv_events=precise) for i, n in enumerate(names)}
-    specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics") for n in names]
+    placed = dict(cfg.placement)
+    unknown = sorted(set(placed) - set(names))
+    if unknown:
+        raise ValueError(f"placement names backends {unknown} that the replay does not have ({', '.join(names)})")
+    own = {n: tuple(dict.fromkeys((*cfg.adapters, *placed.get(n, ())))) for n in names}
+    backends = {n: VirtualBackend(n, profile, cfg.seed + i, own[n], kv_events=precise) for i, n in enumerate(names)}
+    specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics",
+                         adapters=placed.get(n, ()) if cfg.declare_adapters else ()) for n in names]
     store = SnapshotStore(Snapshot.initial(specs))
     clock = [0.0]
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
@@ -233,7 +252,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             return None
         return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
 
-    # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`.
+    # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`. Each
+    # picks through the data plane's own Router (model and LoRA-holder exclusion, saturation), as live.
     procs: list[tuple[Any, InflightTable]] = []
     if policy is not None:  # a caller's own policy (loadtest/experiment_replay.py): one process routes with it
         procs.append((policy, InflightTable()))
@@ -247,11 +267,14 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             else:
                 pol = build_policy(rcfg, instance=r * cfg.workers + w)
             procs.append((pol, table))
+    routers = [Router(store, pol, table, ProxyMetrics()) for pol, table in procs]
     n_procs = len(procs)
     pick_rng = random.Random(cfg.seed ^ 0x5CA1E0)
 
     text = workload.text()
-    adapters = frozenset(cfg.adapters)
+    # Every adapter some engine has registered: what a live proxy knows once discovery has read each
+    # /v1/models (the replay's non-telemetry policies skip the poller); the Router adds declared ones.
+    adapters = frozenset(a for names_ in own.values() for a in names_)
 
     records: list[Record] = []
     live: dict[str, tuple[Record, str, int, float, InflightTable]] = {}  # id -> (record, backend, tokens, arrival, table)
@@ -354,12 +377,22 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             item = items[i]
             path, body = build_body(item, text, model=cfg.model, stream=True)
             prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
-            policy, inflight = procs[pick_rng.randrange(n_procs)] if n_procs > 1 else procs[0]
+            p_i = pick_rng.randrange(n_procs) if n_procs > 1 else 0
+            inflight, router = procs[p_i][1], routers[p_i]
             c0 = time.perf_counter()
             if precise:
                 routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
-            summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None, adapters=adapters)
-            decision = policy.pick(summary, store.current, inflight)
+            summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None,
+                                          adapters=adapters | router.adapter_names())
+            try:
+                decision, _ = router.pick(summary, frozenset())
+            except NoBackendAvailable as exc:  # answered by the proxy itself, as live (404 / 503)
+                route_cpu += time.perf_counter() - c0
+                status = 404 if isinstance(exc, UnknownModel) else 503
+                records.append(Record(index=i, sent=t_arr - net, scheduled=item.t / cfg.speed,
+                                      input_tokens=item.input_tokens, status=status, error=str(exc)[:300]))
+                i += 1
+                continue
             tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
             inflight.acquire(decision.backend, tokens)
             route_cpu += time.perf_counter() - c0
@@ -374,8 +407,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                                model=item.model if item.model in adapters else None, ignore_eos=True),
                     t_arr,
                 )
-            except Exception as exc:  # the engine refuses it (too long, unknown model): a 400 as live
-                rec.status, rec.error = 400, f"{type(exc).__name__}: {exc}"[:300]
+            except Exception as exc:  # the engine refuses it (too long: 400, unknown model: 404), as live
+                rec.status, rec.error = getattr(exc, "status", 400), f"{type(exc).__name__}: {exc}"[:300]
                 inflight.release(decision.backend, tokens)
                 records.append(rec)
             else:

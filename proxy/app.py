@@ -62,6 +62,7 @@ from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
+from proxy.dataplane.response_homes import ResponseHomes
 from proxy.dataplane.router import Router
 from proxy.experiments.admin import add_experiment_routes
 from proxy.experiments.runtime import ExperimentRuntime
@@ -109,6 +110,8 @@ class HostHooks:
     collectors: Sequence[Callable[[], Iterable[Metric]]] = ()
     ready_checks: Sequence[Callable[[], list[str]]] = ()
     on_reload: Sequence[Callable[[Config], None]] = ()
+    # The LoRA pool's demand: every worker's, as they report it (the supervisor's own router routes nothing).
+    adapter_demand: Callable[[], dict[str, int]] | None = None
 
 
 class AffinityProxy:
@@ -119,12 +122,14 @@ class AffinityProxy:
         load_report: Callable[[str, str], None] | None = None,
         tracing: Tracing | None = None,
         host: HostHooks | None = None,
+        response_homes: ResponseHomes | None = None,
     ) -> None:
         """`tracing`: the span exporter to use instead of one built from `config.tracing` (tests pass
         one with an in-memory exporter). `on_outcome`: where passive outlier reports go; default: this process's health monitor (role
         "all"). `load_report`: where the ORCA load reports that backends attach to answers go; default: this
         process's telemetry poller, when `telemetry.orca` is on. A --workers data process passes its channel
-        to the supervisor for both (workers run no monitor and no poller)."""
+        to the supervisor for both (workers run no monitor and no poller). `response_homes`: the Responses API's
+        response id -> backend map (a --workers data process passes one that shares what it learns)."""
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/multiproc/serve.py)
         # "all": one process does everything. With --workers N (proxy/multiproc/serve.py) the supervisor runs
         # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
@@ -145,6 +150,7 @@ class AffinityProxy:
         self.admin_app = build_admin_app(self.store, self.inflight, self.metrics,
                                          ready_checks=host.ready_checks if host is not None else ())
         self._host = host
+        self._response_homes = response_homes
         self.session: aiohttp.ClientSession | None = None
         # The data plane's relay pool: requests of every HTTP version go through it (started in start()).
         # https:// and grpcs:// backends: one SSLContext per backend section, from the config in force.
@@ -261,8 +267,9 @@ class AffinityProxy:
         )
         # The LoRA adapter pool (off unless configured): a control-plane service acting on the router's demand.
         if config.lora_pool.enabled and control:
-            self.add_service(LoraPool(self.store, self.router.take_adapter_demand, self.inflight, config.lora_pool,
-                                      self.metrics.registry))
+            demand = self._host.adapter_demand if self._host is not None else None
+            self.add_service(LoraPool(self.store, demand or self.router.take_adapter_demand, self.inflight,
+                                      config.lora_pool, self.metrics.registry))
         # Resilience (proxy/resilience.py): health checks, outlier ejection, drains, hot reload, discovery and
         # the admin write endpoints; retries, overload shedding and panic routing in the router.
         # Called with every configuration a reload swapped in: the supervisor's copy of the experiment
@@ -287,6 +294,7 @@ class AffinityProxy:
             self.router, self.upstream, self.metrics, retries=self.resilience.retries if data else None,
             load_report=orca, debug_headers=config.debug_headers, max_body_bytes=config.limits.max_body_bytes,
             session_header=config.routing.session_header, observability=self.observability,
+            response_homes=self._response_homes,
         )
         # The HTTP/2 side (proxy/grpc): a data-plane service sharing this process's router and in-flight table.
         # It serves the HTTP/2 connections of the main listener (one port for every protocol) and, with

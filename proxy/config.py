@@ -223,7 +223,7 @@ class Config:
     debug_headers: bool = False
     backends: tuple[BackendConfig, ...] = ()
     # Public model names -> served names (+ fallback): the request body's `model` is rewritten on the way
-    # (HTTP/1.1 and the HTTP/2 bridge; proxy/dataplane/router.py `Router.resolve_model`).
+    # (HTTP/1.1, the HTTP/2 bridge and gRPC Generate/KServe; proxy/dataplane/router.py `Router.resolve_model`).
     models: dict[str, ModelAliasConfig] = field(default_factory=dict)
     routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()

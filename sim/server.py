@@ -31,12 +31,14 @@ from . import metrics as sim_metrics
 from .api import (ConnectionDropped, InvalidRequest, SimError, SimRequest, TokenChunk, Usage, count_tokens, render_anthropic,
                   render_chat, render_responses)
 from .backend import SimBackend
+from .engine import Engine
 from .tokenizer import TOKENIZER_DIR, token_ids, token_str
 
 SIM_HEADER = "x-sim-backend"
 ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
 ORCA_RESPONSE_HEADER = "endpoint-load-metrics"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+RESPONSES_STORED_MAX = 10_000  # stored Responses API responses kept per server (the oldest go first)
 LORA_REGISTER_S = 0.5  # reading an adapter's weights from disk into host memory (engine seconds)
 
 _dumps = json.dumps
@@ -48,6 +50,13 @@ def error_body(message: str, type_: str, status: int, param: str | None = None, 
 
 def error_response(err: SimError) -> web.Response:
     return web.json_response(error_body(err.message, err.type, err.status, err.param, err.code), status=err.status)
+
+
+class ResponseNotFound(SimError):
+    """A `previous_response_id` this server did not store (vLLM's answer, status and type included)."""
+
+    status = 404
+    type = "invalid_request_error"
 
 
 def _bad(message: str, param: str | None = None) -> InvalidRequest:
@@ -94,6 +103,7 @@ class SimHttpApp:
         self.on_faults_change = on_faults_change
         self.lookup = lookup
         self._ids = itertools.count(1)
+        self._stored: dict[str, str] = {}  # Responses API: response id -> its conversation (prompt + answer)
         self._refuse_timer: asyncio.TimerHandle | None = None
         self.app = web.Application(middlewares=[self._middleware], client_max_size=64 * 1024**2)
         self.app.on_response_prepare.append(self._tag)
@@ -360,32 +370,8 @@ class SimHttpApp:
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
-        e = self.backend.engine
-        created = int(time.time())
-        base = {
-            "id": e.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "vllm",
-            "root": e.model_name,
-            "parent": None,
-            "max_model_len": self.backend.profile.model.max_model_len,
-        }
-        data = [base]
-        loaded = set(e.loaded_adapters)
-        for name in e.known_adapters:
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "vllm",
-                    "root": name,
-                    "parent": e.model_name,
-                    "loaded": name in loaded,
-                }
-            )
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response(models_listing(self.backend.engine, self.backend.profile.model.max_model_len,
+                                                int(time.time())))
 
     # ---- runtime LoRA adapters -------------------------------------------------------------------------
     def _lora_name(self, body: dict[str, Any]) -> str:
@@ -543,11 +529,25 @@ class SimHttpApp:
                                   "usage": {"total_tokens": usage.prompt_tokens}, "results": results})
 
     # Responses API (OpenAI): one message output item with one output_text part.
+    # Stored responses (`store`, true by default) live in this server's memory, as in vLLM: a request whose
+    # `previous_response_id` this server did not produce gets vLLM's 404; a known one continues that
+    # conversation (its prompt and answer come first).
     async def responses(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
-        prompt = render_responses(body)
-        if not prompt.strip():
+        history = ""
+        prev = body.get("previous_response_id")
+        if prev is not None:
+            if not isinstance(prev, str):
+                raise _bad("'previous_response_id' must be a string", "previous_response_id")
+            stored = self._stored.get(prev)
+            if stored is None:
+                raise ResponseNotFound(f"Response with id '{prev}' not found.", "response_id")
+            history = stored
+        store = body.get("store", True) is not False
+        turn = render_responses(body)
+        if not turn.strip():
             raise _bad("'input' is required", "input")
+        prompt = history + turn
         req = self._plain_request(body, prompt + "assistant\n", "resp", request, "max_output_tokens")
         chunks = await self._chunks(req)
         model = self._model(body)
@@ -586,6 +586,8 @@ class SimHttpApp:
                 last = chunk
             assert last is not None
             status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+            if store:
+                self._store_response(rid, req.prompt + "".join(parts) + "\n")
             return web.json_response(response(status, "".join(parts), last.usage, last.finish_reason),
                                      headers=self._orca(request))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self._orca(request)})
@@ -620,9 +622,17 @@ class SimHttpApp:
         await event("response.content_part.done", {**where, "part": done_part})
         await event("response.output_item.done", {"output_index": 0, "item": {**item, "status": "completed", "content": [done_part]}})
         status = "incomplete" if last.finish_reason == "length" and body.get("max_output_tokens") else "completed"
+        if store:
+            self._store_response(rid, req.prompt + text + "\n")
         await event(f"response.{status}", {"response": response(status, text, last.usage, last.finish_reason)})
         await resp.write_eof()
         return resp
+
+    def _store_response(self, rid: str, conversation: str) -> None:
+        stored = self._stored
+        stored[rid] = conversation
+        if len(stored) > RESPONSES_STORED_MAX:
+            del stored[next(iter(stored))]
 
     # Anthropic Messages API (as vLLM and SGLang serve it at /v1/messages).
     async def anthropic_messages(self, request: web.Request) -> web.StreamResponse:
@@ -875,3 +885,32 @@ class SimHttpApp:
                 "ttft_sum": st.ttft.sum,
             }
         )
+
+
+def models_listing(e: Engine, max_model_len: int, created: int) -> dict[str, Any]:
+    """vLLM's /v1/models answer: the base model, then every registered LoRA adapter with the base as its
+    `parent` (what the proxy's adapter discovery reads; the offline replay serves the same page)."""
+    base = {
+        "id": e.model_name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": e.model_name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
+    data: list[dict[str, Any]] = [base]
+    loaded = set(e.loaded_adapters)
+    for name in e.known_adapters:
+        data.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": name,
+                "parent": e.model_name,
+                "loaded": name in loaded,
+            }
+        )
+    return {"object": "list", "data": data}

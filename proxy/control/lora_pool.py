@@ -17,8 +17,10 @@ A load or unload that succeeds updates the backend's `spec.adapters` in the snap
 follows in the same instant (the poller's /v1/models discovery confirms it later). Every action is a log
 line and a sample of `affinity_proxy_lora_pool_actions_total{action, adapter, backend, result}`.
 
-The demand is read in-process: with `--workers` the data processes count it, so the pool belongs to a
-single-process proxy for now.
+Where it runs: once per host. A single process runs it on its own router's demand; with `--workers N` the
+supervisor runs it (the control-plane role), on the demand every worker reports over its channel a few
+times a round (`AdapterDemand`, summed by `Supervisor.take_adapter_demand`), and its snapshot changes reach
+every worker as any other; the workers run no pool.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class LoraPoolConfig:
 
 
 class LoraPool:
-    """The control-plane service (`start`/`stop`); `tick` runs one round (tests drive it by hand too)."""
+    """The control-plane service (`start`/`stop`); `tick` runs one round (tests drive it by hand too).
+    `demand`: requests per adapter since the last call (a router's, or the supervisor's sum of its workers')."""
 
     def __init__(self, store: SnapshotStore, demand: Callable[[], dict[str, int]], inflight: InflightTable,
                  config: LoraPoolConfig, registry: CollectorRegistry, *,

@@ -248,7 +248,7 @@ class AffinityPolicy:
                 [
                     b
                     for b in snapshot.backends
-                    if b.effective_weight > 0 and (model is None or not b.spec.models or model in b.spec.models)
+                    if b.effective_weight > 0 and b.serves(model)
                 ]
             )
         return ring

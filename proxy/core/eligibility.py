@@ -37,12 +37,10 @@ def eligible(req: RequestSummary, snapshot: Snapshot, exclude: frozenset[str]) -
         for b in snapshot.backends
         if b.routable
         and b.name not in exclude
-        and (model is None or not b.spec.models or model in b.spec.models)
+        and b.serves(model)
     ]
     if not out:
-        if model is not None and not any(
-            not b.spec.models or model in b.spec.models for b in snapshot.backends
-        ):
+        if model is not None and not any(b.serves(model) for b in snapshot.backends):
             raise NoBackendAvailable(f"no backend serves model {model!r}")
         raise NoBackendAvailable("no routable backend" + (f" outside {sorted(exclude)}" if exclude else ""))
     return out

@@ -60,6 +60,11 @@ class RequestSummary:
     # Chat requests: the messages as sent, for the precise KV index, which renders them with the model's own
     # chat template (proxy/dataplane/tokenize.py). Not part of equality: `prompt` already is.
     messages: tuple[Any, ...] | None = field(default=None, compare=False)
+    # Responses API: the `previous_response_id` the request continues, and the backend whose engine stored
+    # that response (learned by the data plane from the answers it relayed; None: unknown). An engine
+    # keeps stored responses in its own memory, so the Router sends the request there while it is routable.
+    previous_response_id: str | None = None
+    state_home: str | None = None
 
     @property
     def prompt_bytes(self) -> bytes:
@@ -85,7 +90,7 @@ _MEDIA_DOMAIN = b"affinity-proxy/media/v1"
 class _Content:
     """What a summariser reads off one body: the routing prompt and the facts around it."""
 
-    __slots__ = ("texts", "length", "key_end", "shared_end", "media", "session")
+    __slots__ = ("texts", "length", "key_end", "shared_end", "media", "session", "previous_response")
 
     def __init__(self) -> None:
         self.texts: list[str] = []
@@ -95,6 +100,7 @@ class _Content:
         self.shared_end: int | None = None
         self.media: list[int] = []
         self.session: str | None = None
+        self.previous_response: str | None = None
 
     def turn(self, role: str, text: str) -> None:
         """One ``role\\ntext\\n`` turn; the first turn whose role is not shared ends the key prefix."""
@@ -238,6 +244,7 @@ def _responses(body: Mapping[str, Any], out: _Content) -> None:
         if not isinstance(prev, str):
             raise RequestError("'previous_response_id' must be a string", "previous_response_id")
         out.session = "response:" + prev
+        out.previous_response = prev
     data = body.get("input")
     if data is None:
         if prev is None:
@@ -400,4 +407,5 @@ def summary_from_openai(
         shared_prefix_chars=out.shared_end,
         messages=tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
         media=tuple(out.media),
+        previous_response_id=out.previous_response,
     )

@@ -126,6 +126,12 @@ class BackendState:
         declared = frozenset(self.spec.adapters)
         return declared | self.signals.loaded_adapters if self.signals is not None else declared
 
+    def serves(self, model: str | None) -> bool:
+        """May a request for `model` go here: no `models` list (any model), the list names it, or it is a
+        LoRA adapter loaded here (declared ones are in the list already; discovered ones only here)."""
+        models = self.spec.models
+        return model is None or not models or model in models or model in self.adapters
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:

@@ -18,6 +18,7 @@ answer whichever protocol carried the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from proxy.core.decision import NoBackendAvailable
 from proxy.core.decision import Outcome
 from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.errors import error_body, sse_error_event
+from proxy.dataplane.response_homes import RESPONSES_PATH, CreatedSniffer, ResponseHomes, response_id_from_json
 from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
 from proxy.metrics import ProxyMetrics
@@ -196,6 +198,7 @@ class OpenAIPipeline(Generic[T]):
         max_body_bytes: int,
         session_header: str | None = None,
         observability: Observability | None = None,
+        response_homes: ResponseHomes | None = None,
     ) -> None:
         self.router = router
         self.pool = pool
@@ -211,6 +214,8 @@ class OpenAIPipeline(Generic[T]):
         self.session_header = session_header
         # Access log, hot-spot windows and traces (proxy/observability); None when all are off.
         self.observability = observability if observability is not None and observability.active else None
+        # Responses API: response id -> the backend that stored it (proxy/dataplane/response_homes.py).
+        self.response_homes = response_homes if response_homes is not None else ResponseHomes()
         # The tasks of the requests being proxied, and the ones told to end because the drain deadline
         # passed (`expire`): a stream ends with an SSE error event, an unanswered request with a 503.
         self._active: set[asyncio.Task[Any]] = set()
@@ -260,8 +265,8 @@ class OpenAIPipeline(Generic[T]):
                 parsed["model"] = served
                 req.body = json.dumps(parsed, separators=(",", ":")).encode()
         try:
-            return summary_from_openai(req.path, parsed, session_key=req.session_key,
-                                       adapters=self.router.adapter_names())
+            summary = summary_from_openai(req.path, parsed, session_key=req.session_key,
+                                          adapters=self.router.adapter_names())
         except RequestError as exc:
             self.metrics.error("invalid_request")
             answer = error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
@@ -271,6 +276,11 @@ class OpenAIPipeline(Generic[T]):
                 answer.body = json.dumps({"type": "error", "error": {
                     "type": "invalid_request_error", "message": str(exc)}}).encode()
             return answer
+        if summary.previous_response_id is not None:
+            home = self.response_homes.home(summary.previous_response_id)
+            if home is not None:  # the engine that stored the previous response (the Router sends it there)
+                summary = dataclasses.replace(summary, state_home=home)
+        return summary
 
     async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
         observability = self.observability
@@ -408,6 +418,10 @@ class OpenAIPipeline(Generic[T]):
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
                 body = await up.read()
+                if up.status == 200 and req.path == RESPONSES_PATH:
+                    rid = response_id_from_json(body)
+                    if rid is not None:
+                        self.response_homes.learn(rid, backend.name)
                 if lease.arm is not None:
                     lease.body = body  # experiments: the arm's prompt and cached tokens from `usage`
                 # A HEAD answer has no body but keeps the length a GET would have had.
@@ -449,7 +463,10 @@ class OpenAIPipeline(Generic[T]):
             ob.record.status = up.status
         await responder.start(up, headers)
         try:
-            await responder.relay(up)
+            if up.status == 200 and lease.summary.endpoint == RESPONSES_PATH:
+                await self._relay_learning(up, responder, lease.backend.name, sse)
+            else:
+                await responder.relay(up)
         except UPSTREAM_ERRORS as exc:
             # Headers are gone already: end the stream with an error the client can parse, or visibly break it.
             self.metrics.error("upstream_midstream")
@@ -484,6 +501,17 @@ class OpenAIPipeline(Generic[T]):
                 return await responder.abort()
             await responder.write(sse_error_event("Internal proxy error while streaming", "internal_error"))
         return await responder.end()
+
+    async def _relay_learning(self, up: Exchange, responder: Responder[T], backend: str, sse: bool) -> None:
+        """A Responses API answer relayed as it arrives (an event stream, or JSON sent chunked), piece by
+        piece, remembering the response id it names first."""
+        sniffer = CreatedSniffer(sse)
+        async for piece in up.stream():
+            if not sniffer.done:
+                sniffer.feed(piece)
+                if sniffer.response_id is not None:
+                    self.response_homes.learn(sniffer.response_id, backend)
+            await responder.write(piece)
 
 
 def _declared_length(raw_headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
-from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy
+from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy, Reason
 from proxy.core.overload import OverloadConfig, PanicView, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
@@ -57,7 +57,9 @@ class _ModelIndex:
         self.version = snapshot.version
         self.no_grpc = frozenset(b.name for b in snapshot.backends if not b.spec.grpc_address)
         self.any_model = any(not b.spec.models for b in snapshot.backends)
-        self.known = frozenset(m for b in snapshot.backends for m in b.spec.models)
+        # A backend restricted to some models serves the LoRA adapters it has loaded too (declared ones are in
+        # its `models` already; discovered ones only in its `adapters`).
+        self.known = frozenset(m for b in snapshot.backends for m in (*b.spec.models, *b.adapters))
         self.exclude: dict[str, frozenset[str]] = {}
         # LoRA adapter -> the backends that have it loaded (declared or discovered); the adapter names are
         # what a request's `model` is matched against to set its summary's `adapter`.
@@ -73,7 +75,8 @@ class _ModelIndex:
         ex = self.exclude.get(model)
         if ex is None:
             ex = self.exclude[model] = frozenset(
-                b.name for b in snapshot.backends if b.spec.models and model not in b.spec.models
+                b.name for b in snapshot.backends
+                if not b.serves(model)
             )
         return ex
 
@@ -265,8 +268,7 @@ class Router:
         snapshot = self.store.current
         if self.panic is not None:
             snapshot = self.panic(snapshot)
-        return any(b.routable and (not b.spec.models or model in b.spec.models or model in b.adapters)
-                   for b in snapshot.backends)
+        return any(b.routable and b.serves(model) for b in snapshot.backends)
 
     def adapter_names(self) -> frozenset[str]:
         """The LoRA adapters loaded anywhere in the fleet now, and the pool's catalog (for
@@ -323,6 +325,15 @@ class Router:
         if arm is not None:
             policy = arm.policy or policy
             exclude = exclude | arm.outside(snapshot)
+        home = summary.state_home
+        if home is not None and home not in exclude:
+            # The engine there holds state the request refers to (a stored Responses API response): anywhere
+            # else it is a sure 404, so it goes there while routable, whatever its load.
+            state = snapshot.get(home)
+            if state is not None and state.routable:
+                decision = Decision(home, Reason.SESSION, policy.name)
+                self.metrics.decision(decision.policy, decision.reason)
+                return decision, state
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -38,7 +39,7 @@ from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.request import RequestSummary
 from proxy.dataplane.request_ids import new_request_id
 from proxy.dataplane.retry import Attempts, RetryableFailure
-from proxy.dataplane.router import Lease, Overloaded
+from proxy.dataplane.router import Lease, Overloaded, UnknownModel
 from proxy.grpc.connection import per_call
 from proxy.grpc.context import CLIENT_CHOSEN, RelayContext, http_status_for
 from proxy.grpc.extractors import Extractor
@@ -47,7 +48,7 @@ from proxy.grpc.upstream import BackendPool, Upstream
 from proxy.observability.lifecycle import strip_trace_headers
 from proxy.observability.record import GRPC
 from proxy.wire import grpc as wire
-from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, INTERNAL, RESOURCE_EXHAUSTED, UNAVAILABLE,
+from proxy.wire.grpc import (CANCELLED, DEADLINE_EXCEEDED, INTERNAL, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE,
                              UNKNOWN, grpc_message, status_of)
 
 log = logging.getLogger(__name__)
@@ -256,9 +257,28 @@ class Call:
                     self.route_key = value.decode("utf-8", "replace")
                     break
         summary = ctx.registry.summarize(self.path, self.ext, payload, self.route_key, ctx.router.adapter_names())
+        if ctx.router.aliases and summary.model is not None and payload is not None:
+            summary = self._alias(summary, payload)
         if self.obs is not None:
             self.obs.summarised(summary)
         self._pick(summary)
+
+    def _alias(self, summary: RequestSummary, payload: bytes) -> RequestSummary:
+        """YAML `models` aliases, as on HTTP: the first message is forwarded naming the served model (or the
+        fallback), uncompressed (a message's own flag says so), and routed on that name."""
+        router = self.ctx.router
+        assert summary.model is not None and self.ext is not None
+        served = router.resolve_model(summary.model)
+        if served == summary.model:
+            return summary
+        message = self.ctx.registry.with_model(self.ext, payload, served)
+        if message is None:
+            return summary
+        held = self.to_up[0][0]
+        rest = held[wire.GRPC_PREFIX + (wire.message_length(held) or 0):]
+        self.to_up[0][0] = b"\0" + len(message).to_bytes(4, "big") + message + rest
+        adapter = served if served in router.adapter_names() else None
+        return dataclasses.replace(summary, model=served, adapter=adapter)
 
     def _pick(self, summary: RequestSummary) -> None:
         ctx = self.ctx
@@ -305,6 +325,9 @@ class Call:
             if self.attempts is not None:
                 self.attempts.no_backend_left()
             self.fail(UNAVAILABLE, self.retry_reason)
+            return
+        if isinstance(err, UnknownModel):  # no backend serves that model (HTTP: 404): not worth a retry
+            self.fail(NOT_FOUND, str(err))
             return
         # Saturation answered as 429 over HTTP (overload.reject_status) is RESOURCE_EXHAUSTED here: the
         # client should back off; everything else (503) is UNAVAILABLE. Both carry grpc-retry-pushback-ms,

@@ -46,6 +46,8 @@ class Extractor:
     parse: Parser | None
     stream: bool = False
     route_key_metadata: str | None = None
+    # The top-level string field that names the model (YAML `models` aliases rewrite it); None: not known.
+    model_field: int | None = None
 
     @property
     def needs_message(self) -> bool:
@@ -370,14 +372,62 @@ KINDS: Mapping[str, Callable[[MethodExtractorConfig], Parser | None]] = {
 _NO_MESSAGE = Extractor(kind="none", parse=None)
 
 
+def _model_field(cfg: MethodExtractorConfig) -> int | None:
+    if cfg.kind in ("generate", "kserve"):
+        return 1  # GenerateRequest.model, ModelInferRequest.model_name
+    return cfg.model[0] if cfg.kind == "fields" and len(cfg.model) == 1 else None
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def with_string_field(payload: bytes, number: int, value: str) -> bytes:
+    """`payload` (one protobuf message) with top-level field `number` set to the string `value`: every
+    occurrence dropped, the new one written first, every other field's bytes kept as they were. Raises
+    wire.WireError on a message it cannot walk."""
+    data = value.encode("utf-8")
+    out = bytearray(_varint(number << 3 | wire.LEN) + _varint(len(data)) + data)
+    mv = memoryview(payload)
+    pos, end = 0, len(mv)
+    while pos < end:
+        start = pos
+        key, pos = wire.read_varint(mv, pos)
+        wtype = key & 7
+        if wtype == wire.VARINT:
+            _, pos = wire.read_varint(mv, pos)
+        elif wtype == wire.LEN:
+            n, pos = wire.read_varint(mv, pos)
+            pos += n
+        elif wtype == wire.FIXED32:
+            pos += 4
+        elif wtype == wire.FIXED64:
+            pos += 8
+        else:  # groups (long deprecated) and anything else: not rewritten
+            raise wire.WireError(f"cannot rewrite a message with wire type {wtype}")
+        if pos > end:
+            raise wire.WireError("field runs past the message")
+        if key >> 3 != number:
+            out += mv[start:pos]
+    return bytes(out)
+
+
 def _builtin() -> dict[str, Extractor]:
     g, k = GENERATION_SERVICE, KSERVE_SERVICE
     return {
-        g + "Generate": Extractor("generate", parse_generate),
-        g + "GenerateStream": Extractor("generate", parse_generate, stream=True),
-        g + "GenerateBidi": Extractor("generate", parse_generate, stream=True),
-        k + "ModelInfer": Extractor("kserve", parse_kserve),
-        k + "ModelStreamInfer": Extractor("kserve", parse_kserve, stream=True),
+        g + "Generate": Extractor("generate", parse_generate, model_field=1),
+        g + "GenerateStream": Extractor("generate", parse_generate, stream=True, model_field=1),
+        g + "GenerateBidi": Extractor("generate", parse_generate, stream=True, model_field=1),
+        k + "ModelInfer": Extractor("kserve", parse_kserve, model_field=1),
+        k + "ModelStreamInfer": Extractor("kserve", parse_kserve, stream=True, model_field=1),
     }
 
 
@@ -391,7 +441,7 @@ class ExtractorRegistry:
             old = table.get(entry.method)
             stream = old.stream if old is not None else False
             table[entry.method] = Extractor(entry.kind, KINDS[entry.kind](entry), stream,
-                                            entry.route_key_metadata)
+                                            entry.route_key_metadata, _model_field(entry))
         self._table = table
 
     def for_method(self, method: str) -> Extractor:
@@ -425,6 +475,16 @@ class ExtractorRegistry:
             key_prefix_chars=fields.key_prefix_chars,
             media=fields.media,
         )
+
+    def with_model(self, ext: Extractor, payload: bytes, model: str) -> bytes | None:
+        """The first message naming `model` instead (a YAML `models` alias's served name), or None when
+        this method's model field is not known or the message cannot be rewritten."""
+        if ext.model_field is None:
+            return None
+        try:
+            return with_string_field(payload, ext.model_field, model)
+        except wire.WireError:
+            return None
 
     def route_key_header(self, ext: Extractor) -> bytes | None:
         key = ext.route_key_metadata or self._options.session_metadata

@@ -1,6 +1,7 @@
 """The supervisor <-> worker channel: length-prefixed pickle frames over a private socketpair, and the
 messages that travel on it (down: WorkerInit, PublishSnapshot, ApplyConfig, CollectMetrics, CollectWindows; up:
-WorkerReady, Outcomes, BackendChanges, OrcaReports, MetricsReply, WindowsReply). In-flight work is not sent: it lives in the shared
+WorkerReady, Outcomes, BackendChanges, OrcaReports, AdapterDemand, MetricsReply, WindowsReply; both ways:
+ResponseHomesLearned). In-flight work is not sent: it lives in the shared
 load block (proxy/multiproc/shared_load.py)."""
 
 from __future__ import annotations
@@ -90,6 +91,24 @@ class OrcaReports:
     """ORCA load reports (backend name, `endpoint-load-metrics` header) from a worker's responses, batched
     per event-loop turn, for the supervisor's telemetry poller: it folds them into the signals of the one
     snapshot every worker routes on (`Poller.observe_orca`), as a single process does."""
+
+    items: list[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class AdapterDemand:
+    """Requests per LoRA adapter a worker routed since its last report (`Router.take_adapter_demand`), sent
+    a few times a second while `lora_pool` is on: the supervisor's one adapter pool acts on the host's
+    demand (proxy/control/lora_pool.py), and its loads reach the workers as snapshots."""
+
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ResponseHomesLearned:
+    """Responses API: (response id, backend that stored it) pairs a worker learned from the answers it relayed
+    (proxy/dataplane/response_homes.py), batched per event-loop turn; the supervisor passes them on to every
+    other worker, so a chain's next turn finds its backend whichever worker accepts it."""
 
     items: list[tuple[str, str]]
 

@@ -100,6 +100,7 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
         host=HostHooks(
             render_metrics=supervisor.exposition, collectors=(supervisor.collect_own,),
             ready_checks=(supervisor.readiness_problems,), on_reload=(supervisor.apply_config,),
+            adapter_demand=supervisor.take_adapter_demand,
         ),
     )
     stop = asyncio.Event()

@@ -20,6 +20,7 @@ from proxy.control.store import SnapshotStore
 from proxy.core.inflight import InflightTable, SharedInflightTable
 from proxy.core.snapshot import Snapshot
 from proxy.multiproc.channel import (
+    AdapterDemand,
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
@@ -28,6 +29,7 @@ from proxy.multiproc.channel import (
     OrcaReports,
     Outcomes,
     PublishSnapshot,
+    ResponseHomesLearned,
     WorkerInit,
     WindowsReply,
     WorkerReady,
@@ -113,6 +115,7 @@ class Supervisor:
         self.retired: dict[str, dict[SampleKey, float]] = {}
         self.on_outcomes = on_outcomes
         self.on_orca = on_orca
+        self._adapter_demand: dict[str, int] = {}  # AdapterDemand from the workers, until the pool reads it
         self.on_windows = on_windows
         self.windows_interval_s = windows_interval_s
         self._window_replies: dict[tuple[int, int], asyncio.Future[list[dict[str, Any]]]] = {}
@@ -191,6 +194,12 @@ class Supervisor:
                 worker.writer.close()
         for sock in self._reserved:
             sock.close()
+
+    def take_adapter_demand(self) -> dict[str, int]:
+        """Requests per LoRA adapter every worker routed since the last call: the host's one LoRA pool
+        reads this instead of a router of its own (the supervisor routes nothing)."""
+        demand, self._adapter_demand = self._adapter_demand, {}
+        return demand
 
     def ready_count(self) -> int:
         return sum(1 for w in self._workers if w.ready.is_set())
@@ -284,6 +293,14 @@ class Supervisor:
                         self.on_orca(message.items)
                 elif isinstance(message, BackendChanges):
                     self._apply_changes(message.changes)
+                elif isinstance(message, ResponseHomesLearned):
+                    for other in self._workers:  # every other worker learns where those responses live
+                        if other is not worker and other.writer is not None and other.ready.is_set():
+                            write_message(other.writer, message)
+                elif isinstance(message, AdapterDemand):
+                    demand = self._adapter_demand
+                    for adapter, n in message.counts.items():
+                        demand[adapter] = demand.get(adapter, 0) + n
                 elif isinstance(message, Outcomes):
                     if self.on_outcomes is not None:
                         self.on_outcomes(message.items)

@@ -16,11 +16,14 @@ from typing import Any, Callable, Sequence
 
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
+from proxy.dataplane.response_homes import ResponseHomes
 from proxy.multiproc.channel import (
+    AdapterDemand,
     ApplyConfig,
     BackendChanges,
     CollectMetrics,
     CollectWindows,
+    ResponseHomesLearned,
     MetricsReply,
     OrcaReports,
     Outcomes,
@@ -131,10 +134,14 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
     # asks backends for them and this forwards what they send (HTTP/1.1 and the HTTP/2 bridge alike).
     telemetry = init.config.telemetry
     orca = _Batch(writer, OrcaReports) if telemetry.enabled and telemetry.orca else None
+    # Responses API: where each stored response lives, shared with the other workers through the supervisor.
+    learned = _Batch(writer, ResponseHomesLearned)
+    homes = ResponseHomes(on_learn=lambda rid, backend: learned.add((rid, backend)))
     proxy = AffinityProxy(
         _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight,
         on_outcome=lambda name, outcome: outcomes.add((name, outcome)),
         load_report=None if orca is None else (lambda name, header: orca.add((name, header))),
+        response_homes=homes,
     )
 
     stop = asyncio.Event()
@@ -148,6 +155,9 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
                     if message.slots is not None:
                         inflight.assign(message.slots)
                     _apply(proxy.store, message.snapshot)
+                elif isinstance(message, ResponseHomesLearned):
+                    for rid, backend in message.items:
+                        homes.adopt(rid, backend)
                 elif isinstance(message, ApplyConfig):
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
                 elif isinstance(message, CollectMetrics):
@@ -160,11 +170,24 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
             log.error("worker %d lost its supervisor: draining", init.index)
             stop.set()
 
+    async def report_adapter_demand(every_s: float) -> None:
+        """The supervisor runs the one LoRA pool: it hears this worker's adapter demand a few times a round."""
+        while True:
+            await asyncio.sleep(every_s)
+            counts = proxy.router.take_adapter_demand()
+            if counts:
+                write_message(writer, AdapterDemand(counts))
+
     await proxy.start()
     reading = asyncio.create_task(channel(), name="worker-channel")
+    pool = init.config.lora_pool
+    demand = (asyncio.create_task(report_adapter_demand(min(0.25, pool.interval_s / 4)), name="worker-lora-demand")
+              if pool.enabled else None)
     write_message(writer, WorkerReady(init.index, os.getpid()))
     await writer.drain()
     await stop.wait()
+    if demand is not None:
+        demand.cancel()
     await proxy.stop()
     reading.cancel()
     writer.close()
