@@ -1,5 +1,6 @@
 """Scale-out replays behind loadtest/results/scaleout.md (issue 13): run from the repository root with
 
+    .venv/bin/python loadtest/results/scaleout.py run core      # the rows behind the targets (what was run)
     .venv/bin/python loadtest/results/scaleout.py run views     # item 4: the load view of R replicas
     .venv/bin/python loadtest/results/scaleout.py run matrix    # R = 1, 2, 4 x W = 1, 2, learned vs precise
     .venv/bin/python loadtest/results/scaleout.py table         # markdown tables + scaleout.png
@@ -68,7 +69,28 @@ def flags(cfg: ReplayConfig) -> str:
 
 def suite(name: str) -> list[ReplayConfig]:
     cfgs: list[ReplayConfig] = []
-    if name == "views":
+    if name == "core":
+        # The rows behind the targets, most telling first (the machine this ran on was shared: the full
+        # views and matrix suites did not fit): one process, 4 replicas on their own (engines' counts) and
+        # with the shared ledger, the upper bound, each with the proxy's precise lookup and with inline.
+        cfgs.append(ReplayConfig(policy="round_robin"))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="inline"))
+        for lookup in ("proxy", "inline"):
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="engines",
+                                     precise_lookup=lookup))
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                     precise_lookup=lookup))
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise", precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="engines"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", workers=2, index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise"))
+    elif name == "views":
         # Item 4: what a replica reads as a backend's load, at R = 4, next to one process and to 4 processes
         # sharing one load view at once (the upper bound of any estimate); item 2: the precise lookup.
         cfgs.append(ReplayConfig(policy="affinity", index="precise"))
@@ -266,7 +288,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("views", "matrix"))
+    r.add_argument("suite", choices=("core", "views", "matrix"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     sub.add_parser("table")
