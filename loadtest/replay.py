@@ -162,8 +162,10 @@ INDEXES = ("learned", "precise")
 #           `offload_chars` is tokenised off the event loop and routed by the learned index that time, and
 #           each process has its own chunk cache and memo, as each proxy worker does. The executor work
 #           is done at once (virtual time: it takes milliseconds, reuse gaps are seconds).
+#   proxy-prefix  the same with the matcher's `defer_prefix` on: a deferred prompt is answered from its
+#           leading chunks (at most `offload_chars` of them tokenised inline) instead of not at all
 #   inline  every prompt tokenised before its pick (what the replay modelled before: an upper bound)
-PRECISE_LOOKUPS = ("proxy", "inline")
+PRECISE_LOOKUPS = ("proxy", "proxy-prefix", "inline")
 
 
 class _AtOnce(Executor):
@@ -281,7 +283,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
 
         matcher = PreciseMatcher(kvidx, {cfg.model: ModelTokenizer.from_dir(TOKENIZER_DIR, executor=at_once)},
-                                 executor=at_once)
+                                 executor=at_once, defer_prefix=cfg.precise_lookup == "proxy-prefix")
         matchers.append(matcher)
         return matcher
 

@@ -76,7 +76,8 @@ def suite(name: str) -> list[ReplayConfig]:
         cfgs.append(ReplayConfig(policy="round_robin"))
         cfgs.append(ReplayConfig(policy="affinity", index="precise"))
         cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="inline"))
-        for lookup in ("proxy", "inline"):
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="proxy-prefix"))
+        for lookup in ("proxy", "proxy-prefix", "inline"):
             cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="engines",
                                      precise_lookup=lookup))
             cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
@@ -249,19 +250,21 @@ def plot() -> None:
     fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.5), squeeze=False)
     for col, lk in enumerate(loads):
         sel = [(parse_flags(r["flags"]), r) for r in rows if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk]
-        for index, colour in (("learned", "tab:orange"), ("precise", "tab:blue")):
+        lines = (("learned", "own", "tab:orange", "learned"), ("precise", "engines", "tab:blue", "precise, engines' counts"),
+                 ("precise", "peers", "tab:green", "precise, shared ledger"))
+        for index, view, colour, label in lines:
             for w, style in ((1, "-"), (2, "--")):
                 pts = sorted(
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
-                    and f["delay"] == 50.0 and f["lookup"] == "proxy"
-                    and f["load_view"] == ("engines" if index == "precise" and f["replicas"] > 1 else "own")
+                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["every"] in (0.0, 50.0)
+                    and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
-                if not pts:
+                if len(pts) < 2:
                     continue
                 xs = [p[0] for p in pts]
-                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
-                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{label}, W={w}")
+                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{label}, W={w}")
         rr = next((r for f, r in sel if f["policy"] == "round_robin"), None)
         if rr is not None:
             axes[0][col].axhline(100 * (rr["hit_ratio"] or 0), color="grey", lw=1, label="round robin")
