@@ -91,6 +91,8 @@ def suite(name: str) -> list[ReplayConfig]:
         cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="peers"))
         cfgs.append(ReplayConfig(policy="affinity", workers=2, index="precise"))
         cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise"))
+    elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
+        cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
         # Item 4: what a replica reads as a backend's load, at R = 4, next to one process and to 4 processes
         # sharing one load view at once (the upper bound of any estimate); item 2: the precise lookup.
@@ -291,7 +293,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "views", "matrix"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     sub.add_parser("table")
