@@ -69,10 +69,14 @@ the history; with `precise` (a view fed by the engines' own KV events, `proxy/co
 process reads the same caches: for each backend that view covers, the share of the prompt it holds replaces
 the learned index's guess, in the prefix step and in the cost check (backends without fresh events keep the
 learned index). The load side is per process too: with `routing.shared_backends` the bound and the cost
-check read, per backend, the larger of its own in-flight count and the engine's own running + waiting
-from fresh telemetry (the requests it did not send are taken to be like those it sent there recently).
-That was the best of the estimates measured (R x own, with and without the engines' counts; doing
-nothing) with precise events, and harmful with learned indexes: loadtest/results/scaleout.md.
+check read, per backend, the engine's own running + waiting from its last fresh scrape moved by this
+process's own sends and completions since that scrape, never below its own in-flight count (the requests
+it did not send are taken to be like those it sent there recently). That was the best of the estimates
+measured (R x own, with and without the engines' counts, the engines' KV usage; doing nothing) with
+precise events, and harmful with learned indexes: loadtest/results/scaleout.md. What no estimate from
+the engines' counts gives is the size of the other replicas' newest requests: the optional `peers` input
+(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill) adds them,
+and the engines' counts are its fallback while it is unavailable.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
