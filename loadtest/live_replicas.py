@@ -253,7 +253,11 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
 def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
     return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
                         speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas, workers=1,
-                        index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view)
+                        index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view,
+                        # the proxy's precise lookup as the live replicas run it: their own offload threshold
+                        # (a diagnostic threshold past every prompt is the inline lookup; the replay models
+                        # only these two, the proxy default and no offloading)
+                        precise_lookup="proxy" if spec.offload_chars is None or spec.offload_chars < 2**31 else "inline")
 
 
 # ------------------------------------------------------------------------------------------------ table

@@ -29,6 +29,7 @@ import random
 import sys
 import time
 from collections import Counter, deque
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,7 +51,7 @@ from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Policy
 from proxy.core.registry import build_policy
 from proxy.core.work_ledger import WorkLedger
-from sim.tokenizer import token_ids
+from sim.tokenizer import TOKENIZER_DIR, token_ids
 from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
@@ -148,8 +149,12 @@ class ReplayConfig:
     # by the engines' own BlockStored/BlockRemoved events, delivered to every replica after this delay.
     index: str = "learned"
     kv_event_delay_ms: float = 50.0
+    # How a process turns a prompt into token ids for the precise index (see PRECISE_LOOKUPS).
+    precise_lookup: str = "proxy"
     # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
     load_view: str = "own"
+    # load_view "peers": how often each replica publishes its load and reads the others' (a shared ledger).
+    peer_refresh_ms: float = 50.0
 
 
 # The load side under scale-out: what one process's policy reads as a backend's in-flight work.
@@ -157,8 +162,36 @@ class ReplayConfig:
 #   engines   max(own, the engine's running + waiting from the last scrape): `routing.shared_backends`
 # (R x own, with and without the engines' counts, was measured at commits 7fd5eb5 and 7ed056f; see
 # loadtest/results/scaleout.md.)
-LOAD_VIEWS = ("own", "engines")
+#   fleet-counts  (an oracle, for analysis only) every process reads the fleet's exact in-flight counts at
+#             once, and its own ledger for their sizes: what exact, instant request counts alone are worth
+#   peers     an optional shared ledger (e.g. Redis): every `peer_refresh_ms` each replica publishes its
+#             per-backend in-flight requests, tokens and queued uncached prefill, and reads the others'
+#             (the policy's `peers` input), with `routing.shared_backends` as the fallback
+LOAD_VIEWS = ("own", "engines", "fleet-counts", "peers")
 INDEXES = ("learned", "precise")
+# The precise index's lookup in each process:
+#   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
+#           defaults (proxy/dataplane/tokenize.py): a prompt whose untokenised part exceeds the tokenizer's
+#           `offload_chars` is tokenised off the event loop and routed by the learned index that time, and
+#           each process has its own chunk cache and memo, as each proxy worker does. The executor work
+#           is done at once (virtual time: it takes milliseconds, reuse gaps are seconds).
+#   proxy-prefix  the same with the matcher's `defer_prefix` on: a deferred prompt is answered from its
+#           leading chunks (at most `offload_chars` of them tokenised inline) instead of not at all
+#   inline  every prompt tokenised before its pick (what the replay modelled before: an upper bound)
+PRECISE_LOOKUPS = ("proxy", "proxy-prefix", "inline")
+
+
+class _AtOnce(Executor):
+    """An executor that runs each task in the caller, at once: the replay's stand-in for the proxy's
+    tokenising thread pool, so a deferred prompt's chunks are cached deterministically before the next pick."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the future, as a pool would
+            fut.set_exception(exc)
+        return fut
 
 
 def parse_profile_sets(items: Sequence[str]) -> dict[str, float]:
@@ -194,8 +227,12 @@ def scaleout_label(cfg: ReplayConfig) -> str:
         parts.append("shared-load" if cfg.shared_worker_load else "separate-load")
     if cfg.index == "precise":
         parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
+        if cfg.precise_lookup != "proxy":
+            parts.append(f"lookup {cfg.precise_lookup}")
     if cfg.load_view != "own":
         parts.append(f"load {cfg.load_view}")
+    if cfg.load_view == "peers":
+        parts.append(f"every {cfg.peer_refresh_ms:g}ms")
     return " " + " ".join(parts)
 
 
@@ -235,7 +272,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
     poller = _VirtualPoller(store, telemetry, backends, lambda: clock[0])
     rcfg = routing_config(cfg)
-    if cfg.load_view == "engines":
+    if cfg.load_view in ("engines", "peers"):
         rcfg = replace(rcfg, shared_backends=True)  # the core's own estimate (routing.shared_backends)
     # The precise index: with one delivery delay for every replica, every replica's index holds the same
     # events at every instant, so one KVIndex object stands for all R of them (same answers, 1/R the work).
@@ -252,23 +289,48 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             return None
         return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
 
+    if precise and cfg.precise_lookup not in PRECISE_LOOKUPS:
+        raise ValueError(f"precise_lookup must be one of {PRECISE_LOOKUPS}, got {cfg.precise_lookup!r}")
+    at_once = _AtOnce()
+
+    def process_view() -> Any:
+        """One process's precise lookup: the shared events index, this process's tokenizer caches."""
+        if not precise:
+            return None
+        if cfg.precise_lookup == "inline":
+            return precise_view
+        from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
+
+        matcher = PreciseMatcher(kvidx, {cfg.model: ModelTokenizer.from_dir(TOKENIZER_DIR, executor=at_once)},
+                                 executor=at_once, defer_prefix=cfg.precise_lookup == "proxy-prefix")
+        matchers.append(matcher)
+        return matcher
+
+    matchers: list[Any] = []
     # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`. Each
     # picks through the data plane's own Router (model and LoRA-holder exclusion, saturation), as live.
     procs: list[tuple[Any, InflightTable]] = []
     if policy is not None:  # a caller's own policy (loadtest/experiment_replay.py): one process routes with it
         procs.append((policy, InflightTable()))
+    # load_view "peers": per replica, the other replicas' load as of the last refresh.
+    peer_views: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(cfg.replicas)]
+    replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
     for r in range(cfg.replicas if policy is None else 0):
         replica_table, replica_ledger = InflightTable(), WorkLedger()
+        peers = (lambda r=r: peer_views[r]) if cfg.load_view == "peers" else None
         for w in range(cfg.workers):
             table = replica_table if cfg.shared_worker_load else InflightTable()
             ledger = replica_ledger if cfg.shared_worker_load else WorkLedger()
             if cfg.policy == "affinity":
-                pol: Any = AffinityPolicy(rcfg, precise=precise_view if precise else None, work=ledger)
+                pol: Any = AffinityPolicy(rcfg, precise=process_view(), work=ledger, peers=peers)
             else:
                 pol = build_policy(rcfg, instance=r * cfg.workers + w)
             procs.append((pol, table))
-    routers = [Router(store, pol, table, ProxyMetrics()) for pol, table in procs]
+            if not replica_load[r] or not cfg.shared_worker_load:
+                replica_load[r].append((table, ledger))
     n_procs = len(procs)
+    fleet_table = InflightTable() if cfg.load_view == "fleet-counts" else None
+    routers = [Router(store, pol, table if fleet_table is None else fleet_table, ProxyMetrics()) for pol, table in procs]
     pick_rng = random.Random(cfg.seed ^ 0x5CA1E0)
 
     text = workload.text()
@@ -285,6 +347,32 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     net = cfg.net_ms / 1000.0
     next_poll = 0.0 if cfg.policy in TELEMETRY_POLICIES else float("inf")
     next_sample = 0.0
+    next_peer = 0.0 if cfg.load_view == "peers" and policy is None else float("inf")
+
+    def publish_peers() -> None:
+        """Each replica's published load, summed per backend over the OTHER replicas."""
+        published = []
+        for loads in replica_load:
+            mine: dict[str, list[float]] = {}
+            for table, ledger in loads:
+                for n in names:
+                    f = table.get(n)
+                    if f is None or f.requests <= 0:
+                        continue
+                    acc = mine.setdefault(n, [0, 0, 0.0])
+                    acc[0] += f.requests
+                    acc[1] += f.tokens
+                    acc[2] += ledger.pending(n, f)
+            published.append(mine)
+        for r in range(len(peer_views)):
+            view: dict[str, tuple[int, int, float]] = {}
+            for o, mine in enumerate(published):
+                if o == r:
+                    continue
+                for n, (q, t, p) in mine.items():
+                    v = view.get(n, (0, 0, 0.0))
+                    view[n] = (v[0] + int(q), v[1] + int(t), v[2] + p)
+            peer_views[r] = view
     i = 0
     end_t = 0.0
 
@@ -320,6 +408,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 if rec.ttft is not None and rec.output_tokens > 1:
                     rec.tpot = (rec.e2e - rec.ttft) / (rec.output_tokens - 1)
                 table.release(bname, tokens)
+                if fleet_table is not None:
+                    fleet_table.release(bname, tokens)
                 records.append(rec)
                 del live[out.request_id]
 
@@ -353,7 +443,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         t_kv = kv_deliveries[0][0] if kv_deliveries else inf
         if t_arr == inf and t_step == inf and t_del == inf:
             break
-        t_next = min(t_arr, t_step, t_del, t_kv, next_poll, next_sample)
+        t_next = min(t_arr, t_step, t_del, t_kv, next_poll, next_sample, next_peer)
         if t_next == t_kv:
             _, _, name, events = heapq.heappop(kv_deliveries)
             apply_kv(name, events)
@@ -361,6 +451,10 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         if t_next == t_del:
             _, _, outputs, name = heapq.heappop(deliveries)
             deliver(t_del, outputs, name)
+            continue
+        if t_next == next_peer:
+            publish_peers()
+            next_peer += cfg.peer_refresh_ms / 1000.0
             continue
         if t_next == next_sample:
             sample(t_next)
@@ -380,7 +474,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             p_i = pick_rng.randrange(n_procs) if n_procs > 1 else 0
             inflight, router = procs[p_i][1], routers[p_i]
             c0 = time.perf_counter()
-            if precise:
+            if precise and cfg.precise_lookup == "inline":
                 routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
             summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None,
                                           adapters=adapters | router.adapter_names())
@@ -393,8 +487,12 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                                       input_tokens=item.input_tokens, status=status, error=str(exc)[:300]))
                 i += 1
                 continue
+            if matchers:
+                await asyncio.sleep(0)  # the loop runs the tokeniser's done-callbacks, as the proxy's would
             tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)
             inflight.acquire(decision.backend, tokens)
+            if fleet_table is not None:
+                fleet_table.acquire(decision.backend, tokens)
             route_cpu += time.perf_counter() - c0
             reasons[decision.reason.value] += 1
             rid = f"r{i}"
@@ -410,6 +508,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             except Exception as exc:  # the engine refuses it (too long: 400, unknown model: 404), as live
                 rec.status, rec.error = getattr(exc, "status", 400), f"{type(exc).__name__}: {exc}"[:300]
                 inflight.release(decision.backend, tokens)
+                if fleet_table is not None:
+                    fleet_table.release(decision.backend, tokens)
                 records.append(rec)
             else:
                 live[rid] = (rec, decision.backend, tokens, t_arr - net, inflight)
@@ -444,6 +544,9 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         "route_cpu_s": route_cpu,
         "reasons": dict(reasons),
     }
+    if matchers:
+        meta["precise_deferred"] = sum(m.deferred for m in matchers)  # first sightings routed by the learned index
+        meta["precise_errors"] = sum(m.errors for m in matchers)
     if kvidx is not None:
         # What the precise index ended with next to what the engines really hold (equal unless events
         # were lost: the feed's own check).
@@ -503,6 +606,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="workers of one replica share in-flight counts and the work ledger (the product does)")
     ap.add_argument("--index", default="learned", choices=INDEXES,
                     help="learned: each process's own indexes; precise: also the engines' KV events (proxy/core/kv_index.py)")
+    ap.add_argument("--peer-refresh-ms", type=float, default=50.0,
+                    help="--load-view peers: how often each replica publishes its load and reads the others'")
+    ap.add_argument("--precise-lookup", default="proxy", choices=PRECISE_LOOKUPS,
+                    help="proxy: the data plane's PreciseMatcher (long first sightings routed by the learned index "
+                         "while tokenised off the loop); inline: every prompt tokenised before its pick")
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
     ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
                     help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")
@@ -531,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             adapters=tuple(a for a in args.adapters.split(",") if a),
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
             index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
+            precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
         )
         t0 = time.perf_counter()
         result = asyncio.run(replay(workload, cfg))

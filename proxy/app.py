@@ -279,6 +279,10 @@ class AffinityProxy:
             on_reload.append(lambda new: self.experiments.reconfigure(new.experiments))
         if self._host is not None:
             on_reload.extend(self._host.on_reload)
+        # KV-event subscriber (a data-plane service, one per routing process): its subscriptions follow reloads.
+        self.kv_events = self.precise.subscriber(self.metrics.registry) if self.precise is not None else None
+        if self.kv_events is not None:
+            on_reload.append(self.kv_events.reload)
         self.resilience = Resilience(
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
             metrics=resilience_metrics, build_policy=make_policy, close_idle=self._close_idle,
@@ -319,8 +323,8 @@ class AffinityProxy:
                 else grpc_listen.host,
             )
             self.add_service(self.grpc, data_plane=True)
-        if self.precise is not None:  # KV-event subscriber: a data-plane service, one per routing process
-            self.add_service(self.precise.subscriber(self.metrics.registry), data_plane=True)
+        if self.kv_events is not None:
+            self.add_service(self.kv_events, data_plane=True)
         self.add_service(self.resilience, data_plane=self.role == "data")
 
     async def _close_idle(self, spec: BackendSpec) -> None:

@@ -1,5 +1,6 @@
 """Scale-out replays behind loadtest/results/scaleout.md (issue 13): run from the repository root with
 
+    .venv/bin/python loadtest/results/scaleout.py run core      # the rows behind the targets (what was run)
     .venv/bin/python loadtest/results/scaleout.py run views     # item 4: the load view of R replicas
     .venv/bin/python loadtest/results/scaleout.py run matrix    # R = 1, 2, 4 x W = 1, 2, learned vs precise
     .venv/bin/python loadtest/results/scaleout.py table         # markdown tables + scaleout.png
@@ -57,34 +58,68 @@ def flags(cfg: ReplayConfig) -> str:
             out.append("--no-shared-worker-load")
     if cfg.index != "learned":
         out.append(f"--index {cfg.index} --kv-event-delay-ms {cfg.kv_event_delay_ms:g}")
+        if cfg.precise_lookup != "proxy":
+            out.append(f"--precise-lookup {cfg.precise_lookup}")
     if cfg.load_view != "own":
         out.append(f"--load-view {cfg.load_view}")
+    if cfg.load_view == "peers":
+        out.append(f"--peer-refresh-ms {cfg.peer_refresh_ms:g}")
     return " ".join(out)
 
 
 def suite(name: str) -> list[ReplayConfig]:
     cfgs: list[ReplayConfig] = []
-    if name == "views":
-        # Item 4: what a replica reads as a backend's load, at R = 4 (R x own was measured at commits
-        # 7fd5eb5 and 7ed056f; those rows carry the commit in scaleout.jsonl).
-        cfgs.append(ReplayConfig(policy="affinity"))
+    if name == "core":
+        # The rows behind the targets, most telling first (the machine this ran on was shared: the full
+        # views and matrix suites did not fit): one process, 4 replicas on their own (engines' counts) and
+        # with the shared ledger, the upper bound, each with the proxy's precise lookup and with inline.
+        cfgs.append(ReplayConfig(policy="round_robin"))
         cfgs.append(ReplayConfig(policy="affinity", index="precise"))
-        for index in ("learned", "precise"):
-            for view in ("own", "engines"):
-                cfgs.append(ReplayConfig(policy="affinity", replicas=4, index=index, load_view=view))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="proxy-prefix"))
+        for lookup in ("proxy", "proxy-prefix", "inline"):
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="engines",
+                                     precise_lookup=lookup))
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                     precise_lookup=lookup))
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise", precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="engines"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", workers=2, index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise"))
+    elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
+        cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
+    elif name == "views":
+        # Item 4: what a replica reads as a backend's load, at R = 4, next to one process and to 4 processes
+        # sharing one load view at once (the upper bound of any estimate); item 2: the precise lookup.
+        cfgs.append(ReplayConfig(policy="affinity", index="precise"))
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
+        for view in ("own", "engines"):
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view=view))
+        for every in (10.0, 50.0, 200.0):
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                     peer_refresh_ms=every))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                 precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="engines",
+                                 precise_lookup="inline"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, load_view="peers"))
     elif name == "matrix":
         cfgs.append(ReplayConfig(policy="round_robin"))
         for index in ("learned", "precise"):
             for r in (1, 2, 4):
                 for w in (1, 2):
-                    # The recommended setting: routing.shared_backends with KV events and R > 1 only.
+                    # What a replica can do on its own: routing.shared_backends with KV events and R > 1.
                     view = "engines" if index == "precise" and r > 1 else "own"
                     cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, load_view=view))
-        cfgs.append(ReplayConfig(policy="affinity", workers=2, shared_worker_load=False))
-        # 4 processes with their own learned state but ONE load view: what sharing the in-flight table and
-        # ledger between replicas (e.g. through Redis) would give; the upper bound of any load estimate.
-        cfgs.append(ReplayConfig(policy="affinity", workers=4, index="precise"))
-        cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", kv_event_delay_ms=500.0, load_view="engines"))
+                    if r > 1:  # with the optional shared ledger (load_view peers, every 50 ms)
+                        cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index,
+                                                 load_view="peers"))
     else:
         raise SystemExit(f"unknown suite {name!r}")
     return cfgs
@@ -95,13 +130,15 @@ def key_of(load: tuple, cfg: ReplayConfig) -> str:
     return f"{name} {window[0]:g}:{window[1]:g} x{speed:g} | {flags(cfg)}"
 
 
-def run(suite_name: str, only: str | None) -> None:
+def run(suite_name: str, only: str | None, load_filter: str | None = None) -> None:
     done = set()
     if OUT.exists():
         done = {json.loads(line)["key"] for line in OUT.read_text().splitlines() if line.strip()}
     workloads: dict[tuple, Workload] = {}
     for load in LOADS:
         if only and only not in load[0]:
+            continue
+        if load_filter and load_filter != f"{load[2][0]:g}:{load[2][1]:g}x{load[3]:g}":
             continue
         for base in suite(suite_name):
             key = key_of(load, base)
@@ -133,7 +170,7 @@ def parse_flags(flags: str) -> dict:
     """The configuration a row's flags name (defaults filled in)."""
     words = flags.split()
     out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
-           "delay": 50.0, "shared": True, "note": flags.partition("@")[2].strip()}
+           "delay": 50.0, "shared": True, "every": 0.0, "lookup": "proxy", "note": flags.partition("@")[2].strip()}
     for i, w in enumerate(words):
         if w == "--replicas":
             out["replicas"] = int(words[i + 1])
@@ -147,6 +184,10 @@ def parse_flags(flags: str) -> dict:
             out["delay"] = float(words[i + 1])
         elif w == "--no-shared-worker-load":
             out["shared"] = False
+        elif w == "--peer-refresh-ms":
+            out["every"] = float(words[i + 1])
+        elif w == "--precise-lookup":
+            out["lookup"] = words[i + 1]
     if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
         out["load_view"] = "own"  # one load view: routing.replicas = 1, the single-process policy
     return out
@@ -184,15 +225,17 @@ def table() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         order = sorted(sel, key=lambda fr: (fr[0]["policy"] != "round_robin", fr[0]["index"], fr[0]["load_view"] != "own",
                                             fr[0]["load_view"], fr[0]["note"], fr[0]["replicas"], fr[0]["workers"],
-                                            not fr[0]["shared"], fr[0]["delay"]))
+                                            not fr[0]["shared"], fr[0]["delay"], fr[0]["every"], fr[0]["lookup"]))
         for f, r in order:
-            view = {"7fd5eb5": "R x own (commit 7fd5eb5)", "7ed056f": "max(R x own, engines) (commit 7ed056f)"}.get(
-                f["note"], "engines (routing.shared_backends)" if f["load_view"] == "engines" else f["load_view"])
+            view = {"engines": "engines (routing.shared_backends)",
+                    "peers": f"shared ledger, every {f['every']:g} ms"}.get(f["load_view"], f["load_view"])
             extra = []
             if f["workers"] > 1:
                 extra.append("shared load" if f["shared"] else "separate load")
             if f["index"] == "precise" and f["delay"] != 50.0:
                 extra.append(f"events {f['delay']:g} ms late")
+            if f["index"] == "precise" and f["lookup"] != "proxy":
+                extra.append(f"{f['lookup']} lookup")
             w = f"{f['workers']}" + (f" ({', '.join(extra)})" if extra else "")
             print(f"| {f['policy']} | {f['index'] if f['policy'] == 'affinity' else '-'} | {f['replicas']} | {w} | "
                   f"{view if f['policy'] == 'affinity' else '-'} | {_cells(r)} |")
@@ -209,19 +252,21 @@ def plot() -> None:
     fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.5), squeeze=False)
     for col, lk in enumerate(loads):
         sel = [(parse_flags(r["flags"]), r) for r in rows if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk]
-        for index, colour in (("learned", "tab:orange"), ("precise", "tab:blue")):
+        lines = (("learned", "own", "tab:orange", "learned"), ("precise", "engines", "tab:blue", "precise, engines' counts"),
+                 ("precise", "peers", "tab:green", "precise, shared ledger"))
+        for index, view, colour, label in lines:
             for w, style in ((1, "-"), (2, "--")):
                 pts = sorted(
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
-                    and f["delay"] == 50.0 and not f["note"]
-                    and f["load_view"] == ("engines" if index == "precise" and f["replicas"] > 1 else "own")
+                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["every"] in (0.0, 50.0)
+                    and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
-                if not pts:
+                if len(pts) < 2:
                     continue
                 xs = [p[0] for p in pts]
-                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
-                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{index}, W={w}")
+                axes[0][col].plot(xs, [100 * (p[1]["hit_ratio"] or 0) for p in pts], style, marker="o", color=colour, label=f"{label}, W={w}")
+                axes[1][col].plot(xs, [1000 * p[1]["ttft_mean"] for p in pts], style, marker="o", color=colour, label=f"{label}, W={w}")
         rr = next((r for f, r in sel if f["policy"] == "round_robin"), None)
         if rr is not None:
             axes[0][col].axhline(100 * (rr["hit_ratio"] or 0), color="grey", lw=1, label="round robin")
@@ -248,13 +293,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("views", "matrix"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
+    r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     sub.add_parser("table")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.suite, args.only)
+        run(args.suite, args.only, args.load)
     elif args.cmd == "table":
         table()
     else:

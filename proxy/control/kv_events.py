@@ -112,6 +112,7 @@ class KVEventSubscriber:
         own `model:` in the configuration wins."""
         self.index = index
         self._feeds: dict[str, _Feed] = {}
+        self._tracked: dict[str, str] = {}  # backend -> the model its block keys are seeded with
         for name, ep in backends.items():
             model = ep.model or models.get(name)
             if not model:
@@ -119,44 +120,99 @@ class KVEventSubscriber:
                                  "(set `model:` or list the backend's models)")
             index.track(name, model=model)
             self._feeds[name] = _Feed(name, ep)
+            self._tracked[name] = model
         self.stale_after_s = stale_after_s
         self.replay_timeout_s = replay_timeout_s
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._clock = clock
         self._wall = wall_clock
-        self._tasks: list[asyncio.Task[None]] = []
-        self._sockets: list[zmq.asyncio.Socket] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._sockets: dict[str, list[zmq.asyncio.Socket]] = {}  # per backend: its SUB, then its monitor
+        self._started = False
         self.metrics = KVEventMetrics(registry) if registry is not None else None
         if registry is not None:
             registry.register(_IndexCollector(self))
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        self._started = True
         for feed in self._feeds.values():
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark: a busy loop queues, not drops
-            sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
-            sub.connect(feed.config.endpoint)
-            self._sockets.append(sub)
-            self._tasks.append(loop.create_task(self._run(feed, sub), name=f"kv-events-{feed.name}"))
+            self._subscribe(feed)
+
+    def _subscribe(self, feed: _Feed) -> None:
+        loop = asyncio.get_running_loop()
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark: a busy loop queues, not drops
+        sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
+        sub.connect(feed.config.endpoint)
+        self._sockets[feed.name] = [sub]
+        self._tasks[feed.name] = loop.create_task(self._run(feed, sub), name=f"kv-events-{feed.name}")
+
+    def _unsubscribe(self, name: str) -> asyncio.Task[None] | None:
+        """Stop one backend's subscription now (its task is cancelled; await the returned task to see it end)."""
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        for sock in self._sockets.pop(name, ()):
+            sock.close(linger=0)
+        return task
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        self._started = False
+        tasks = [t for name in list(self._tasks) if (t := self._unsubscribe(name)) is not None]
+        for t in tasks:
             try:
                 await t
             except asyncio.CancelledError:
                 pass
-        self._tasks.clear()
-        for s in self._sockets:
-            s.close(linger=0)  # monitor sockets too (listed after their SUB)
-        self._sockets.clear()
         if self._own_ctx:
             self._ctx.destroy(linger=0)
+
+    def reconfigure(self, backends: Mapping[str, KVEventsEndpoint], models: Mapping[str, str]) -> list[str]:
+        """Follow a reload of `telemetry.kv_events.backends`: a backend no longer listed stops its
+        subscription and leaves the index (routing falls back to the learned index for it); a new one is
+        tracked (stale, empty) and subscribed; one whose endpoint, topic, replay endpoint or model changed
+        is dropped and subscribed afresh (its old engine's blocks are not the new one's). Unchanged
+        backends keep their subscription, sequence and index. Runs on the event loop (a reload
+        listener); returns the backends whose subscription changed. `models`: as for the constructor."""
+        changed: list[str] = []
+        for name in list(self._feeds):
+            ep = backends.get(name)
+            if ep is None or ep != self._feeds[name].config or (ep.model or models.get(name)) != self._tracked[name]:
+                self._unsubscribe(name)
+                del self._feeds[name]
+                del self._tracked[name]
+                self.index.untrack(name)
+                changed.append(name)
+        for name, ep in backends.items():
+            if name in self._feeds:
+                continue
+            model = ep.model or models.get(name)
+            if not model:
+                _log.warning("telemetry.kv_events.backends.%s: no model known to seed its block keys; "
+                             "it keeps the learned index", name)
+                continue
+            self.index.track(name, model=model)
+            self._tracked[name] = model
+            feed = self._feeds[name] = _Feed(name, ep)
+            if self._started:
+                self._subscribe(feed)
+            if name not in changed:
+                changed.append(name)
+        if changed:
+            _log.info("KV events: subscriptions now %s (changed: %s)", sorted(self._feeds), ", ".join(changed))
+        return changed
+
+    def reload(self, config: Config) -> None:
+        """A reload listener: follow `telemetry.kv_events.backends` of the configuration swapped in."""
+        try:
+            endpoints, models = kv_event_backends(config)
+        except ValueError as exc:  # a listed backend with no model: keep the subscriptions in force
+            _log.error("reload: KV-event subscriptions unchanged: %s", exc)
+            return
+        self.reconfigure(endpoints, models)
 
     def status(self) -> dict[str, dict[str, object]]:
         """Per backend: freshness, next expected sequence, lag, index counts (for admin/debug pages)."""
@@ -177,7 +233,7 @@ class KVEventSubscriber:
     async def _run(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
         name = feed.name
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sockets.append(monitor)
+        self._sockets.setdefault(name, []).append(monitor)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -393,14 +449,10 @@ class PreciseRouting:
                                  stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
 
 
-def build_precise_routing(config: Config) -> PreciseRouting | None:
-    """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
-    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
-    from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
-
+def kv_event_backends(config: Config) -> tuple[dict[str, KVEventsEndpoint], dict[str, str]]:
+    """`telemetry.kv_events.backends` of `config` and the base model seeding each one's block keys (its
+    `model:`, else the backend's first model). Raises ValueError for a listed backend with no model."""
     ke = config.telemetry.kv_events
-    if not ke.enabled:
-        return None
     backend_models = {b.name: b.models[0] for b in config.backends if b.models}
     models: dict[str, str] = {}
     for name, ep in ke.backends.items():
@@ -409,9 +461,21 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
             raise ValueError(f"telemetry.kv_events.backends.{name}: set `model:` or the backend's `models:` "
                              "(the model name seeds its block keys)")
         models[name] = model
+    return dict(ke.backends), models
+
+
+def build_precise_routing(config: Config) -> PreciseRouting | None:
+    """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
+    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
+    from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
+
+    ke = config.telemetry.kv_events
+    if not ke.enabled:
+        return None
+    endpoints, models = kv_event_backends(config)
     if not ke.tokenizers:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
     index = KVIndex()
-    return PreciseRouting(index, PreciseMatcher(index, tokenizers), dict(ke.backends), models, ke.stale_after_s,
+    return PreciseRouting(index, PreciseMatcher(index, tokenizers), endpoints, models, ke.stale_after_s,
                           ke.replay_timeout_ms / 1000.0)

@@ -69,10 +69,14 @@ the history; with `precise` (a view fed by the engines' own KV events, `proxy/co
 process reads the same caches: for each backend that view covers, the share of the prompt it holds replaces
 the learned index's guess, in the prefix step and in the cost check (backends without fresh events keep the
 learned index). The load side is per process too: with `routing.shared_backends` the bound and the cost
-check read, per backend, the larger of its own in-flight count and the engine's own running + waiting
-from fresh telemetry (the requests it did not send are taken to be like those it sent there recently).
-That was the best of the estimates measured (R x own, with and without the engines' counts; doing
-nothing) with precise events, and harmful with learned indexes: loadtest/results/scaleout.md.
+check read, per backend, the engine's own running + waiting from its last fresh scrape moved by this
+process's own sends and completions since that scrape, never below its own in-flight count (the requests
+it did not send are taken to be like those it sent there recently). That was the best of the estimates
+measured (R x own, with and without the engines' counts, the engines' KV usage; doing nothing) with
+precise events, and harmful with learned indexes: loadtest/results/scaleout.md. What no estimate from
+the engines' counts gives is the size of the other replicas' newest requests: the optional `peers` input
+(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill) adds them,
+and the engines' counts are its fallback while it is unavailable.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
@@ -108,6 +112,9 @@ _NO_INFLIGHT = Inflight()
 
 # What the engines' KV events say about a request (None: no answer, e.g. not tokenised yet).
 PreciseLookup = Callable[[RequestSummary], Optional[PreciseMatch]]
+# The other proxy replicas' load as they last published it (an optional shared ledger): per backend, their
+# in-flight requests, in-flight tokens and queued uncached prefill tokens. Empty or None: not known now.
+PeerLoad = Callable[[], Optional[Mapping[str, tuple[int, int, float]]]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -144,8 +151,9 @@ class _Ring:
         self.indexes: list[PrefixIndex] | None = None  # filled by the policy that owns the indexes
         # name -> requests the engine itself reports running + waiting (fresh telemetry only): what every
         # replica sees alike, the load of the other replicas included
+        # (and the scrape's time, to count this process's own sends and completions since it)
         self.queued = {
-            s.name: s.signals.running + (s.signals.waiting or 0.0)
+            s.name: (s.signals.running + (s.signals.waiting or 0.0), s.signals.scraped_at)
             for s in states
             if s.signals is not None and s.signals.running is not None and telemetry_score(s) is not None
         }
@@ -183,12 +191,15 @@ class AffinityPolicy:
         *,
         precise: PreciseLookup | None = None,
         work: WorkLedger | None = None,
+        peers: PeerLoad | None = None,
     ) -> None:
         """`precise`: the engines' own view of their KV caches (proxy/core/kv_index.py, fed by their KV
         events): per request, the tokens of its prompt each backend with a fresh event stream holds. It
         picks the primary (step 1b) and replaces the learned index's guess for those backends in the
         prefix step and the cost check; backends it leaves out use the learned index. `work`: the ledger
-        of queued prefill, when several policies (workers of one host) share one."""
+        of queued prefill, when several policies (workers of one host) share one. `peers`: the other
+        replicas' published load (a shared ledger), added to this process's own while it answers; when
+        it does not, `routing.shared_backends` (if on) estimates it from the engines' counts."""
         self._cfg = cfg
         self._precise = precise
         a = cfg.affinity
@@ -203,6 +214,9 @@ class AffinityPolicy:
         self._work = work if work is not None else WorkLedger()
         # Other replicas share the backends: read the engines' own counts when they see more (see below).
         self._shared_backends = cfg.shared_backends
+        self._peers = peers
+        # name -> (scraped_at of the engine counts last read, this process's in-flight count then)
+        self._scrape_base: dict[str, tuple[float, int]] = {}
         self._cost_factor = 1.0 + a.cost_epsilon
         self._block_tokens = a.block_bytes / BYTES_PER_TOKEN_ESTIMATE
         # A request with no routable content (a GET, an unparsed path, an empty input) has no cache to
@@ -238,6 +252,7 @@ class AffinityPolicy:
             del indexes[name]
             self._exact.discard_value(name)
             self._work.discard(name)
+            self._scrape_base.pop(name, None)
 
     def _ring(self, snapshot: Snapshot, model: str | None) -> _Ring:
         ring = self._rings.get(model)
@@ -481,10 +496,13 @@ class AffinityPolicy:
         if not names_now:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
-        if self._shared_backends and ring.queued:
+        pending: Callable[[str, Inflight | None], float] = self._work.pending
+        peer_view = self._peers() if self._peers is not None else None
+        if peer_view:
+            inflight, pending = self._with_peers(peer_view, inflight, pending)
+        elif self._shared_backends and ring.queued:
             inflight = self._engine_load(ring, inflight)
         get = inflight.get
-        pending = self._work.pending
         total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
         score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._request_factor * (total_req + 1) / total_w
@@ -605,20 +623,50 @@ class AffinityPolicy:
 
     def _engine_load(self, ring: _Ring, inflight: Mapping[str, Inflight]) -> dict[str, Inflight]:
         """With `routing.shared_backends`: other proxy replicas route to these backends too, so this one's
-        in-flight table holds only part of their load. Per backend, the larger of its own count and the
-        running + waiting requests the engine itself reported in its last fresh scrape (every replica
-        reads the same); when the engine's is larger, the requests are assumed to be like the ones this
-        proxy sent there recently (the ledger then reads as many of its newest entries; tokens at its
-        own per-request mean). Measured against R x own and against doing nothing:
+        in-flight table holds only part of their load. Per backend, the running + waiting requests the
+        engine itself reported in its last fresh scrape (every replica reads the same), moved by this
+        process's own sends and completions since that scrape (its in-flight count now minus its count
+        when it first read that scrape), and never below its own count. Without that correction a
+        replica does not see its own sends until the next scrape, and sends a burst to the backend that
+        looked cheapest. When the engine's count is larger, the requests are assumed to be like the
+        ones this proxy sent there recently (the ledger then reads as many of its newest entries;
+        tokens at its own per-request mean). Measured against R x own and against doing nothing:
         loadtest/results/scaleout.md."""
         out = dict(inflight)
-        for name, seen in ring.queued.items():
+        base = self._scrape_base
+        for name, (seen, at) in ring.queued.items():
             own = inflight.get(name)
             mine = own.requests if own is not None else 0
-            if seen > mine:
-                count = int(seen)
-                if count <= mine:
-                    continue
+            b = base.get(name)
+            if b is None or b[0] != at:
+                b = base[name] = (at, mine)
+            count = int(seen) + mine - b[1]
+            if count > mine:
                 per = own.tokens / mine if own is not None and mine > 0 else 0
                 out[name] = Inflight(count, int(per * count))
         return out
+
+    @staticmethod
+    def _with_peers(
+        view: Mapping[str, tuple[int, int, float]],
+        inflight: Mapping[str, Inflight],
+        own_pending: Callable[[str, Inflight | None], float],
+    ) -> tuple[dict[str, Inflight], Callable[[str, Inflight | None], float]]:
+        """The load of the other replicas, as they last published it (`peer_load`: per backend, their
+        in-flight requests, in-flight tokens and queued uncached prefill): added to this process's own,
+        so the bound and the cost check read the fleet's load as one process would. The ledger still
+        reads this process's own entries with its own in-flight count."""
+        out = dict(inflight)
+        for name, (requests, tokens, _queued) in view.items():
+            own = inflight.get(name)
+            if own is None:
+                out[name] = Inflight(requests, tokens)
+            else:
+                out[name] = Inflight(own.requests + requests, own.tokens + tokens)
+        own_get = inflight.get
+
+        def pending(name: str, _merged: Inflight | None) -> float:
+            peer = view.get(name)
+            return own_pending(name, own_get(name)) + (peer[2] if peer is not None else 0.0)
+
+        return out, pending

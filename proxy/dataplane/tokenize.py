@@ -158,6 +158,19 @@ class ModelTokenizer:
         cache = self._cache
         return sum(len(c) for c in self._chunks(text) if c not in cache)
 
+    def leading_text(self, text: str, max_uncached: int) -> str:
+        """The longest run of `text`'s leading chunks whose not-yet-cached part is at most `max_uncached`
+        characters (chunk cuts are token boundaries, so its tokens are the prompt's first tokens)."""
+        cache = self._cache
+        n = left = 0
+        for chunk in self._chunks(text):
+            if chunk not in cache:
+                if len(chunk) > max_uncached - left:
+                    break
+                left += len(chunk)
+            n += len(chunk)
+        return text[:n]
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no BOS/EOS added: chat templates and engines add their own)."""
         ids: list[int] = []
@@ -245,7 +258,12 @@ class PreciseMatcher:
         executor: Executor | None = None,
         max_warming: int = 4,
         memo_entries: int = 256,
+        defer_prefix: bool = False,
     ) -> None:
+        """`defer_prefix`: while a long prompt is tokenised off the loop, answer from its leading chunks
+        instead of not at all (at most the tokenizer's `offload_chars` of them not yet cached are tokenised
+        inline): a continuation whose earlier turns another process tokenised then still finds the engine
+        holding them. Off: such a prompt is routed by the learned index that time."""
         from proxy.core.kv_index import block_keys, chain_seed
 
         self._block_keys = block_keys
@@ -261,7 +279,8 @@ class PreciseMatcher:
         self._memo: OrderedDict[tuple[str, str], tuple[int, dict[int, list[int]]]] = OrderedDict()
         self._memo_entries = memo_entries
         self.errors = 0  # requests the lookup could not tokenise (answered None)
-        self.deferred = 0  # requests answered None because their prompt was being tokenised off the loop
+        self.deferred = 0  # requests whose prompt was being tokenised off the loop (None, or a prefix answer)
+        self._defer_prefix = defer_prefix
 
     def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
         tok = self.tokenizers.get(model) if model is not None else None
@@ -322,9 +341,16 @@ class PreciseMatcher:
             n, keys = hit
             return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
         if tok.uncached_chars(text) > tok.offload_chars:
+            head = tok.leading_text(text, tok.offload_chars) if self._defer_prefix else ""  # before the warm-up
             self._warm(tok, text)
             self.deferred += 1
-            return None
+            if not head:
+                return None
+            ids = tok.encode(head)
+            seed = self._chain_seed(model)
+            keys = {size: self._block_keys(ids, size, seed) for size in sizes}
+            total = len(ids) * len(text) // len(head)  # the whole prompt's tokens, at the head's density
+            return PreciseMatch(total, self.index.match(ids, model, keys), max(sizes))
         ids = tok.encode(text)
         seed = self._chain_seed(model)
         keys = {size: self._block_keys(ids, size, seed) for size in sizes}

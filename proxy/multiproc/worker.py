@@ -160,6 +160,8 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
                         homes.adopt(rid, backend)
                 elif isinstance(message, ApplyConfig):
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
+                    if proxy.kv_events is not None:  # this worker's KV-event subscriptions follow the reload
+                        proxy.kv_events.reload(message.config)
                 elif isinstance(message, CollectMetrics):
                     write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
                 elif isinstance(message, CollectWindows):

@@ -1,0 +1,101 @@
+"""KV-event subscriptions follow a reload (issue 13): a backend added to `telemetry.kv_events.backends`
+is subscribed and fills the index, a removed one stops and leaves it, a changed endpoint starts afresh,
+an unchanged one keeps its stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from proxy.config import parse_config
+from proxy.control.kv_events import KVEventSubscriber
+from proxy.control.telemetry_config import KVEventsEndpoint
+from proxy.core.kv_index import KVIndex
+from sim.kv_events import KVEventPublisher, KVEventsConfig
+
+from .test_kv_events import BS, MODEL, _chain, _port, _prompt, _until
+
+
+def _publisher(ctx: zmq.asyncio.Context, port: int) -> KVEventPublisher:
+    return KVEventPublisher(KVEventsConfig(endpoint=f"tcp://127.0.0.1:{port}", topic="kv", encoding="array"),
+                            block_size=BS, context=ctx)
+
+
+def _ep(port: int) -> KVEventsEndpoint:
+    return KVEventsEndpoint(endpoint=f"tcp://127.0.0.1:{port}", topic="kv")
+
+
+async def test_reconfigure_adds_and_removes_subscriptions() -> None:
+    ctx = zmq.asyncio.Context()
+    p0, p1, p2 = _port(), _port(), _port()
+    pubs = [_publisher(ctx, p) for p in (p0, p1, p2)]
+    for p in pubs:
+        p.start()
+    index = KVIndex()
+    sub = KVEventSubscriber(index, {"b0": _ep(p0)}, models={"b0": MODEL}, registry=CollectorRegistry(), context=ctx)
+    try:
+        await sub.start()
+        await asyncio.sleep(0.6)  # PUB drops messages until the SUB's subscription reached it
+        pubs[0].publish(_chain(2))
+        await _until(lambda: index.num_blocks("b0") == 2)
+
+        # A reload adds b1: tracked at once (stale: "no events yet" is never "empty"), then subscribed.
+        changed = sub.reconfigure({"b0": _ep(p0), "b1": _ep(p1)}, {"b0": MODEL, "b1": MODEL})
+        assert changed == ["b1"]
+        assert sorted(sub.feeds()) == ["b0", "b1"] and index.state("b1") == "stale"
+        await asyncio.sleep(0.6)
+        pubs[1].publish(_chain(3))
+        await _until(lambda: index.is_fresh("b1") and index.num_blocks("b1") == 3)
+        assert index.match(_prompt(3), MODEL) == {"b0": 2 * BS, "b1": 3 * BS}
+        assert index.num_blocks("b0") == 2  # b0's stream and index were left alone
+        pubs[0].publish(_chain(3)[2:])
+        await _until(lambda: index.num_blocks("b0") == 3)
+
+        # b0 leaves the config: its subscription stops and its index goes (the learned index decides for it).
+        assert sub.reconfigure({"b1": _ep(p1)}, {"b1": MODEL}) == ["b0"]
+        assert "b0" not in index and list(sub.feeds()) == ["b1"]
+        assert "b0" not in sub._tasks and "b0" not in sub._sockets
+        pubs[0].publish(_chain(4))
+        await asyncio.sleep(0.3)
+        assert "b0" not in index
+
+        # b1 moves to another endpoint (a new engine): dropped and subscribed afresh, empty until it speaks.
+        assert sub.reconfigure({"b1": _ep(p2)}, {"b1": MODEL}) == ["b1"]
+        assert index.num_blocks("b1") == 0 and index.state("b1") == "stale"
+        await asyncio.sleep(0.6)
+        pubs[2].publish(_chain(1))
+        await _until(lambda: index.is_fresh("b1") and index.num_blocks("b1") == 1)
+        # Nothing changed: nothing restarts.
+        assert sub.reconfigure({"b1": _ep(p2)}, {"b1": MODEL}) == []
+        assert index.num_blocks("b1") == 1
+    finally:
+        await sub.stop()
+        for p in pubs:
+            await p.stop()
+        ctx.destroy(linger=0)
+
+
+async def test_a_reloaded_config_drives_the_subscriptions() -> None:
+    """`reload` is the listener the proxy registers: it reads `telemetry.kv_events` of the new config,
+    and a config it cannot use (a listed backend with no model) leaves the subscriptions as they were."""
+    base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2'}\n"
+    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '/nonexistent'}\n    backends:\n"
+    a = "      a: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
+    b_with_model = "      b: {endpoint: 'tcp://127.0.0.1:%d', model: m}\n" % _port()
+    b_without = "      b: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
+    index = KVIndex()
+    sub = KVEventSubscriber(index, {}, models={}, registry=CollectorRegistry())
+    try:
+        await sub.start()
+        sub.reload(parse_config(base + kv + a))
+        assert list(sub.feeds()) == ["a"] and index.tracked() == ["a"]
+        sub.reload(parse_config(base + kv + a + b_with_model))
+        assert sorted(sub.feeds()) == ["a", "b"]
+        sub.reload(parse_config(base + kv + b_without))
+        assert sorted(sub.feeds()) == ["a", "b"]  # refused: b has no model; nothing changed
+        sub.reload(parse_config(base))
+        assert list(sub.feeds()) == [] and index.tracked() == []
+    finally:
+        await sub.stop()

@@ -1,0 +1,63 @@
+"""The offline replay's model of two proxy behaviours under scale-out (issue 13): the shared ledger load
+view (`--load-view peers`) and the data plane's precise lookup, which routes a long first sighting by the
+learned index while it tokenises it off the event loop (`--precise-lookup proxy`, the default)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from loadtest.replay import ReplayConfig, replay, scaleout_label
+from loadtest.workloads import load_workload
+from loadtest.workloads.model import Workload
+from proxy.dataplane.tokenize import ModelTokenizer
+from sim.tokenizer import TOKENIZER_DIR
+
+BASE = ReplayConfig(policy="affinity", backends=3, speed=1.0, max_model_len=131072, index="precise")
+
+
+def long_prompts() -> Workload:
+    """Two system prompts of ~9k words (far over the tokenizer's 32k-character offload threshold)."""
+    return load_workload(
+        "sysprompt:requests=24,rate=4,system_prompts=2,system_tokens=9000-9500,users=6,question_tokens=20-40,"
+        "answer_tokens=4-8",
+        seed=5,
+    )
+
+
+def short_prompts() -> Workload:
+    return load_workload(
+        "sysprompt:requests=24,rate=8,system_prompts=2,system_tokens=200-300,users=6,question_tokens=10-20,"
+        "answer_tokens=4-8",
+        seed=5,
+    )
+
+
+async def test_long_first_sightings_are_routed_by_the_learned_index_as_in_the_proxy() -> None:
+    """The threshold is the data plane's own (`ModelTokenizer.offload_chars`): a prompt whose untokenised
+    part is longer is deferred once per process (its chunks are then cached), a short one never."""
+    assert ModelTokenizer.from_dir(TOKENIZER_DIR).offload_chars == 32768
+    one = await replay(long_prompts(), BASE)
+    assert 1 <= one.meta["precise_deferred"] <= 2  # each system prompt's first sighting, at most
+    assert one.meta["precise_errors"] == 0
+    four = await replay(long_prompts(), replace(BASE, replicas=4))
+    assert four.meta["precise_deferred"] > one.meta["precise_deferred"]  # every replica tokenises for itself
+    short = await replay(short_prompts(), BASE)
+    assert short.meta["precise_deferred"] == 0
+    inline = await replay(long_prompts(), replace(BASE, precise_lookup="inline"))
+    assert "precise_deferred" not in inline.meta
+    assert scaleout_label(replace(BASE, precise_lookup="inline")).endswith("lookup inline")
+    assert all(r.status == 200 for r in one.records + four.records)
+
+
+async def test_shared_ledger_view_reaches_every_replica() -> None:
+    """Under load (the shipped Mooncake sample, 4 GPUs), replicas that read each other's published queued
+    prefill place requests differently from replicas that see only their own; the replay stays
+    deterministic."""
+    w = load_workload("mooncake", prefer_sample=True).window(0, 60, None)
+    base = replace(BASE, backends=4, replicas=3, precise_lookup="inline")
+    own = await replay(w, base)
+    peers = await replay(w, replace(base, load_view="peers", peer_refresh_ms=10))
+    assert peers.meta["label"].endswith("load peers every 10ms")
+    assert [r.backend for r in own.records] != [r.backend for r in peers.records]
+    again = await replay(w, replace(base, load_view="peers", peer_refresh_ms=10))
+    assert [(r.backend, r.ttft) for r in peers.records] == [(r.backend, r.ttft) for r in again.records]
