@@ -448,8 +448,9 @@ def plot(soak: Soak, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t = [s.t / 60 for s in soak.samples]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    for ax, key, label in zip(axes, ("rss_mib", "fds", "tasks"), ("RSS (MiB)", "open FDs", "asyncio tasks")):
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    for ax, key, label in zip(axes, ("rss_mib", "fds", "sockets", "tasks"),
+                              ("RSS (MiB)", "open FDs", "sockets (connections)", "asyncio tasks")):
         ax.plot(t, [getattr(s, key) for s in soak.samples], marker=".")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -487,11 +488,11 @@ def markdown(data: dict[str, Any]) -> str:
               f"stalls (the proxy's admin port silent for {STATS_TIMEOUT_S:g} s): {len(v.get('stalls', []))}; "
               f"access-log lines read from the proxy's stdout: {v.get('access_log_lines', 'not counted')}.", ""]
     for f in v.get("failures", [])[:20]:
-        lines.append(f"- {f['kind']} at {f['t']:.0f} s, during {f['fault']}: {f['error']}")
+        lines.append(f"- {f['kind']} at {f['t']:.0f} s, during {f['fault']}: {' '.join(f['error'].split())}")
     kinds: dict[str, int] = {}
     for f in data["faults"]:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
-    lines += ["Faults injected: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + ".", "",
+    lines += ["", "Faults injected: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + ".", "",
               "| minute | RSS MiB | FDs | sockets (connections) | asyncio tasks | in flight |", "|---:|---:|---:|---:|---:|---:|"]
     for smp in data["samples"]:
         lines.append(f"| {smp['t'] / 60:.1f} | {smp['rss_mib']:.1f} | {smp['fds']} | {smp['sockets']} | "
