@@ -22,6 +22,7 @@ It fails (exit status 1) when
 - a request fails that no fault touched: one whose lifetime overlaps no fault window (kill, stall and 5xx
   windows, each extended by `GRACE_S` for the health checks and outlier ejection to catch up). Reloads, valid
   or not, and the disconnect storm open no window: nothing they do may fail a request;
+- the proxy stops answering: a sample's ``/soak/stats`` read takes more than `STATS_TIMEOUT_S`;
 - a resource grows without bound: the median of the last quarter of samples is above the median of the
   second quarter by more than 50 % plus a fixed slack (RSS 24 MiB, FDs 24, sockets 24, tasks 64); the first
   quarter is warm-up (pools filling, caches, lazy imports).
@@ -50,6 +51,7 @@ from typing import Any
 import aiohttp
 
 GRACE_S = 8.0
+STATS_TIMEOUT_S = 15.0  # a sample the proxy does not answer within this is a stall (its loop is blocked)
 SLACK = {"rss_mib": 24.0, "fds": 24.0, "sockets": 24.0, "tasks": 64.0}
 KINDS = ("http_unary", "http_stream", "grpc_unary", "grpc_stream")
 GEN_PATH = "/affinity.v1.Generation/Generate"
@@ -123,6 +125,8 @@ class Soak:
     faults: list[Fault] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     storm_abandoned: int = 0
+    access_log_lines: int = 0
+    stalls: list[dict[str, Any]] = field(default_factory=list)  # samples the proxy did not answer in time
 
 
 def _config(fleet: Any, weights: dict[str, float] | None = None) -> str:
@@ -164,6 +168,8 @@ class Runner:
         self.rng = random.Random(soak.seed)
         self.t0 = 0.0
         self.pending: set[asyncio.Task[None]] = set()
+        self._drain: asyncio.Task[None] | None = None
+        self.access_lines = 0  # access-log lines the proxy wrote to its standard output
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -310,10 +316,16 @@ class Runner:
                 raise RuntimeError(f"the proxy exited ({self.proc.returncode}) during the soak; see "
                                    f"{self.workdir / 'proxy.log'}")
             rss, fds, sockets = _proc_sample(self.proc.pid)
-            async with s.get(self.admin + "/soak/stats") as r:
-                stats = await r.json()
-            self.soak.samples.append(Sample(round(self.now(), 1), round(rss, 2), fds, sockets, stats["tasks"],
-                                            stats.get("inflight")))
+            try:
+                async with s.get(self.admin + "/soak/stats", timeout=aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)) as r:
+                    stats = await r.json()
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+                # A proxy that does not answer its admin port is stuck (its event loop blocked): a failed run,
+                # said so, rather than a soak that waits for it.
+                self.soak.stalls.append({"t": round(self.now(), 1), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            else:
+                self.soak.samples.append(Sample(round(self.now(), 1), round(rss, 2), fds, sockets, stats["tasks"],
+                                                stats.get("inflight")))
             if self.out is not None:
                 self.out.with_suffix(".json").write_text(json.dumps(payload(self.soak, verdict(self.soak)), indent=1))
             if self.now() + self.soak.sample_s > until:
@@ -321,6 +333,13 @@ class Runner:
             await asyncio.sleep(self.soak.sample_s)
 
     # ------------------------------------------------------------------ main
+    async def _copy_stdout(self, path: Path) -> None:
+        assert self.proc.stdout is not None
+        with open(path, "wb") as log:
+            while chunk := await self.proc.stdout.read(1 << 16):
+                log.write(chunk)
+                self.access_lines += chunk.count(b"\n")
+
     async def run(self) -> None:
         import grpc
 
@@ -341,6 +360,10 @@ class Runner:
                 raise RuntimeError("the proxy did not come up; see " + str(self.workdir / "proxy.log"))
             ports = json.loads(line)
             self.http, self.admin, grpc_port = ports["http"], ports["admin"], ports["grpc"]
+            # The child's standard output carries its access log (a line per request) after the ports: it
+            # must be read for the whole run. Left unread, the pipe filled after ~300 requests and the
+            # proxy froze in its access-log write (the "hang after the first faults" of issue 18).
+            self._drain = asyncio.get_running_loop().create_task(self._copy_stdout(self.workdir / "access.log"))
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as s:
                 self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
                 self.t0 = time.monotonic()
@@ -357,6 +380,9 @@ class Runner:
                 except asyncio.TimeoutError:
                     self.proc.kill()
                     await self.proc.wait()
+            if self._drain is not None:
+                await asyncio.wait([self._drain], timeout=10)
+            self.soak.access_log_lines = self.access_lines
             await self.fleet.stop()
 
 
@@ -403,13 +429,15 @@ def verdict(soak: Soak) -> dict[str, Any]:
     failures = [{"kind": r.kind, "t": round(r.start, 1), "error": r.error[:160], "fault": fault_of(r)}
                 for r in soak.results if not r.ok]
     return {
-        "ok": not bad and not any(g["grew"] for g in grown.values()) and len(soak.samples) > 0,
+        "ok": not bad and not soak.stalls and not any(g["grew"] for g in grown.values()) and len(soak.samples) > 0,
+        "stalls": soak.stalls[:50],
         "failures": failures[:200],
         "requests": counts,
         "failed_by_reason": reasons,
         "unexplained_failures": [asdict(r) for r in bad[:50]],
         "growth": grown,
         "storm_abandoned": soak.storm_abandoned,
+        "access_log_lines": soak.access_log_lines,
     }
 
 
@@ -420,8 +448,9 @@ def plot(soak: Soak, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t = [s.t / 60 for s in soak.samples]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
-    for ax, key, label in zip(axes, ("rss_mib", "fds", "tasks"), ("RSS (MiB)", "open FDs", "asyncio tasks")):
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    for ax, key, label in zip(axes, ("rss_mib", "fds", "sockets", "tasks"),
+                              ("RSS (MiB)", "open FDs", "sockets (connections)", "asyncio tasks")):
         ax.plot(t, [getattr(s, key) for s in soak.samples], marker=".")
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
@@ -455,14 +484,16 @@ def markdown(data: dict[str, Any]) -> str:
     for kind, c in sorted(v["requests"].items()):
         lines.append(f"| {kind} | {c['sent']} | {c['failed']} |")
     lines += ["", f"Failures by reason: {v['failed_by_reason'] or 'none'}; unexplained (outside every fault "
-              f"window): {len(v['unexplained_failures'])}; storm streams abandoned: {v['storm_abandoned']}.", ""]
+              f"window): {len(v['unexplained_failures'])}; storm streams abandoned: {v['storm_abandoned']}; "
+              f"stalls (the proxy's admin port silent for {STATS_TIMEOUT_S:g} s): {len(v.get('stalls', []))}; "
+              f"access-log lines read from the proxy's stdout: {v.get('access_log_lines', 'not counted')}.", ""]
     for f in v.get("failures", [])[:20]:
-        lines.append(f"- {f['kind']} at {f['t']:.0f} s, during {f['fault']}: {f['error']}")
+        lines.append(f"- {f['kind']} at {f['t']:.0f} s, during {f['fault']}: {' '.join(f['error'].split())}")
     kinds: dict[str, int] = {}
     for f in data["faults"]:
         kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
-    lines += ["Faults injected: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + ".", "",
-              "| minute | RSS MiB | FDs | sockets | asyncio tasks | in flight |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "Faults injected: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + ".", "",
+              "| minute | RSS MiB | FDs | sockets (connections) | asyncio tasks | in flight |", "|---:|---:|---:|---:|---:|---:|"]
     for smp in data["samples"]:
         lines.append(f"| {smp['t'] / 60:.1f} | {smp['rss_mib']:.1f} | {smp['fds']} | {smp['sockets']} | "
                      f"{smp['tasks']} | {smp['inflight']} |")

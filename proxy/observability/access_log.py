@@ -5,6 +5,14 @@ several µs before any byte is written, more than the whole line should (the tar
 A `RequestRecord` is encoded straight into a shared buffer by msgspec (no dict built per request) and the
 buffer goes to the file descriptor in batches that never exceed PIPE_BUF and always end on a line
 boundary, so the lines of several worker processes writing to one pipe never interleave mid-line.
+
+Writing never blocks the event loop. The log goes to standard output by default, and a pipe whose reader
+stops reading (a stalled log shipper, a parent that reads one line and no more, a pager left open) fills in
+64 KiB: a blocking write would then freeze every request, health check and admin call of the process. A
+pipe, socket or terminal is written only while poll() says it takes more; what it does not take waits, up
+to `MAX_BACKLOG_BYTES` of whole lines, for the next flush, and lines beyond that are dropped and counted
+(`LineSink.dropped`, the `dropped` outcome of `affinity_proxy_access_log_lines`). A regular file is written
+as before (poll() always says it is writable).
 """
 
 from __future__ import annotations
@@ -26,11 +34,34 @@ PIPE_BUF = getattr(select, "PIPE_BUF", 4096)
 _FIELDS = RequestRecord.__struct_fields__
 
 
-def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+# Lines an output that does not drain may hold back before new ones are dropped (per process).
+MAX_BACKLOG_BYTES = 1 << 20
+
+Write = Callable[[bytes | bytearray], "int | None"]
+
+
+def _fd_writer(fd: int) -> Callable[[bytes | bytearray], int]:
+    """A write to `fd` that never blocks on a full pipe/socket: it writes chunks of at most PIPE_BUF ending on
+    a line boundary (atomic on a pipe: a chunk is never split and never mixed with another process's) while
+    poll() reports room for one, and returns how many bytes went out."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+
+    def write(data: bytes | bytearray) -> int:
+        done, size = 0, len(data)
+        with memoryview(data) as view:
+            while done < size:
+                if not poller.poll(0):
+                    break  # no room: the caller keeps the rest (POLLERR/POLLHUP fall to os.write's error)
+                end = min(done + PIPE_BUF, size)
+                if end < size:
+                    cut = data.rfind(b"\n", done, end)
+                    if cut >= 0:
+                        end = cut + 1  # else one line longer than PIPE_BUF: written in pieces
+                done += os.write(fd, view[done:end])
+        return done
+
+    return write
 
 
 class LineSink:
@@ -38,17 +69,37 @@ class LineSink:
     `flush_interval_s` has passed since the last flush (checked on each write: a quiet proxy's last lines
     wait for the next request, `flush()` or `close()`)."""
 
-    def __init__(self, write: Callable[[bytes], None], flush_interval_s: float = 1.0) -> None:
+    def __init__(self, write: Write, flush_interval_s: float = 1.0,
+                 max_backlog_bytes: int = MAX_BACKLOG_BYTES) -> None:
+        """`write(data)` returns how many bytes of `data` it wrote (None: all of them); the rest is kept, up
+        to `max_backlog_bytes`, and offered again first at the next write or flush."""
         self._write = write
         self._interval = flush_interval_s
         self._buf = bytearray()
         self._last_flush = float("-inf")
+        self._backlog = bytearray()  # bytes the output did not take yet (whole lines, but for a split long one)
+        self._max_backlog = max_backlog_bytes
+        self.dropped = 0  # lines dropped because the output did not drain
 
     @classmethod
     def open(cls, path: str | None, flush_interval_s: float = 1.0) -> "LineSink":
         """Standard output for None, else the file at `path` opened for appending (created if missing)."""
         fd = 1 if path is None else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        return cls(lambda data: _write_all(fd, data), flush_interval_s)
+        return cls(_fd_writer(fd), flush_interval_s)
+
+    def _out(self, data: bytes) -> None:
+        backlog = self._backlog
+        if backlog:
+            if len(backlog) + len(data) > self._max_backlog:
+                self.dropped += data.count(b"\n")
+            else:
+                backlog += data
+            n = self._write(backlog)  # (no copy: the writer holds no view of it once it returns)
+            del backlog[: len(backlog) if n is None else n]
+            return
+        n = self._write(data)
+        if n is not None and n < len(data):
+            backlog += data[n:]  # even above the cap: the rest of a line already begun must follow it
 
     @property
     def buffer(self) -> bytearray:
@@ -58,7 +109,7 @@ class LineSink:
         """The bytes after `start` in `buffer` form one new line: write out what must go."""
         buf = self._buf
         if len(buf) > PIPE_BUF and start > 0:
-            self._write(bytes(buf[:start]))  # everything before this line, then keep the line for later
+            self._out(bytes(buf[:start]))  # everything before this line, then keep the line for later
             del buf[:start]
         if len(buf) >= PIPE_BUF or now - self._last_flush >= self._interval:
             self.flush(now)
@@ -72,7 +123,9 @@ class LineSink:
         if self._buf:
             data = bytes(self._buf)
             self._buf.clear()
-            self._write(data)
+            self._out(data)
+        elif self._backlog:
+            self._out(b"")
         if now is not None:
             self._last_flush = now
 
@@ -144,6 +197,11 @@ class AccessLog:
         else:
             sink.write_line(self._text(record), now)
         self.written += 1
+
+    @property
+    def dropped(self) -> int:
+        """Lines dropped because the output did not drain (a stalled pipe; see LineSink)."""
+        return self._sink.dropped
 
     def _text(self, record: RequestRecord) -> bytes:
         line = " ".join(f"{name}={_logfmt_value(getattr(record, name))}" for name in _FIELDS) + "\n"

@@ -324,4 +324,5 @@ class Observer:
             c.add_metric(["written"], a.written)
             c.add_metric(["sampled_out"], a.sampled_out)
             c.add_metric(["rate_limited"], a.rate_limited)
+            c.add_metric(["dropped"], a.dropped)  # the output (a pipe) did not drain
             yield c

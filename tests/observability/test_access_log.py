@@ -5,14 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 
 from proxy.config import ConfigError, parse_config
 from proxy.core.decision import Reason
-from proxy.observability.access_log import PIPE_BUF, LineSink
+from proxy.core.hotspots import HotspotConfig
+from proxy.observability.access_log import MAX_BACKLOG_BYTES, PIPE_BUF, LineSink
 from proxy.observability.config import AccessLogConfig, LoggingConfig
 from proxy.observability.logs import JsonFormatter, configure_logging
+from proxy.observability.observer import Observer
 from proxy.observability.record import GRPC, H2, HTTP1, PROTOCOLS, RequestRecord
 
 from tests.observability.helpers import Clock, make_observer, record
@@ -192,3 +195,68 @@ def test_a_path_that_is_not_utf8_is_logged_with_replacement_characters():
     first, second = out.json()
     assert first["path"] == "/v1/\ufffd\ufffd" and first["request_id"] == "req-1"
     assert second["request_id"] == "req-2"
+
+
+def test_a_pipe_nobody_reads_never_blocks_the_writer(tmp_path):
+    # Issue 18's soak hang: the proxy's stdout was a pipe its parent stopped reading; once the pipe was full
+    # the access log's blocking write froze the event loop (every request, health check and admin call).
+    # Now what the pipe does not take waits in a bounded backlog, the rest is dropped and counted, and the
+    # lines that do come through are whole and in order.
+    fifo = tmp_path / "access.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader exists, and never reads while we write
+    sink = LineSink.open(str(fifo), flush_interval_s=0.0)
+    pad = "x" * 180
+    total = 2 * (MAX_BACKLOG_BYTES + (1 << 16)) // 200  # well past the pipe (64 KiB) and the backlog
+    finished = threading.Event()
+
+    def write_all() -> None:
+        for i in range(total):
+            sink.write_line(json.dumps({"i": i, "pad": pad}).encode() + b"\n", float(i))
+        finished.set()
+
+    writer = threading.Thread(target=write_all, daemon=True)
+    writer.start()
+    blocked = not finished.wait(30)
+    received = bytearray()
+
+    def drain() -> None:
+        while True:
+            try:
+                chunk = os.read(reader, 1 << 16)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            received.extend(chunk)
+
+    drain()  # (also frees a writer blocked in os.write, so that a failing run ends)
+    writer.join(10)
+    assert not blocked, "the access log's write blocked on a pipe nobody reads"
+    assert 0 < sink.dropped < total
+    for _ in range(1000):  # the reader catches up: the backlog goes out at the next flushes
+        sink.flush(None)
+        drain()
+        if not sink._backlog:
+            break
+    os.close(reader)
+    lines = [json.loads(line) for line in received.decode().splitlines()]  # whole lines only
+    assert [line["i"] for line in lines] == list(range(len(lines)))  # in order: the newest were dropped
+    assert len(lines) + sink.dropped == total
+    assert len(lines) * 200 > MAX_BACKLOG_BYTES  # the backlog was kept, not thrown away
+
+
+def test_dropped_lines_are_counted_in_the_metric():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    def full(data):
+        return 0  # an output that takes nothing
+
+    registry = CollectorRegistry()
+    obs = Observer(LoggingConfig(access_log=AccessLogConfig(flush_interval_s=0.0)), HotspotConfig(), registry,
+                   Clock(), sink=LineSink(full, 0.0, max_backlog_bytes=1000))
+    for i in range(50):
+        obs.on_finish(record(i))
+    assert obs.access_log is not None and obs.access_log.dropped > 0
+    text = generate_latest(registry).decode()
+    assert f'affinity_proxy_access_log_lines_total{{outcome="dropped"}} {float(obs.access_log.dropped)}' in text

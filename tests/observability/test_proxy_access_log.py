@@ -3,6 +3,7 @@ HTTP/2 bridge and gRPC, with the fields an operator asks for (and a rejected req
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -117,3 +118,68 @@ async def test_access_log_off_and_text_format(fleet: Fleet, tmp_path: Path) -> N
             assert line.startswith("time=") and " request_id=req-text " in line and " status=200 " in line
         else:
             assert not Path(f"{log_path}.off").exists()
+
+
+async def test_a_stdout_nobody_reads_does_not_stop_the_proxy(fleet: Fleet, tmp_path: Path) -> None:
+    # Issue 18's soak hang, through the real CLI: the access log goes to standard output (the default), and
+    # stdout is a pipe whose reader never reads (a stalled log shipper; the soak's parent read one line).
+    # Once the pipe was full, the access log's blocking write froze the whole process. Now the proxy keeps
+    # serving, drops the lines the pipe cannot take and counts them.
+    import fcntl
+    import os
+    import re
+    import sys
+    import time
+
+    s = fleet.servers[0]
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text("listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\n"
+                   "health_checks: {enabled: false}\n"
+                   f"backends:\n  - {{name: {s.name}, url: '{s.url}'}}\n")
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # one page: full after a few lines (64 KiB by default)
+    proc = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("affinity-proxy")), "run", "-c", str(cfg), "--workers", "1",
+        stdout=write_end, stderr=asyncio.subprocess.PIPE)
+    os.close(write_end)
+    log: list[str] = []
+    try:
+        assert proc.stderr is not None
+
+        async def listening() -> tuple[str, str]:
+            assert proc.stderr is not None
+            async for raw in proc.stderr:
+                log.append(raw.decode(errors="replace"))
+                if m := re.search(r"listening on (http://\S+) \(admin (http://[^\s)\\\"]+)\)", log[-1]):
+                    return m[1], m[2]
+            raise AssertionError("the proxy exited before serving:\n" + "".join(log[-30:]))
+
+        http, admin = await asyncio.wait_for(listening(), 60)
+        pump = asyncio.create_task(proc.stderr.read())  # keep its stderr flowing; only stdout is left unread
+        model = s.backend.engine.model_name
+        body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "fill the pipe"}]}
+        async with httpx.AsyncClient(timeout=15) as c:
+            for i in range(60):  # ~400 bytes of access log each: 6x what the pipe holds
+                r = await c.post(http + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, (i, r.text)
+            metrics = (await c.get(admin + "/metrics")).text
+        # 24 KB is well under the backlog's cap: nothing is lost, the lines wait for the reader.
+        dropped = re.search(r'affinity_proxy_access_log_lines_total\{outcome="dropped"\} (\S+)', metrics)
+        assert dropped is not None and float(dropped[1]) == 0, metrics[-2000:]
+        os.set_blocking(read_end, False)
+        got = bytearray()
+        deadline = time.monotonic() + 20
+        while got.count(b"\n") < 60 and time.monotonic() < deadline:  # the reader catches up at last
+            try:
+                got += os.read(read_end, 1 << 16)
+            except BlockingIOError:
+                await asyncio.sleep(0.1)
+        lines = [json.loads(line) for line in got.splitlines()]  # whole lines
+        assert len(lines) == 60 and {(x["path"], x["status"]) for x in lines} == {("/v1/chat/completions", 200)}
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        os.close(read_end)  # (a proxy still writing gets EPIPE, not a hang)
+        await asyncio.wait_for(proc.wait(), 30)
+        if "pump" in locals():
+            pump.cancel()
