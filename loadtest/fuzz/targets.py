@@ -396,10 +396,12 @@ class H2(Target):
 # ---------------------------------------------------------------------------------------------- http1
 
 
-# A request line whose target holds a byte >= 0x80: the proxy passes such a target on (it is logged and routed
-# with surrogateescape) and relays the backend's own 400; every other head the backend's parser refuses, the
-# proxy should have refused first.
-_HIGH_BIT_TARGET = re.compile(rb"(?m)^[!-~]+ [^ \r\n]*[\x80-\xff][^ \r\n]* HTTP/1\.[01]\r?$")
+# The backend refused a target for a byte >= 0x80 (its message quotes the line it saw, escaped): the proxy passes
+# such a target on (it is logged and routed with surrogateescape) and relays the backend's own 400; every other
+# head the backend's parser refuses, the proxy should have refused first. Matched on the backend's message, not
+# on the input: the proxy answers an input whose client side closed at once (499) before its backend has read
+# it, so a refusal can be logged during the next input.
+_HIGH_BIT = re.compile(r"\\x[89a-f][0-9a-f]")
 
 
 class Http1(Target):
@@ -486,7 +488,7 @@ class Http1(Target):
                 raise AssertionError(f"no answer within 20 s to a closed request stream: {bytes(data[:120])!r}")
         # A method the backend does not know is a token all the same (the proxy is right to pass it on).
         refused = [e for e in self.refused if not isinstance(e, self.unknown_method)
-                   and not (isinstance(e, self.bad_url) and _HIGH_BIT_TARGET.search(data))]
+                   and not (isinstance(e, self.bad_url) and _HIGH_BIT.search(str(e)))]
         self.refused.clear()
         assert not refused, f"the proxy passed on a head its backend refuses: {refused[0]!r} for {bytes(data[:200])!r}"
         # Every answer is HTTP; none is the proxy's own 500 (a fault of the proxy, not of the input). The main
