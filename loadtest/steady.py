@@ -302,6 +302,7 @@ class Run:
     duration_s: float = 0.0
     minutes: list[dict[str, Any]] = field(default_factory=list)
     ten_s: list[dict[str, Any]] = field(default_factory=list)
+    cpu: list[dict[str, float]] = field(default_factory=list)  # every 10 s: proxy and generator CPU, load average
     total: dict[str, Any] = field(default_factory=dict)
     proxy_cpu: float = 0.0
     client_cpu: float = 0.0
@@ -457,17 +458,20 @@ async def main_async(a: argparse.Namespace) -> Run:
         run.rate = round(rate, 1)
         run.duration_s = a.duration
         print(f"hold {rate:.1f}/s for {a.duration:g} s (mode {a.mode}; knee {run.knee})", flush=True)
-        seen = [0, 0.0, rig.proxy_cpu(), self_cpu(), time.monotonic()]
+        seen = [len(gen.done), 0.0, rig.proxy_cpu(), self_cpu(), time.monotonic()]
 
         def tick(elapsed: float) -> None:
             new = gen.done[seen[0]:]
             seen[0] = len(gen.done)
             p, c, w = rig.proxy_cpu(), self_cpu(), time.monotonic()
             s = summarise(new, elapsed - seen[1])
+            pcpu, ccpu = (p - seen[2]) / (w - seen[4]), (c - seen[3]) / (w - seen[4])
+            run.cpu.append({"t_s": round(elapsed), "proxy": round(pcpu, 3), "client": round(ccpu, 3),
+                            "load1": round(os.getloadavg()[0], 2)})
             print(f"{elapsed:5.0f} s: finished {s['sent']:6d} ok {s['ok']:6d} err {s['errors']:4d} "
                   f"p50 {s['p50_ms']:7.2f} ms p99 {s['p99_ms']:8.2f} ms  in flight {gen.outstanding:5d} "
-                  f"conns {len(gen.conns):4d}  proxy cpu {(p - seen[2]) / (w - seen[4]):4.0%} "
-                  f"client cpu {(c - seen[3]) / (w - seen[4]):4.0%}  load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"conns {len(gen.conns):4d}  proxy cpu {pcpu:4.0%} client cpu {ccpu:4.0%}  load {os.getloadavg()[0]:.1f}",
+                  flush=True)
             seen[1:] = [elapsed, p, c, w]
 
         done, pcpu, ccpu, start = await measure(gen, rig, rate, a.duration, tick)
@@ -535,12 +539,17 @@ def render_md(data: dict[str, Any]) -> str:
             f"**{'Held' if r['held'] else 'NOT held'}** (zero errors: {'yes' if t['errors'] == 0 else 'no'}; "
             f"p99 flat, every minute within 2x the median minute: {'yes' if r['flat'] else 'no'}).",
             "",
-            "| minute | sent | ok | errors | p50 ms | p99 ms |" + (" first event p99 ms |" if mode == "stream" else ""),
-            "|---:|---:|---:|---:|---:|---:|" + ("---:|" if mode == "stream" else ""),
+            "| minute | sent | ok | errors | p50 ms | p99 ms |" + (" first event p99 ms |" if mode == "stream" else "")
+            + " proxy CPU | load avg (1 min) |",
+            "|---:|---:|---:|---:|---:|---:|" + ("---:|" if mode == "stream" else "") + "---:|---:|",
         ]
         for i, m in enumerate(r["minutes"], 1):
+            lo, hi = m["t_s"] - r["duration_s"] / len(r["minutes"]), m["t_s"]
+            cpu = [c for c in r.get("cpu", []) if lo < c["t_s"] <= hi]
+            share = f"{sum(c['proxy'] for c in cpu) / len(cpu):.0%}" if cpu else "-"
+            load = f"{max(c['load1'] for c in cpu):.1f}" if cpu else "-"
             lines.append(f"| {i} | {m['sent']:,} | {m['ok']:,} | {m['errors']:,} | {m['p50_ms']} | {m['p99_ms']} |"
-                         + (f" {m['ttfb_p99_ms']} |" if mode == "stream" else ""))
+                         + (f" {m['ttfb_p99_ms']} |" if mode == "stream" else "") + f" {share} | {load} |")
         if r["ramp"]:
             lines += ["", "Ramp (each step " + f"{r['ramp'][0]['seconds']:g} s):", "",
                       "| rate/s | ok | errors | p50 ms | p99 ms | proxy CPU | generator CPU | verdict |",
