@@ -287,6 +287,7 @@ class Step:
     proxy_cpu: float  # share of one core
     client_cpu: float
     good: bool
+    proxy_wait: float = 0.0  # share of the wall time the proxy was runnable and waiting for its core
 
 
 @dataclass
@@ -306,6 +307,7 @@ class Run:
     total: dict[str, Any] = field(default_factory=dict)
     proxy_cpu: float = 0.0
     client_cpu: float = 0.0
+    proxy_wait: float = 0.0
     loadavg_before: list[float] = field(default_factory=list)
     loadavg_after: list[float] = field(default_factory=list)
     held: bool = False
@@ -340,6 +342,7 @@ class Rig:
         self.args = args
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="steady_"))
+        self.last_wait = 0.0  # proxy_wait share over the last measure()
 
     def start(self) -> int:
         a = self.args
@@ -375,6 +378,17 @@ class Rig:
     def proxy_cpu(self) -> float:
         return cpu_seconds([self.proxy.pid])
 
+    def proxy_wait(self) -> float:
+        """Seconds the proxy's threads have spent runnable but waiting for a CPU (/proc schedstat): on a
+        shared machine, the share of the wall time the proxy wanted a core and did not get one."""
+        total = 0
+        for task in Path(f"/proc/{self.proxy.pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+        return total / 1e9
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -390,10 +404,11 @@ class Rig:
 async def measure(gen: OpenLoop, rig: Rig, rate: float, seconds: float, on_tick: Any = None) -> tuple[list[Done], float, float, float]:
     """One window at `rate`: the requests it sent (all finished), proxy and client CPU share, start time."""
     first = len(gen.done)
-    p0, c0, w0 = rig.proxy_cpu(), self_cpu(), time.monotonic()
+    p0, c0, q0, w0 = rig.proxy_cpu(), self_cpu(), rig.proxy_wait(), time.monotonic()
     start = await gen.run(rate, seconds, on_tick)
-    p1, c1, w1 = rig.proxy_cpu(), self_cpu(), time.monotonic()
+    p1, c1, q1, w1 = rig.proxy_cpu(), self_cpu(), rig.proxy_wait(), time.monotonic()
     await gen.drain()
+    rig.last_wait = (q1 - q0) / (w1 - w0)
     return gen.done[first:], (p1 - p0) / (w1 - w0), (c1 - c0) / (w1 - w0), start
 
 
@@ -408,9 +423,11 @@ async def ramp(gen: OpenLoop, rig: Rig, a: argparse.Namespace, run: Run) -> floa
             base_p99 = res["p99_ms"]
         limit = max(base_p99 * a.p99_factor, base_p99 + 25)
         good = res["errors"] == 0 and res["ok"] > 0 and res["p99_ms"] <= limit
-        run.ramp.append(Step(round(rate, 1), a.step_s, res, round(pcpu, 3), round(ccpu, 3), good))
+        run.ramp.append(Step(round(rate, 1), a.step_s, res, round(pcpu, 3), round(ccpu, 3), good,
+                             round(rig.last_wait, 3)))
         print(f"ramp {rate:8.1f}/s: ok {res['ok']:6d} err {res['errors']:4d} p50 {res['p50_ms']:7.2f} ms "
-              f"p99 {res['p99_ms']:8.2f} ms (limit {limit:.1f})  proxy cpu {pcpu:4.0%} client cpu {ccpu:4.0%}"
+              f"p99 {res['p99_ms']:8.2f} ms (limit {limit:.1f})  proxy cpu {pcpu:4.0%} (waited {rig.last_wait:4.0%}) "
+              f"client cpu {ccpu:4.0%}"
               f"  {'ok' if good else 'PAST THE KNEE'}", flush=True)
         await asyncio.sleep(1)
         return good
@@ -458,24 +475,25 @@ async def main_async(a: argparse.Namespace) -> Run:
         run.rate = round(rate, 1)
         run.duration_s = a.duration
         print(f"hold {rate:.1f}/s for {a.duration:g} s (mode {a.mode}; knee {run.knee})", flush=True)
-        seen = [len(gen.done), 0.0, rig.proxy_cpu(), self_cpu(), time.monotonic()]
+        seen = [len(gen.done), 0.0, rig.proxy_cpu(), self_cpu(), time.monotonic(), rig.proxy_wait()]
 
         def tick(elapsed: float) -> None:
             new = gen.done[seen[0]:]
             seen[0] = len(gen.done)
-            p, c, w = rig.proxy_cpu(), self_cpu(), time.monotonic()
+            p, c, w, q = rig.proxy_cpu(), self_cpu(), time.monotonic(), rig.proxy_wait()
             s = summarise(new, elapsed - seen[1])
-            pcpu, ccpu = (p - seen[2]) / (w - seen[4]), (c - seen[3]) / (w - seen[4])
+            pcpu, ccpu, wait = (p - seen[2]) / (w - seen[4]), (c - seen[3]) / (w - seen[4]), (q - seen[5]) / (w - seen[4])
             run.cpu.append({"t_s": round(elapsed), "proxy": round(pcpu, 3), "client": round(ccpu, 3),
-                            "load1": round(os.getloadavg()[0], 2)})
+                            "proxy_wait": round(wait, 3), "load1": round(os.getloadavg()[0], 2)})
             print(f"{elapsed:5.0f} s: finished {s['sent']:6d} ok {s['ok']:6d} err {s['errors']:4d} "
                   f"p50 {s['p50_ms']:7.2f} ms p99 {s['p99_ms']:8.2f} ms  in flight {gen.outstanding:5d} "
-                  f"conns {len(gen.conns):4d}  proxy cpu {pcpu:4.0%} client cpu {ccpu:4.0%}  load {os.getloadavg()[0]:.1f}",
+                  f"conns {len(gen.conns):4d}  proxy cpu {pcpu:4.0%} (waited {wait:4.0%}) client cpu {ccpu:4.0%}  "
+                  f"load {os.getloadavg()[0]:.1f}",
                   flush=True)
-            seen[1:] = [elapsed, p, c, w]
+            seen[1:] = [elapsed, p, c, w, q]
 
         done, pcpu, ccpu, start = await measure(gen, rig, rate, a.duration, tick)
-        run.proxy_cpu, run.client_cpu = round(pcpu, 3), round(ccpu, 3)
+        run.proxy_cpu, run.client_cpu, run.proxy_wait = round(pcpu, 3), round(ccpu, 3), round(rig.last_wait, 3)
         minutes = max(1, round(a.duration / 60))
         width = a.duration / minutes
         run.minutes = buckets(done, start, width, minutes)
@@ -534,30 +552,36 @@ def render_md(data: dict[str, Any]) -> str:
             + (f" ({', '.join(f'{k}: {v}' for k, v in t['why'].items())})" if t["why"] else "")
             + f"; p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms"
             + (f"; first event p50 {t['ttfb_p50_ms']} ms, p99 {t['ttfb_p99_ms']} ms" if mode == "stream" else "")
-            + f". Proxy CPU {r['proxy_cpu']:.0%} of its core, load generator {r['client_cpu']:.0%} of its core. "
+            + f". Proxy CPU {r['proxy_cpu']:.0%} of its core (and {r.get('proxy_wait', 0):.0%} of the time runnable but "
+            f"waiting for it: other processes had it), load generator {r['client_cpu']:.0%} of its core. "
+            + (f"CPU per request: {r['proxy_cpu'] / r['rate'] * 1e6:.0f} µs, so one dedicated core would serve about "
+               f"{r['rate'] / r['proxy_cpu']:.0f}/s at 100 % (an extrapolation, not a measurement). "
+               if r["proxy_cpu"] and r["rate"] else "")
+            +
             f"Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}. "
             f"**{'Held' if r['held'] else 'NOT held'}** (zero errors: {'yes' if t['errors'] == 0 else 'no'}; "
             f"p99 flat, every minute within 2x the median minute: {'yes' if r['flat'] else 'no'}).",
             "",
             "| minute | sent | ok | errors | p50 ms | p99 ms |" + (" first event p99 ms |" if mode == "stream" else "")
-            + " proxy CPU | load avg (1 min) |",
-            "|---:|---:|---:|---:|---:|---:|" + ("---:|" if mode == "stream" else "") + "---:|---:|",
+            + " proxy CPU | proxy waiting for a CPU | load avg (1 min) |",
+            "|---:|---:|---:|---:|---:|---:|" + ("---:|" if mode == "stream" else "") + "---:|---:|---:|",
         ]
         for i, m in enumerate(r["minutes"], 1):
             lo, hi = m["t_s"] - r["duration_s"] / len(r["minutes"]), m["t_s"]
             cpu = [c for c in r.get("cpu", []) if lo < c["t_s"] <= hi]
             share = f"{sum(c['proxy'] for c in cpu) / len(cpu):.0%}" if cpu else "-"
             load = f"{max(c['load1'] for c in cpu):.1f}" if cpu else "-"
+            wait = f"{sum(c.get('proxy_wait', 0) for c in cpu) / len(cpu):.0%}" if cpu else "-"
             lines.append(f"| {i} | {m['sent']:,} | {m['ok']:,} | {m['errors']:,} | {m['p50_ms']} | {m['p99_ms']} |"
-                         + (f" {m['ttfb_p99_ms']} |" if mode == "stream" else "") + f" {share} | {load} |")
+                         + (f" {m['ttfb_p99_ms']} |" if mode == "stream" else "") + f" {share} | {wait} | {load} |")
         if r["ramp"]:
             lines += ["", "Ramp (each step " + f"{r['ramp'][0]['seconds']:g} s):", "",
-                      "| rate/s | ok | errors | p50 ms | p99 ms | proxy CPU | generator CPU | verdict |",
-                      "|---:|---:|---:|---:|---:|---:|---:|---|"]
+                      "| rate/s | ok | errors | p50 ms | p99 ms | proxy CPU | proxy waiting | generator CPU | verdict |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
             for s in r["ramp"]:
                 res = s["result"]
                 lines.append(f"| {s['rate']} | {res['ok']:,} | {res['errors']:,} | {res['p50_ms']} | {res['p99_ms']} | "
-                             f"{s['proxy_cpu']:.0%} | {s['client_cpu']:.0%} | {'ok' if s['good'] else 'past the knee'} |")
+                             f"{s['proxy_cpu']:.0%} | {s.get('proxy_wait', 0):.0%} | {s['client_cpu']:.0%} | {'ok' if s['good'] else 'past the knee'} |")
         lines.append("")
     lines += ["Plot: steady.png (per 10 s: p50/p99 and requests finished per second). Raw: steady.json.", ""]
     return "\n".join(lines)
