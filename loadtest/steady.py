@@ -15,8 +15,8 @@ What runs:
     (no coordinated omission). Its own CPU share is printed and recorded: it must stay well below 100 %.
 
 Procedure: a quick ramp (steps of --step-s seconds, rate x --factor each step, then two bisection steps)
-finds the knee, the highest rate whose step had zero errors and a p99 within --p99-factor of the first
-step's (or 25 ms above it, whichever is more); then --hold (0.9) of the knee is held for --duration
+finds the knee, the highest rate whose step had zero errors and a p99 within --p99-factor of the lowest step
+p99 so far (or 25 ms above it, whichever is more); then --hold (0.9) of the knee is held for --duration
 seconds, with a progress line every 10 s. `--rate R` skips the ramp and holds R.
 
 "Held" means: zero errors, and every minute's p99 within 2x the median minute's p99 (flat). The result
@@ -419,8 +419,9 @@ async def ramp(gen: OpenLoop, rig: Rig, a: argparse.Namespace, run: Run) -> floa
         nonlocal base_p99
         done, pcpu, ccpu, _ = await measure(gen, rig, rate, a.step_s)
         res = summarise(done, a.step_s)
-        if base_p99 is None:
-            base_p99 = res["p99_ms"]
+        # The base is the lowest p99 of the steps so far (this one included): one step that a burst of other
+        # work on a shared machine slowed must not become the yardstick of the next ones.
+        base_p99 = res["p99_ms"] if base_p99 is None else min(base_p99, res["p99_ms"])
         limit = max(base_p99 * a.p99_factor, base_p99 + 25)
         good = res["errors"] == 0 and res["ok"] > 0 and res["p99_ms"] <= limit
         run.ramp.append(Step(round(rate, 1), a.step_s, res, round(pcpu, 3), round(ccpu, 3), good,
