@@ -83,7 +83,7 @@ class _Conn(asyncio.Protocol):
         self.close_after = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a TCP connection hands a Transport
         self.gen.connecting -= 1
         self.gen.conns.add(self)
         self.gen.idle_conn(self)
@@ -479,7 +479,7 @@ async def main_async(a: argparse.Namespace) -> Run:
         seen = [len(gen.done), 0.0, rig.proxy_cpu(), self_cpu(), time.monotonic(), rig.proxy_wait()]
 
         def tick(elapsed: float) -> None:
-            new = gen.done[seen[0]:]
+            new = gen.done[int(seen[0]):]
             seen[0] = len(gen.done)
             p, c, w, q = rig.proxy_cpu(), self_cpu(), time.monotonic(), rig.proxy_wait()
             s = summarise(new, elapsed - seen[1])
@@ -561,7 +561,10 @@ def render_md(data: dict[str, Any]) -> str:
             +
             f"Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}. "
             f"**{'Held' if r['held'] else 'NOT held'}** (zero errors: {'yes' if t['errors'] == 0 else 'no'}; "
-            f"p99 flat, every minute within 2x the median minute: {'yes' if r['flat'] else 'no'}).",
+            f"p99 flat, every minute within 2x the median minute: {'yes' if r['flat'] else 'no'})."
+            + (f" **The proxy was runnable but waiting for its core {r['proxy_wait']:.0%} of the hold** (other "
+               "processes on it): this run measures the machine's contention more than the proxy."
+               if r.get("proxy_wait", 0) > 0.2 else ""),
             "",
             "| minute | sent | ok | errors | p50 ms | p99 ms |" + (" first event p99 ms |" if mode == "stream" else "")
             + " proxy CPU | proxy waiting for a CPU | load avg (1 min) |",
@@ -637,7 +640,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--load-core", default="1", help="core list for the load generator and backends ('' : not pinned)")
     p.add_argument("--out", default=str(ROOT / "loadtest" / "results" / "steady"),
                    help="OUT.json/.md/.png (the mode's entry is replaced, the other kept)")
+    p.add_argument("--render", action="store_true", help="only rewrite OUT.md / OUT.png from OUT.json")
     a = p.parse_args(argv)
+    if a.render:
+        data = json.loads(Path(a.out).with_suffix(".json").read_text())
+        Path(a.out).with_suffix(".md").write_text(render_md(data))
+        plot(data, Path(a.out).with_suffix(".png"))
+        return 0
     if shutil.which("taskset") and a.load_core:
         os.sched_setaffinity(0, {int(c) for c in a.load_core.split(",")})
     run = uvloop.run(main_async(a))
