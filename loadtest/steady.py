@@ -312,6 +312,9 @@ class Run:
     loadavg_after: list[float] = field(default_factory=list)
     held: bool = False
     flat: bool = False
+    proxy_core: str = "0"
+    load_core: str = "1"
+    note: str = ""  # --note: what the operator saw, rendered under the mode's summary
 
 
 def buckets(done: Sequence[Done], start: float, width: float, count: int) -> list[dict[str, Any]]:
@@ -460,6 +463,7 @@ async def main_async(a: argparse.Namespace) -> Run:
     run = Run(a.mode, commit + ("+dirty proxy/" if dirty else ""), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               a.events if a.mode == "stream" else 0, a.event_interval_ms if a.mode == "stream" else 0.0)
     run.loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    run.proxy_core, run.load_core = a.proxy_core, a.load_core
     try:
         port = rig.start()
         gen = OpenLoop("127.0.0.1", port, "/v1/chat/completions", STREAM_BODY if a.mode == "stream" else REQUEST_BODY)
@@ -527,15 +531,29 @@ def write_report(run: Run, out: Path) -> None:
         print("matplotlib not installed: no plot", file=sys.stderr)
 
 
+def per_request_us(r: dict[str, Any]) -> float:
+    """The proxy's CPU µs per request: the median over the ramp's good steps (where it kept up), else the hold's
+    CPU over the requests it answered in time."""
+    steps = [s["proxy_cpu"] / s["rate"] for s in r["ramp"] if s["good"] and s["rate"]]
+    if steps:
+        return statistics.median(steps) * 1e6
+    ok_rate = r["total"]["ok"] / r["duration_s"] if r["duration_s"] else 0
+    return r["proxy_cpu"] / ok_rate * 1e6 if ok_rate and r["proxy_cpu"] else 0.0
+
+
+def per_request_source(r: dict[str, Any]) -> str:
+    return "median of the ramp's good steps" if any(s["good"] for s in r["ramp"]) else "the hold"
+
+
 def render_md(data: dict[str, Any]) -> str:
     lines = [
         "# Load held: one worker, 10 minutes, open loop (issue 18)",
         "",
         "Tool: `python -m loadtest.steady --mode unary|stream --duration 600` (loadtest/steady.py; its module doc",
-        "says what runs where). One `affinity-proxy run --workers 1` pinned to core 0, access log on (to a file);",
+        "says what runs where). One `affinity-proxy run --workers 1` pinned to one core, access log on (to a file);",
         "two fake OpenAI backends answering canned bytes (bench_proxy's, no simulator: the proxy is what is",
         "measured) and the open-loop generator (fixed arrival rate, latency from each request's due time) on",
-        "core 1. This machine has 2 cores shared with other engineers' work: the load average is in each table.",
+        "the other. This machine has 2 cores shared with other engineers' work: the load average is in each table.",
         "",
     ]
     for mode in ("unary", "stream"):
@@ -548,16 +566,17 @@ def render_md(data: dict[str, Any]) -> str:
         lines += [
             f"## {mode}: {what}",
             "",
-            f"Commit {r['commit']}, started {r['started']}. Knee from the ramp: **{r['knee']}/s**; held "
+            f"Commit {r['commit']}, started {r['started']}; proxy on core {r.get('proxy_core', '0')}, generator and "
+            f"backends on core {r.get('load_core', '1')}. Knee from the ramp: **{r['knee']}/s**; held "
             f"**{r['rate']}/s for {r['duration_s']:g} s**: {t['sent']:,} sent, {t['ok']:,} ok, {t['errors']:,} errors"
             + (f" ({', '.join(f'{k}: {v}' for k, v in t['why'].items())})" if t["why"] else "")
             + f"; p50 {t['p50_ms']} ms, p99 {t['p99_ms']} ms"
             + (f"; first event p50 {t['ttfb_p50_ms']} ms, p99 {t['ttfb_p99_ms']} ms" if mode == "stream" else "")
             + f". Proxy CPU {r['proxy_cpu']:.0%} of its core (and {r.get('proxy_wait', 0):.0%} of the time runnable but "
             f"waiting for it: other processes had it), load generator {r['client_cpu']:.0%} of its core. "
-            + (f"CPU per request: {r['proxy_cpu'] / r['rate'] * 1e6:.0f} µs, so one dedicated core would serve about "
-               f"{r['rate'] / r['proxy_cpu']:.0f}/s at 100 % (an extrapolation, not a measurement). "
-               if r["proxy_cpu"] and r["rate"] else "")
+            + (f"CPU per request ({per_request_source(r)}): {per_request_us(r):.0f} µs, so one dedicated core would "
+               f"serve about {1e6 / per_request_us(r):.0f}/s at 100 % (an extrapolation, not a measurement). "
+               if per_request_us(r) else "")
             +
             f"Load average before/after: {r['loadavg_before']} / {r['loadavg_after']}. "
             f"**{'Held' if r['held'] else 'NOT held'}** (zero errors: {'yes' if t['errors'] == 0 else 'no'}; "
@@ -566,6 +585,7 @@ def render_md(data: dict[str, Any]) -> str:
                "processes on it): this run measures the machine's contention more than the proxy."
                if r.get("proxy_wait", 0) > 0.2 else ""),
             "",
+            *([r["note"], ""] if r.get("note") else []),
             "| minute | sent | ok | errors | p50 ms | p99 ms |" + (" first event p99 ms |" if mode == "stream" else "")
             + " proxy CPU | proxy waiting for a CPU | load avg (1 min) |",
             "|---:|---:|---:|---:|---:|---:|" + ("---:|" if mode == "stream" else "") + "---:|---:|---:|",
@@ -641,15 +661,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "loadtest" / "results" / "steady"),
                    help="OUT.json/.md/.png (the mode's entry is replaced, the other kept)")
     p.add_argument("--render", action="store_true", help="only rewrite OUT.md / OUT.png from OUT.json")
+    p.add_argument("--note", default=None, help="a remark kept with the run (with --render: set on --mode's run)")
     a = p.parse_args(argv)
     if a.render:
         data = json.loads(Path(a.out).with_suffix(".json").read_text())
+        if a.note is not None:
+            data[a.mode]["note"] = a.note
+            Path(a.out).with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
         Path(a.out).with_suffix(".md").write_text(render_md(data))
         plot(data, Path(a.out).with_suffix(".png"))
         return 0
     if shutil.which("taskset") and a.load_core:
         os.sched_setaffinity(0, {int(c) for c in a.load_core.split(",")})
     run = uvloop.run(main_async(a))
+    run.note = a.note or ""
     write_report(run, Path(a.out))
     t = run.total
     print(f"{run.mode}: held {run.rate}/s for {run.duration_s:g} s: {t['sent']} sent, {t['errors']} errors, "
