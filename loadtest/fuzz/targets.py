@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import json
 import logging
+import re
 import socket
 import struct
 import threading
@@ -395,11 +396,33 @@ class H2(Target):
 # ---------------------------------------------------------------------------------------------- http1
 
 
+# The backend refused a target for a byte >= 0x80 (its message quotes the line it saw, escaped): the proxy passes
+# such a target on (it is logged and routed with surrogateescape) and relays the backend's own 400; every other
+# head the backend's parser refuses, the proxy should have refused first. Matched on the backend's message, not
+# on the input: the proxy answers an input whose client side closed at once (499) before its backend has read
+# it, so a refusal can be logged during the next input.
+_HIGH_BIT = re.compile(r"\\x[89a-f][0-9a-f]")
+
+
 class Http1(Target):
-    doc = "raw bytes into the HTTP/1.1 listener over a socket, a fake backend behind; never a 500 or a hang"
+    doc = ("raw bytes into the HTTP/1.1 listener over a socket, a fake backend behind; never a 500, a hang, or a "
+           "malformed head passed on to the backend")
 
     def setup(self) -> None:
-        from aiohttp import web
+        from aiohttp import http_exceptions, web
+
+        # What the backend's (aiohttp's) parser refused: a malformed request the proxy forwarded.
+        self.refused: list[BaseException] = []
+        refused = self.refused
+
+        class Refused(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if record.exc_info and record.exc_info[1] is not None:
+                    refused.append(record.exc_info[1])
+
+        logging.getLogger("aiohttp.server").addHandler(Refused(logging.ERROR))
+        self.unknown_method = http_exceptions.BadHttpMethod
+        self.bad_url = http_exceptions.InvalidURLError
 
         from proxy.app import AffinityProxy
         from proxy.config import parse_config
@@ -463,6 +486,11 @@ class Http1(Target):
                     got += chunk
             except socket.timeout:
                 raise AssertionError(f"no answer within 20 s to a closed request stream: {bytes(data[:120])!r}")
+        # A method the backend does not know is a token all the same (the proxy is right to pass it on).
+        refused = [e for e in self.refused if not isinstance(e, self.unknown_method)
+                   and not (isinstance(e, self.bad_url) and _HIGH_BIT.search(str(e)))]
+        self.refused.clear()
+        assert not refused, f"the proxy passed on a head its backend refuses: {refused[0]!r} for {bytes(data[:200])!r}"
         # Every answer is HTTP; none is the proxy's own 500 (a fault of the proxy, not of the input). The main
         # port serves h2c too: an input that opens with the HTTP/2 preface is answered in HTTP/2 frames (the
         # server's SETTINGS first; the h2 target fuzzes that side).

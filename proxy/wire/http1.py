@@ -33,6 +33,7 @@ between parsers). Measured against the two parsers it replaced: tests/wire/bench
 
 from __future__ import annotations
 
+import re
 from typing import Callable, Union
 
 __all__ = [
@@ -543,6 +544,9 @@ IDLE = "idle"  # between requests: nothing of the next one has arrived (a reques
 
 _TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 _CTL = bytes(range(33)) + b"\x7f"  # not allowed in a request target (nor a space)
+_TCHAR_BYTES = bytes(sorted(_TCHAR))  # `name.translate(None, _TCHAR_BYTES)` is empty for a token
+# RFC 9110 5.5: a CTL other than HTAB (NUL included) is invalid in a field value; a proxy must not pass it on.
+_FIELD_CTL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _METHODS: dict[bytes, str] = {m.encode(): m for m in ("GET", "POST", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS")}
 
 
@@ -591,9 +595,13 @@ def _request_line(line: bytes) -> tuple[str, bytes, bytes]:
     if name is None:
         if not all(c in _TCHAR for c in method):
             raise ProtocolError(f"malformed method {method[:20]!r}")
+        if method == b"PRI":  # RFC 9113 11.1: the HTTP/2 preface's method, never a client's; not passed on
+            raise ProtocolError("PRI is the HTTP/2 connection preface, not an HTTP/1.1 request")
         name = method.decode("ascii")
     if len(target.translate(None, _CTL)) != len(target):
         raise ProtocolError("control character in the request target")
+    if target[:1] != b"/" and b"://" not in target[:16] and (target != b"*" or name != "OPTIONS"):
+        raise ProtocolError(f"request target {target[:40]!r} is not a path or an absolute URL")  # RFC 9112 3.2
     return name, target, version[5:]
 
 
@@ -689,6 +697,8 @@ class RequestParser:
         if len(head) - len(head.translate(None, b"\r\n")) != 2 * len(lines) - 2:
             raise ProtocolError("bare CR or LF in the request head")
         method, target, version = _request_line(lines[0])
+        if _FIELD_CTL.search(head, len(lines[0])):
+            raise ProtocolError("control character in a header field")
         keep_alive = version == b"1.1"
         length: int | None = None
         transfer: bytes | None = None
@@ -698,7 +708,7 @@ class RequestParser:
         size = 0
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
-            if not colon or not name or name.strip() is not name:
+            if not colon or not name or name.translate(None, _TCHAR_BYTES):  # RFC 9110 5.1: a name is a token
                 if line[:1] in (b" ", b"\t"):
                     raise ProtocolError("folded header line in a request")
                 raise ProtocolError(f"malformed header line {line[:80]!r}")

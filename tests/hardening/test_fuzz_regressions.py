@@ -67,3 +67,71 @@ async def test_an_http09_request_line_is_refused_in_http11() -> None:
     # server answers it as one, in HTTP/1.1 and the OpenAI error shape, never as HTTP/0.9.
     assert got.startswith(b"HTTP/1.1 400 "), got[:100]
     assert b"malformed request line" in got and b'"type": "invalid_request_error"' in got
+
+
+async def _exchange(raw: bytes) -> tuple[bytes, list[object]]:
+    """`raw` sent to a started proxy (a FakeBackend behind), read until the proxy closes: (answer, what reached
+    the backend)."""
+    import asyncio
+
+    from proxy.app import AffinityProxy
+    from tests.support import FakeBackend
+
+    backend = FakeBackend()
+    await backend.start()
+    proxy = AffinityProxy(parse_config(
+        "listen: {port: 0}\nadmin: {port: 0}\ntelemetry: {enabled: false}\nhealth_checks: {enabled: false}\n"
+        f"backends:\n  - {{name: a, url: '{backend.url}', models: [fake-model]}}\n"))
+    await proxy.start()
+    try:
+        port = int(proxy.http_url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    finally:
+        await proxy.stop()
+        await backend.stop()
+    return got, list(backend.seen)
+
+
+_CHAT = b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def _chat(target: bytes = b"/v1/chat/completions", extra: bytes = b"") -> bytes:
+    """A chat request the proxy forwards, with `extra` header lines."""
+    return (b"POST %s HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (target, len(_CHAT), extra, _CHAT))
+
+
+@pytest.mark.parametrize("head", [
+    # fuzz http1 #2 (the target's oracle now also fails on a head the backend's own parser refuses): a NUL
+    # inside a header name was passed on to the backend (RFC 9110 5.1: a field name is a token).
+    _chat(extra=b"Coc\x00\x00ngth: 63\r\n"),
+    _chat(extra=b"X(y): 1\r\n"),
+    # ... and control characters in header values (RFC 9110 5.5: NUL must be refused or replaced).
+    _chat(extra=b"X-Encoding: c\x00\x00nk\r\n"),
+    _chat(extra=b"X-Type: \x19application/json\r\n"),
+    # ... and a request target that is neither a path nor an absolute URL (RFC 9112 3.2).
+    _chat(target=b"pletions"),
+    _chat(target=b"??????"),
+    # ... and the HTTP/2 preface's method in HTTP/1.x ("PRI * HTTP/1.0"), or an asterisk not for OPTIONS:
+    # the backend's parser took it for the start of an HTTP/2 connection.
+    b"PRI * HTTP/1.0\r\n\r\n\x04\xfb\xff\xff\xff\x03\x05\x00",
+    _chat(target=b"*"),
+])
+async def test_a_malformed_head_is_refused_by_the_proxy_not_passed_on(head: bytes) -> None:
+    got, seen = await _exchange(head)
+    assert got.startswith(b"HTTP/1.1 400 "), got[:100]
+    assert b'"type": "invalid_request_error"' in got
+    assert seen == []
+
+
+async def test_tabs_and_non_ascii_in_header_values_still_pass() -> None:
+    # The other side of #2: HTAB and obs-text (bytes >= 0x80) are allowed in a field value, and an absolute
+    # URL is a target.
+    for head in (_chat(extra=b"X-Note: caf\xc3\xa9\tau lait\r\nConnection: close\r\n"),
+                 _chat(target=b"http://p/v1/chat/completions", extra=b"Connection: close\r\n")):
+        got, seen = await _exchange(head)
+        assert got.startswith(b"HTTP/1.1 200 "), got[:100]
+        assert len(seen) == 1
