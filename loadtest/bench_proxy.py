@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import uvloop
 
@@ -248,6 +248,18 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def stop_procs(procs: list[subprocess.Popen[Any]], timeout_s: float = 10) -> None:
+    """SIGTERM each process still running, newest first (so a proxy goes before its backends), and kill
+    the ones that have not exited within `timeout_s`."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -452,13 +464,7 @@ def main_observability(args: argparse.Namespace) -> int:
                   f"{_median(samples[t.name]['rps']):11.0f}{ev:14.2f}{ev / base_ev:8.3f}   {rounds}")
         return 0
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_procs(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -521,13 +527,7 @@ def main_bench(args: argparse.Namespace) -> int:
         print_table(targets, args)
         return 0
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_procs(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

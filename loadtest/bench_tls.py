@@ -34,7 +34,7 @@ import uvloop
 
 from loadtest.bench_proxy import (  # the same backend, CPU accounting and pinning as the plaintext benchmark
     _UNITS, LOAD_CORE, PROXY_CORE, REQUEST_BODY, ROOT, Target, _FakeBackend, _measure, children, free_port,
-    pinned, wait_port,
+    pinned, stop_procs, wait_port,
 )
 
 
@@ -182,13 +182,7 @@ def main_bench(args: argparse.Namespace) -> int:
         print_table(targets, args)
         return 0
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_procs(procs)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -36,7 +36,6 @@ import os
 import re
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from typing import Any, Sequence
 
 import uvloop
 
-from loadtest.bench_proxy import REQUEST_BODY, STREAM_BODY, cpu_seconds, free_port, pinned, wait_port
+from loadtest.bench_proxy import REQUEST_BODY, STREAM_BODY, cpu_seconds, free_port, pinned, stop_procs, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 30.0  # a request not answered within this (from its due time) is an error
@@ -394,13 +393,7 @@ class Rig:
         return total / 1e9
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_procs(self.procs)
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
