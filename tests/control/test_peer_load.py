@@ -192,3 +192,40 @@ def test_the_config_section_is_parsed_and_bounded() -> None:
     assert "routing.peer_load.replica_id" in text
     with pytest.raises(ValueError):
         PeerLoadConfig(redis_url="redis://r", refresh_ms=0)
+
+
+async def test_workers_of_a_host_publish_the_host_wide_row_under_the_supervisors_id(
+        redis_server: RedisServer) -> None:
+    """The app's wiring for --workers: each worker (role "data", its row of the shared load block) names
+    the supervisor in its replica id and publishes what its table reads, the host-wide sum; so another
+    replica sees the host's load once, whichever worker routed it."""
+    from proxy.app import AffinityProxy
+    from proxy.multiproc.shared_load import SharedLoad
+
+    shared = SharedLoad.create(2, slots=8)
+    text = (f"{_BACKENDS}telemetry: {{enabled: false}}\nhealth_checks: {{enabled: false}}\n"
+            f"routing:\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: k}}\n")
+    tables = [shared.table(0), shared.table(1)]
+    for t in tables:
+        t.assign({"a": 0})
+    workers = [AffinityProxy(parse_config(text), role="data", reuse_port=True, inflight=t) for t in tables]
+    viewer = _exchange(PeerLoadConfig(redis_url=redis_server.url, refresh_ms=20, key_prefix="k",
+                                      replica_id="elsewhere"), {})
+    try:
+        ids = {w.peer_load.replica_id for w in workers}  # type: ignore[union-attr]  # built for data roles
+        assert ids == {f"{socket.gethostname()}:{os.getppid()}"}
+        tables[1].acquire("a", 300)  # a request routed by the second worker
+        tables[0].acquire("a", 100)  # and one by the first
+        assert workers[0]._own_load()["a"][:2] == (2, 400) == workers[1]._own_load()["a"][:2]
+        for w in workers:
+            await w.peer_load.start()  # type: ignore[union-attr]  # the exchange alone: no listeners needed
+        await viewer.start()
+        assert await until(lambda: (viewer.peers() or {}).get("a", (0, 0))[:2] == (2, 400), timeout=5)
+        # The workers read no row of their own host (its load is already in their table).
+        assert await until(lambda: all(w.peer_load.peers() == {} for w in workers), timeout=5)  # type: ignore[union-attr]
+    finally:
+        await viewer.stop()
+        for w in workers:
+            await w.peer_load.stop()  # type: ignore[union-attr]
+        tables[0].release("a", 100)
+        tables[1].release("a", 300)
