@@ -221,8 +221,9 @@ class PeerLoadExchange:
         try:
             while True:
                 began = self._clock()
-                row = json.dumps({n: [r, t, q] for n, (r, t, q) in self._load().items()}, separators=(",", ":"))
                 try:
+                    row = json.dumps({n: [r, t, q] for n, (r, t, q) in self._load().items()},
+                                     separators=(",", ":"))
                     rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
                                                   timeout)
                 except asyncio.CancelledError:
@@ -249,8 +250,8 @@ class PeerLoadExchange:
         now = self._clock()
         if self._ok is not False or now - self._last_log >= _LOG_EVERY_S:
             self._last_log = now
-            log.warning("peer load: Redis at %s did not answer (%s: %s); routing on this replica's own load "
-                        "once the last view is older than %d ms", cfg.redis_url, type(exc).__name__, exc,
+            log.warning("peer load: the exchange with Redis at %s failed (%s: %s); routing on this replica's "
+                        "own load once the last view is older than %d ms", cfg.redis_url, type(exc).__name__, exc,
                         cfg.ttl_ms)
         self._ok = False
 

@@ -107,3 +107,57 @@ async def test_load_held_by_one_replica_moves_the_other_replicas_decisions(
         homes = [p for p in later if await _complete(s, control, model, p) == BUSY]
         assert homes
         assert [await _complete(s, b, model, p) for p in homes] == [BUSY] * len(homes)
+
+
+async def test_workers_of_one_proxy_publish_one_host_row(tmp_path, redis_server: RedisServer) -> None:
+    """`run --workers 2` with routing.peer_load: streams held through both workers appear in ONE row, named
+    after the supervisor, holding their sum (the shared in-memory load), so another replica counts the host
+    once; no per-worker row exists to count it twice."""
+    import json
+    import socket
+
+    import redis.asyncio as aioredis
+
+    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
+    from tests.deploy.test_workers_shared_load import _connection_to, _open_stream
+    from tests.support import FakeBackend
+
+    fakes = [FakeBackend(f"gpu-{i}") for i in range(2)]
+    for f in fakes:
+        f.hang_stream = True
+        await f.start()
+    lines = "\n".join(f"  - {{name: {f.name}, url: '{f.url}'}}" for f in fakes)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
+        "telemetry: {enabled: false}\ntimeouts: {drain_s: 2}\n"
+        f"routing:\n  policy: least_request\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: w}}\n"
+        f"backends:\n{lines}\n")
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    client = aioredis.from_url(redis_server.url)
+    held = []
+    try:
+        workers = proxy.workers()
+        assert len(workers) == 2
+        for i in range(4):
+            reader, writer = await _connection_to(proxy, workers[i % 2])
+            held.append(writer)
+            await _open_stream(reader, writer, proxy.port, f"prompt {i}")
+        host_row = f"w:replica:{socket.gethostname()}:{proxy.pid}"
+
+        async def host_load() -> int | None:
+            keys = sorted(k.decode() for k in await client.keys("w:replica:*"))
+            if keys != [host_row]:
+                return None
+            row = json.loads(await client.get(host_row) or b"{}")
+            total = sum(v[0] for v in row.values())
+            return total if total == 4 else None
+
+        assert await until(host_load, timeout=20) == 4
+    finally:
+        for writer in held:
+            writer.close()
+        await client.aclose()
+        assert await proxy.terminate() == 0
+        for f in fakes:
+            await f.stop()
