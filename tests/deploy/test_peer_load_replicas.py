@@ -9,7 +9,6 @@ which backend is busy is then known without computing any hash.
 
 from __future__ import annotations
 
-import asyncio
 import random
 from contextlib import AsyncExitStack
 from typing import AsyncIterator
