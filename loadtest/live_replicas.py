@@ -30,7 +30,7 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -63,6 +63,9 @@ class LiveSpec:
     # own default, under which a prompt with more uncached text than that is routed by the learned index on
     # that sighting (tokenised off the loop for the next). The replay tokenises every prompt inline.
     offload_chars: int | None = None
+    # load_view "peers": the redis-server the replicas share their load through (routing.peer_load).
+    redis_url: str | None = None
+    peer_refresh_ms: int = 50
 
 
 def default_load_view(index: str) -> str:
@@ -112,9 +115,13 @@ def replica_config_yaml(spec: LiveSpec, servers: Sequence[dict[str, Any]], port:
         "routing:",
         "  policy: affinity",
         f"  seed: {spec.seed}",
-        f"  shared_backends: {'true' if spec.load_view == 'engines' else 'false'}",
-        "backends:",
+        f"  shared_backends: {'true' if spec.load_view in ('engines', 'peers') else 'false'}",
     ]
+    if spec.load_view == "peers":  # the other replicas' load through Redis; the engines' counts as its fallback
+        if not spec.redis_url:
+            raise RuntimeError("load view peers needs a redis-server (LiveSpec.redis_url)")
+        lines.append(f"  peer_load: {{redis_url: '{spec.redis_url}', refresh_ms: {spec.peer_refresh_ms}}}")
+    lines.append("backends:")
     lines += [f"  - {{name: {s['name']}, url: '{s['url']}', models: ['{MODEL}']}}" for s in servers]
     if spec.index == "precise":
         lines += ["telemetry:", "  kv_events:", f"    tokenizers: {{'{MODEL}': '{TOKENIZER_DIR}'}}", "    backends:"]
@@ -224,7 +231,38 @@ async def drive(workload: Workload, urls: Sequence[str], spec: LiveSpec,
     return RunResult(meta, records, samples, sampler.capacity_tokens, wall, cpu)
 
 
+async def start_redis(workdir: Path) -> tuple[Proc, str]:
+    """A redis-server without persistence on a free loopback port (load view peers); its URL."""
+    import shutil
+    import socket
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--load-view peers needs redis-server (apt-get install -y redis-server)")
+    port = free_port()
+    proc = spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                 workdir)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"redis-server exited:\n{proc.tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            pass
+        await asyncio.sleep(0.1)
+    proc.stop()
+    raise RuntimeError("redis-server did not answer")
+
+
 async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResult:
+    redis_proc: Proc | None = None
+    if spec.load_view == "peers" and spec.redis_url is None:
+        redis_proc, url = await start_redis(workdir)
+        spec = replace(spec, redis_url=url)
     fleet = await start_sim_fleet(spec, workdir)
     replicas: list[Proc] = []
     try:
@@ -248,12 +286,15 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
         for p in replicas:
             p.stop()
         fleet.stop()
+        if redis_proc is not None:
+            redis_proc.stop()
 
 
 def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
     return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
                         speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas, workers=1,
                         index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view,
+                        peer_refresh_ms=float(spec.peer_refresh_ms),
                         # the proxy's precise lookup as the live replicas run it: their own offload threshold
                         # (a diagnostic threshold past every prompt is the inline lookup; the replay models
                         # only these two, the proxy default and no offloading)

@@ -48,6 +48,7 @@ from proxy.config import Config
 from proxy.control.checks import HealthMonitor
 from proxy.control.kv_events import build_precise_routing
 from proxy.control.membership import close_idle_connections
+from proxy.control.peer_load import PeerLoadExchange
 from proxy.control.lora_pool import LoraPool
 from proxy.control.poller import Poller
 from proxy.control.resilience_metrics import ResilienceMetrics
@@ -56,10 +57,11 @@ from proxy.control.telemetry_metrics import TelemetryMetrics
 from proxy.core.decision import Policy
 from proxy.core.admin_access import is_loopback
 from proxy.core.decision import Outcome
-from proxy.core.inflight import InflightTable
+from proxy.core.inflight import InflightTable, SharedInflightTable
 from proxy.core.registry import build_policy
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
+from proxy.core.work_ledger import WorkLedger
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.response_homes import ResponseHomes
@@ -175,6 +177,17 @@ class AffinityProxy:
     def policy(self) -> Policy:
         return self.router.policy
 
+    def _own_load(self) -> dict[str, tuple[int, int, float]]:
+        """This process's load per backend, as routing.peer_load publishes it: in-flight requests, in-flight
+        tokens and the work ledger's queued prefill (with --workers, the host's: the table is shared)."""
+        work = self._work if self._work is not None else WorkLedger(1)
+        inflight = self.inflight
+        out: dict[str, tuple[int, int, float]] = {}
+        for b in self.store.current.backends:
+            own = inflight.get(b.name)
+            out[b.name] = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(b.name, own))
+        return out
+
     # ------------------------------------------------------------------------------------------ hooks
 
     def add_service(self, service: Service, *, data_plane: bool = False) -> None:
@@ -238,8 +251,20 @@ class AffinityProxy:
         # overload queue and the passive outlier reports (proxy/resilience.py owns them on reload).
         resilience_metrics = ResilienceMetrics(self.metrics.registry)
         matcher = self.precise.matcher if self.precise is not None else None
+        # The other replicas' load through Redis (routing.peer_load, optional): a data-plane service in each
+        # routing process, built even while off so that a reload can turn it on (proxy/control/peer_load.py).
+        self.peer_load: PeerLoadExchange | None = None
+        self._work: WorkLedger | None = None  # the current affinity policy's work ledger, which it publishes
+        if data:
+            shared = isinstance(self.inflight, SharedInflightTable) and self.inflight.row is not None
+            self.peer_load = PeerLoadExchange(config.routing.peer_load, self._own_load, host_shared=shared,
+                                              registry=self.metrics.registry)
+            self.add_service(self.peer_load, data_plane=True)
 
         def make_policy(routing: RoutingConfig) -> Policy:  # at start and on every reload
+            if self.peer_load is not None and routing.peer_load.enabled:
+                self._work = WorkLedger()
+                return build_policy(routing, precise=matcher, work=self._work, peers=self.peer_load.peers)
             return build_policy(routing, precise=matcher)
 
         monitor = HealthMonitor(self.store, config.health_checks, config.outlier_detection, metrics=resilience_metrics)
@@ -283,6 +308,12 @@ class AffinityProxy:
         self.kv_events = self.precise.subscriber(self.metrics.registry) if self.precise is not None else None
         if self.kv_events is not None:
             on_reload.append(self.kv_events.reload)
+        if self.peer_load is not None:
+            peer_load = self.peer_load
+
+            def follow_peer_load(new: Config) -> None:
+                peer_load.reload(new.routing.peer_load)
+            on_reload.append(follow_peer_load)
         self.resilience = Resilience(
             config, store=self.store, inflight=self.inflight, router=self.router, monitor=monitor, queue=queue,
             metrics=resilience_metrics, build_policy=make_policy, close_idle=self._close_idle,

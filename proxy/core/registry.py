@@ -9,11 +9,12 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Mapping
 
-from proxy.core.affinity import AffinityPolicy, PreciseLookup
+from proxy.core.affinity import AffinityPolicy, PeerLoad, PreciseLookup
 from proxy.core.decision import Policy
 from proxy.core.policies import (LeastCost, LeastLoad, LeastRequest, PowerOfTwo, RandomPolicy, RoundRobin,
                                  WeightedRoundRobin)
 from proxy.core.routing_config import RoutingConfig
+from proxy.core.work_ledger import WorkLedger
 
 __all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
 
@@ -45,9 +46,14 @@ def policy_name_error(name: str) -> str | None:
     return f"must be one of {', '.join(POLICIES)}, not {name!r}{hint}"
 
 
-def build_policy(cfg: RoutingConfig, *, instance: int = 0, precise: PreciseLookup | None = None) -> Policy:
-    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state)."""
+def build_policy(cfg: RoutingConfig, *, instance: int = 0, precise: PreciseLookup | None = None,
+                 work: WorkLedger | None = None, peers: PeerLoad | None = None) -> Policy:
+    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
+    `work` and `peers` (the affinity policy's work ledger, and the other replicas' load from
+    routing.peer_load, proxy/control/peer_load.py) go to the affinity policy; the others ignore them."""
     factory = POLICIES.get(cfg.policy)
     if factory is None:
         raise ValueError(f"policy: {policy_name_error(cfg.policy)}")
+    if cfg.policy == AffinityPolicy.name and (work is not None or peers is not None):
+        return AffinityPolicy(cfg, precise=precise, work=work, peers=peers)
     return factory(cfg, instance, precise)

@@ -118,6 +118,41 @@ class AffinityConfig:
 
 
 @dataclass(frozen=True)
+class PeerLoadConfig:
+    """`routing.peer_load`: share each replica's live load with the others through Redis (optional).
+
+    Off while `redis_url` is null. When set, every routing process publishes its per-backend in-flight
+    requests, in-flight tokens and queued uncached prefill every `refresh_ms` and reads the other
+    replicas' (proxy/control/peer_load.py); the affinity policy adds them to its own load (the `peers`
+    input). A replica that stops publishing drops out after max(3 x refresh_ms, 1 s)."""
+
+    redis_url: str | None = None  # redis://host:6379/0, rediss://... (TLS), unix:///path.sock; null: off
+    refresh_ms: int = field(default=50, metadata={"ge": 10, "le": 60000})
+    key_prefix: str = field(default="affinity-proxy:peer-load", metadata={"min_len": 1})
+    # This process's row name; null: hostname:pid (the --workers supervisor's pid in a worker, whose host
+    # shares its load in memory and so publishes one host-wide row).
+    replica_id: str | None = None
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.redis_url is not None
+
+    @property
+    def ttl_ms(self) -> int:
+        """How long a published row lives without a refresh (and how long a view read stays usable)."""
+        return max(1000, 3 * self.refresh_ms)
+
+    def validate(self) -> Iterable[tuple[str, str]]:
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            yield "redis_url", f"must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"
+        if self.replica_id is not None and not self.replica_id.strip():
+            yield "replica_id", "must be a non-empty name or null"
+
+
+@dataclass(frozen=True)
 class RoutingConfig:
     """The `routing:` section."""
 
@@ -132,6 +167,8 @@ class RoutingConfig:
     # + waiting requests the engine reports. Best with the engines' KV events; with learned indexes only
     # it lost hits in the replay (loadtest/results/scaleout.md), so it is off by default.
     shared_backends: bool = False
+    # The other replicas' live load through Redis (optional, off by default): see PeerLoadConfig.
+    peer_load: PeerLoadConfig = PeerLoadConfig()
     load: LoadConfig = LoadConfig()
     affinity: AffinityConfig = AffinityConfig()
 

@@ -162,6 +162,8 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
                     proxy.resilience.apply_data_config(_with_ports(message.config, init.listeners))
                     if proxy.kv_events is not None:  # this worker's KV-event subscriptions follow the reload
                         proxy.kv_events.reload(message.config)
+                    if proxy.peer_load is not None:  # and its routing.peer_load exchange (kept, or restarted)
+                        proxy.peer_load.reload(message.config.routing.peer_load)
                 elif isinstance(message, CollectMetrics):
                     write_message(writer, MetricsReply(message.seq, families_of(proxy.metrics.registry)))
                 elif isinstance(message, CollectWindows):

@@ -25,6 +25,10 @@ def test_replica_config_parses_with_kv_events_for_every_backend() -> None:
     assert kv["sim-1"].endpoint == "tcp://127.0.0.1:7001" and kv["sim-1"].replay_endpoint == "tcp://127.0.0.1:7101"
     learned = parse_config(replica_config_yaml(LiveSpec(backends=3, index="learned", load_view="own"), servers, 8080, 8081))
     assert learned.routing.shared_backends is False and not learned.telemetry.kv_events.enabled
+    peers = parse_config(replica_config_yaml(LiveSpec(backends=3, load_view="peers", redis_url="redis://127.0.0.1:6400/0"),
+                                             servers, 8080, 8081))
+    assert peers.routing.shared_backends is True  # the fallback while Redis does not answer
+    assert peers.routing.peer_load.redis_url == "redis://127.0.0.1:6400/0" and peers.routing.peer_load.refresh_ms == 50
 
 
 async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:

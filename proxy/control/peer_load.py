@@ -1,0 +1,263 @@
+"""The other proxy replicas' live load, shared through Redis (`routing.peer_load`, optional, off by default).
+
+Why: with R replicas behind a Service each sees ~1/R of the traffic, so its in-flight counts and work
+ledger miss the requests the others just sent to the same backends; what no estimate from the engines'
+counts gives is the size of those newest requests (loadtest/results/scaleout.md). The affinity policy
+takes an optional `peers` input for that (proxy/core/affinity.py `_with_peers`); this component fills it.
+
+What it does, every `refresh_ms` (default 50), in ONE round trip to Redis: publish this process's row
+(per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens) under
+`<key_prefix>:replica:<replica id>` with a TTL of max(3 x refresh, 1 s), so a dead replica's load expires
+by itself, and read every other live replica's row. The round trip is one Lua script (EVALSHA): SET the
+own row with PX ttl, SADD the replica id to `<key_prefix>:replicas`, then GET every other member's row
+(dropping the members whose row has expired) and return them. Why a script: SCAN + GETs (or KEYS + MGET)
+needs two round trips and SCAN walks the whole keyspace; one hash per backend with a field per replica
+needs per-field TTLs (HPEXPIRE, Redis >= 7.4 only) or a reader-side clock that would trust every host's
+clock; the script works on any Redis >= 2.6, keeps the expiry in Redis's own key TTL, reads one
+consistent set of rows and costs one network round trip per refresh. (It names the other rows' keys
+itself, so it needs one Redis, or Sentinel, not Redis Cluster.)
+
+The rows are summed into a fresh dict swapped in whole: `peers()` (the policy's input, called on every
+pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
+view is used until it is older than the TTL; then `peers()` returns None and the policy falls back to the
+engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures are counted
+(affinity_proxy_peer_load_errors), the state is a gauge (affinity_proxy_peer_load_up) and logged once
+per change of state and at most every 30 s while it lasts.
+
+With --workers N, the workers of one host already share their load through shared memory
+(proxy/multiproc/shared_load.py): each worker's in-flight table reads the sum over every worker. So they
+all publish that same host-wide row under ONE replica id (the supervisor's pid by default) and exclude it
+when reading: the host is counted once, the other hosts and replicas once each. (Each worker publishing its
+own per-worker row would need a per-worker view of the shared table; a per-worker id with host-wide values
+would count the host N times.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from proxy.core.routing_config import PeerLoadConfig
+
+log = logging.getLogger("affinity_proxy.peer_load")
+
+# Per backend: (in-flight requests, in-flight tokens, queued uncached prefill tokens).
+Load = Mapping[str, tuple[int, int, float]]
+
+# KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
+# the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
+_EXCHANGE = """
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if id ~= ARGV[1] then
+    local row = redis.call('GET', ARGV[4] .. id)
+    if row then out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
+  end
+end
+return out
+"""
+
+_LOG_EVERY_S = 30.0
+
+
+def default_replica_id(host_shared: bool) -> str:
+    """hostname:pid; a --workers worker (`host_shared`: its table is the host's shared one) names its
+    supervisor, so every worker of the host writes the same host-wide row."""
+    pid = os.getppid() if host_shared else os.getpid()
+    return f"{socket.gethostname()}:{pid}"
+
+
+def merge_rows(rows: list[Any]) -> dict[str, tuple[int, int, float]]:
+    """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
+    tokens, queued]). A malformed row or entry is skipped (raises nothing: it comes from the network)."""
+    out: dict[str, tuple[int, int, float]] = {}
+    for raw in rows:
+        try:
+            row = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if not isinstance(row, dict):
+            continue
+        for name, entry in row.items():
+            if not (isinstance(entry, list) and len(entry) == 3):
+                continue
+            req, tok, queued = entry
+            if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
+                continue
+            if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
+                continue
+            r0, t0, q0 = out.get(name, (0, 0, 0.0))
+            out[name] = (r0 + req, t0 + tok, q0 + float(queued))
+    return out
+
+
+@dataclass
+class _Metrics:
+    errors: Counter
+    up: Gauge
+    peers: Gauge
+
+    @classmethod
+    def build(cls, registry: CollectorRegistry | None) -> "_Metrics":
+        reg = registry if registry is not None else CollectorRegistry()
+        return cls(
+            errors=Counter("affinity_proxy_peer_load_errors",
+                           "Round trips to Redis for the peer load (routing.peer_load) that failed.", registry=reg),
+            up=Gauge("affinity_proxy_peer_load_up",
+                     "1 while the other replicas' load from Redis is fresh (routing.peer_load), else 0.",
+                     registry=reg),
+            peers=Gauge("affinity_proxy_peer_load_replicas",
+                        "Other proxy replicas whose load the last exchange with Redis returned.", registry=reg),
+        )
+
+
+class PeerLoadExchange:
+    """Publishes this process's load to Redis and reads the other replicas' (a Service: start/stop).
+
+    `load()`: this process's per-backend (requests, tokens, queued prefill), read on the event loop once
+    per refresh. `peers()`: the others' summed load, or None when off or not fresh (the policy's `peers`)."""
+
+    def __init__(self, cfg: PeerLoadConfig, load: Callable[[], Load], *, host_shared: bool = False,
+                 registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cfg = cfg
+        self._load = load
+        self._host_shared = host_shared
+        self._clock = clock
+        self._metrics = _Metrics.build(registry)
+        self._view: Load | None = None
+        self._fresh_until = -math.inf
+        self._task: asyncio.Task[None] | None = None
+        self._restart: asyncio.Task[None] | None = None
+        self._started = False
+        self._ok: bool | None = None  # state of the last exchange (None: none yet), for the log lines
+        self._last_log = -math.inf
+        self.replica_id = self._replica_id(cfg)
+
+    def _replica_id(self, cfg: PeerLoadConfig) -> str:
+        return cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._host_shared)
+
+    @property
+    def config(self) -> PeerLoadConfig:
+        return self._cfg
+
+    # ------------------------------------------------------------------------------------ data plane
+
+    def peers(self) -> Load | None:
+        """The other replicas' load as last read, while it is fresh (younger than the TTL); else None."""
+        view = self._view
+        if view is None or self._clock() > self._fresh_until:
+            return None
+        return view
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._started = True
+        if self._cfg.enabled and self._task is None:
+            self._task = asyncio.create_task(self._run(self._cfg, self.replica_id), name="peer-load")
+
+    async def stop(self) -> None:
+        self._started = False
+        if self._restart is not None:
+            await asyncio.gather(self._restart, return_exceptions=True)
+            self._restart = None
+        await self._stop_loop()
+
+    def reload(self, cfg: PeerLoadConfig) -> None:
+        """Follow a reload: keep running on an unchanged section, else restart on the new one (off: stop)."""
+        if cfg == self._cfg:
+            return
+        self._cfg = cfg
+        if not self._started:
+            self.replica_id = self._replica_id(cfg)
+            return
+        previous = self._restart
+
+        async def restart() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            await self._stop_loop()
+            cfg_now = self._cfg
+            self.replica_id = self._replica_id(cfg_now)
+            if self._started and cfg_now.enabled:
+                self._task = asyncio.create_task(self._run(cfg_now, self.replica_id), name="peer-load")
+
+        self._restart = asyncio.ensure_future(restart())
+
+    async def _stop_loop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._view = None
+        self._fresh_until = -math.inf
+        self._metrics.up.set(0)
+        self._metrics.peers.set(0)
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    async def _run(self, cfg: PeerLoadConfig, replica_id: str) -> None:
+        import redis.asyncio as aioredis  # optional dependency: imported only when routing.peer_load is on
+
+        ttl_ms = cfg.ttl_ms
+        timeout = ttl_ms / 1000.0
+        client = aioredis.from_url(cfg.redis_url or "", socket_timeout=timeout, socket_connect_timeout=timeout)
+        exchange = client.register_script(_EXCHANGE)
+        row_prefix = f"{cfg.key_prefix}:replica:"
+        keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
+        period = cfg.refresh_ms / 1000.0
+        try:
+            while True:
+                began = self._clock()
+                try:
+                    row = json.dumps({n: [r, t, q] for n, (r, t, q) in self._load().items()},
+                                     separators=(",", ":"))
+                    rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
+                                                  timeout)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
+                    self._failed(cfg, exc)
+                else:
+                    self._view = merge_rows(list(rows))
+                    self._fresh_until = self._clock() + timeout
+                    self._metrics.peers.set(len(rows))
+                    self._succeeded(cfg)
+                await asyncio.sleep(max(0.0, period - (self._clock() - began)))
+        finally:
+            try:  # leave at once rather than after the TTL (a --workers peer of this host re-adds the row)
+                await asyncio.wait_for(client.delete(keys[1]), timeout)
+            except BaseException:  # noqa: BLE001 - best effort while stopping; the TTL removes it anyway
+                pass
+            await client.aclose()
+
+    def _failed(self, cfg: PeerLoadConfig, exc: BaseException) -> None:
+        self._metrics.errors.inc()
+        if self._clock() > self._fresh_until:
+            self._metrics.up.set(0)
+        now = self._clock()
+        if self._ok is not False or now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning("peer load: the exchange with Redis at %s failed (%s: %s); routing on this replica's "
+                        "own load once the last view is older than %d ms", cfg.redis_url, type(exc).__name__, exc,
+                        cfg.ttl_ms)
+        self._ok = False
+
+    def _succeeded(self, cfg: PeerLoadConfig) -> None:
+        self._metrics.up.set(1)
+        if self._ok is not True:
+            log.info("peer load: exchanging load through Redis at %s as replica %r", cfg.redis_url,
+                     self.replica_id)
+        self._ok = True

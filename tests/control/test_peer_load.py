@@ -1,0 +1,231 @@
+"""routing.peer_load (proxy/control/peer_load.py): replicas publish their per-backend load to a real
+redis-server and read each other's; a replica that stops drops out; Redis down makes peers() None and the
+affinity policy routes on its own load; reloads keep or restart the exchange."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from proxy.config import ConfigError, parse_config
+from proxy.control.peer_load import PeerLoadExchange, default_replica_id, merge_rows
+from proxy.core.affinity import AffinityPolicy
+from proxy.core.decision import Reason
+from proxy.core.routing_config import PeerLoadConfig, RoutingConfig
+from tests.core.helpers import fleet, home_order, prompt
+from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  # the fixture
+from tests.support.wait import until
+
+Load = dict[str, tuple[int, int, float]]
+
+
+def _cfg(server: RedisServer, **kw: object) -> PeerLoadConfig:
+    return PeerLoadConfig(redis_url=server.url, refresh_ms=kw.pop("refresh_ms", 20),  # type: ignore[arg-type]  # test override
+                          key_prefix=f"test:{server.port}", **kw)  # type: ignore[arg-type]  # replica_id only
+
+
+def _exchange(cfg: PeerLoadConfig, load: Load, **kw: object) -> PeerLoadExchange:
+    return PeerLoadExchange(cfg, lambda: load, registry=CollectorRegistry(), **kw)  # type: ignore[arg-type]  # host_shared only
+
+
+async def test_two_replicas_see_each_others_load_and_not_their_own(redis_server: RedisServer) -> None:
+    a_load: Load = {"gpu-0": (3, 900, 1200.0), "gpu-1": (0, 0, 0.0)}
+    b_load: Load = {"gpu-0": (1, 100, 50.0), "gpu-1": (2, 400, 800.0)}
+    a = _exchange(_cfg(redis_server, replica_id="a"), a_load)
+    b = _exchange(_cfg(redis_server, replica_id="b"), b_load)
+    assert a.peers() is None  # not started: nothing known
+    await a.start()
+    await b.start()
+    try:
+        assert await until(lambda: a.peers() == b_load, timeout=5)
+        assert await until(lambda: b.peers() == a_load, timeout=5)
+        # A change is seen within a few refreshes.
+        a_load["gpu-1"] = (7, 700, 7000.0)
+        assert await until(lambda: (b.peers() or {}).get("gpu-1") == (7, 700, 7000.0), timeout=5)
+        # A third replica sees the sum of both.
+        c = _exchange(_cfg(redis_server, replica_id="c"), {})
+        await c.start()
+        try:
+            assert await until(lambda: (c.peers() or {}).get("gpu-1") == (9, 1100, 7800.0), timeout=5)
+            assert c.peers()["gpu-0"] == (4, 1000, 1250.0)  # type: ignore[index]  # not None: checked above
+        finally:
+            await c.stop()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_stopped_replica_leaves_and_a_dead_one_expires_with_its_ttl(redis_server: RedisServer) -> None:
+    cfg = _cfg(redis_server, replica_id="alive")
+    alive = _exchange(cfg, {})
+    gone = _exchange(_cfg(redis_server, replica_id="gone"), {"gpu-0": (5, 50, 5.0)})
+    await alive.start()
+    await gone.start()
+    client = aioredis.from_url(redis_server.url)
+    try:
+        assert await until(lambda: alive.peers() == {"gpu-0": (5, 50, 5.0)}, timeout=5)
+        await gone.stop()  # a clean stop deletes its row at once
+        assert await until(lambda: alive.peers() == {}, timeout=5)
+        # A replica that dies without stopping: its row (as the script writes it) outlives it by the TTL only.
+        await client.set(f"{cfg.key_prefix}:replica:crashed", json.dumps({"gpu-2": [4, 40, 4.0]}), px=cfg.ttl_ms)
+        await client.sadd(f"{cfg.key_prefix}:replicas", "crashed")
+        assert await until(lambda: alive.peers() == {"gpu-2": (4, 40, 4.0)}, timeout=5)
+        assert await until(lambda: alive.peers() == {}, timeout=5)  # expired after ttl_ms (1 s)
+        assert await client.sismember(f"{cfg.key_prefix}:replicas", "crashed") == 0  # and pruned from the set
+    finally:
+        await client.aclose()
+        await alive.stop()
+
+
+async def test_redis_down_makes_peers_none_and_the_policy_still_routes(redis_server: RedisServer) -> None:
+    snap = fleet(4)
+    p = prompt("a fresh question for the peers " + "q" * 3000)
+    home = home_order(p, snap)[0]
+    registry = CollectorRegistry()
+    me = PeerLoadExchange(_cfg(redis_server, replica_id="me"), lambda: {}, registry=registry)
+    other = _exchange(_cfg(redis_server, replica_id="other"), {home: (3, 9000, 30000.0)})
+    policy = AffinityPolicy(RoutingConfig(), peers=me.peers)
+    await me.start()
+    await other.start()
+    try:
+        assert await until(lambda: me.peers() == {home: (3, 9000, 30000.0)}, timeout=5)
+        d = policy.pick(p, snap, {})
+        assert d.backend != home and d.reason is Reason.OVERLOAD_FALLBACK  # the peer's load moved it
+        assert registry.get_sample_value("affinity_proxy_peer_load_up") == 1
+        redis_server.stop()
+        assert await until(lambda: me.peers() is None, timeout=5)  # after the TTL, not at once
+        assert await until(lambda: registry.get_sample_value("affinity_proxy_peer_load_up") == 0, timeout=5)
+        assert (registry.get_sample_value("affinity_proxy_peer_load_errors_total") or 0) >= 1
+        # A policy that never saw the prompt (the first one learned where it sent it) routes on its own
+        # (empty) load: the hash home.
+        d = AffinityPolicy(RoutingConfig(), peers=me.peers).pick(p, snap, {})
+        assert d.backend == home and d.reason is Reason.HASH
+        redis_server.start()  # Redis back on the same port: the exchange resumes by itself
+        assert await until(lambda: me.peers() == {home: (3, 9000, 30000.0)}, timeout=10)
+        assert registry.get_sample_value("affinity_proxy_peer_load_up") == 1
+    finally:
+        await me.stop()
+        await other.stop()
+
+
+async def test_workers_of_one_host_publish_one_row_and_count_it_once(redis_server: RedisServer) -> None:
+    """With --workers every worker's table reads the host-wide sum (shared memory): the workers share one
+    replica id, so they never read each other (their load is already in their own table) and another
+    replica counts the host once, not once per worker."""
+    host_load: Load = {"gpu-0": (6, 600, 60.0)}
+    w1 = _exchange(_cfg(redis_server, replica_id="host-a"), host_load)
+    w2 = _exchange(_cfg(redis_server, replica_id="host-a"), host_load)
+    other = _exchange(_cfg(redis_server, replica_id="host-b"), {"gpu-0": (1, 10, 1.0)})
+    for e in (w1, w2, other):
+        await e.start()
+    try:
+        assert await until(lambda: other.peers() == host_load, timeout=5)
+        assert await until(lambda: w1.peers() == {"gpu-0": (1, 10, 1.0)}, timeout=5)
+        assert await until(lambda: w2.peers() == {"gpu-0": (1, 10, 1.0)}, timeout=5)
+    finally:
+        for e in (w1, w2, other):
+            await e.stop()
+
+
+def test_default_replica_id_names_the_host_and_the_process_owning_the_load() -> None:
+    host = socket.gethostname()
+    assert default_replica_id(False) == f"{host}:{os.getpid()}"
+    assert default_replica_id(True) == f"{host}:{os.getppid()}"  # a worker: its supervisor's host row
+
+
+async def test_reload_keeps_an_unchanged_exchange_and_restarts_a_changed_one(redis_server: RedisServer) -> None:
+    cfg = _cfg(redis_server, replica_id="r1")
+    ex = _exchange(cfg, {})
+    other = _exchange(_cfg(redis_server, replica_id="o"), {"gpu-0": (2, 2, 2.0)})
+    await other.start()
+    await ex.start()
+    try:
+        assert await until(lambda: ex.peers() == {"gpu-0": (2, 2, 2.0)}, timeout=5)
+        task = ex._task
+        ex.reload(PeerLoadConfig(**{**cfg.__dict__}))  # an equal section: nothing restarts
+        assert ex._task is task
+        ex.reload(PeerLoadConfig(**{**cfg.__dict__, "replica_id": "r2"}))
+        assert await until(lambda: ex._task is not None and ex._task is not task, timeout=5)
+        assert ex.replica_id == "r2"
+        assert await until(lambda: other.peers() is not None and ex.peers() == {"gpu-0": (2, 2, 2.0)}, timeout=5)
+        ex.reload(PeerLoadConfig())  # turned off: stops, and knows nothing
+        assert await until(lambda: ex._task is None and ex.peers() is None, timeout=5)
+        ex.reload(cfg)  # and on again
+        assert await until(lambda: ex.peers() == {"gpu-0": (2, 2, 2.0)}, timeout=5)
+    finally:
+        await ex.stop()
+        await other.stop()
+
+
+async def test_off_by_default_starts_nothing() -> None:
+    ex = _exchange(PeerLoadConfig(), {"gpu-0": (1, 1, 1.0)})
+    await ex.start()
+    assert ex._task is None and ex.peers() is None
+    await ex.stop()
+
+
+def test_merge_skips_what_is_malformed() -> None:
+    rows = [json.dumps({"a": [1, 2, 3.5], "b": [1, 1, 1]}), b"not json", json.dumps([1, 2]),
+            json.dumps({"a": [1, 2], "c": ["x", 1, 1], "d": [-1, 0, 0.0], "e": [1, 1, 1e400]}),
+            json.dumps({"a": [2, 3, 0.5]})]
+    assert merge_rows(rows) == {"a": (3, 5, 4.0), "b": (1, 1, 1.0)}
+
+
+_BACKENDS = 'backends: [{name: a, url: "http://127.0.0.1:1"}]\n'
+
+
+def test_the_config_section_is_parsed_and_bounded() -> None:
+    cfg = parse_config(_BACKENDS + "routing:\n  peer_load: {redis_url: 'redis://r:6379/0', refresh_ms: 100}\n")
+    pl = cfg.routing.peer_load
+    assert pl.enabled and pl.refresh_ms == 100 and pl.ttl_ms == 1000 and pl.key_prefix == "affinity-proxy:peer-load"
+    assert PeerLoadConfig(redis_url="redis://r", refresh_ms=500).ttl_ms == 1500
+    assert not parse_config(_BACKENDS).routing.peer_load.enabled
+    with pytest.raises(ConfigError) as err:
+        parse_config(_BACKENDS + "routing:\n  peer_load: {redis_url: 'http://r', refresh_ms: 5, replica_id: ' '}\n")
+    text = str(err.value)
+    assert "routing.peer_load.redis_url" in text and "routing.peer_load.refresh_ms" in text
+    assert "routing.peer_load.replica_id" in text
+    with pytest.raises(ValueError):
+        PeerLoadConfig(redis_url="redis://r", refresh_ms=0)
+
+
+async def test_workers_of_a_host_publish_the_host_wide_row_under_the_supervisors_id(
+        redis_server: RedisServer) -> None:
+    """The app's wiring for --workers: each worker (role "data", its row of the shared load block) names
+    the supervisor in its replica id and publishes what its table reads, the host-wide sum; so another
+    replica sees the host's load once, whichever worker routed it."""
+    from proxy.app import AffinityProxy
+    from proxy.multiproc.shared_load import SharedLoad
+
+    shared = SharedLoad.create(2, slots=8)
+    text = (f"{_BACKENDS}telemetry: {{enabled: false}}\nhealth_checks: {{enabled: false}}\n"
+            f"routing:\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: k}}\n")
+    tables = [shared.table(0), shared.table(1)]
+    for t in tables:
+        t.assign({"a": 0})
+    workers = [AffinityProxy(parse_config(text), role="data", reuse_port=True, inflight=t) for t in tables]
+    viewer = _exchange(PeerLoadConfig(redis_url=redis_server.url, refresh_ms=20, key_prefix="k",
+                                      replica_id="elsewhere"), {})
+    try:
+        ids = {w.peer_load.replica_id for w in workers}  # type: ignore[union-attr]  # built for data roles
+        assert ids == {f"{socket.gethostname()}:{os.getppid()}"}
+        tables[1].acquire("a", 300)  # a request routed by the second worker
+        tables[0].acquire("a", 100)  # and one by the first
+        assert workers[0]._own_load()["a"][:2] == (2, 400) == workers[1]._own_load()["a"][:2]
+        for w in workers:
+            await w.peer_load.start()  # type: ignore[union-attr]  # the exchange alone: no listeners needed
+        await viewer.start()
+        assert await until(lambda: (viewer.peers() or {}).get("a", (0, 0))[:2] == (2, 400), timeout=5)
+        # The workers read no row of their own host (its load is already in their table).
+        assert await until(lambda: all(w.peer_load.peers() == {} for w in workers), timeout=5)  # type: ignore[union-attr]
+    finally:
+        await viewer.stop()
+        for w in workers:
+            await w.peer_load.stop()  # type: ignore[union-attr]
+        tables[0].release("a", 100)
+        tables[1].release("a", 300)
