@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 # Upper bounds (seconds) of `PreciseMatcher`'s wait histogram (affinity_proxy_precise_wait_seconds).
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0)
 
+# What a chat template is assumed to add per message to the flattened prompt (`role\ncontent\n`), so that
+# `PreciseMatcher.prepare` can tell a short chat request without rendering it. A template that adds more
+# leaves a prompt just over `offload_chars` to the learned index, as before the wait.
+_TEMPLATE_CHARS = 256
+
 _PROBES = (
     "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
     "user\nhello there\nassistant\nGeneral Kenobi!  You are a bold one.\n",
@@ -396,8 +401,9 @@ class PreciseMatcher:
         if not prompt:
             return None
         tok = self._tokenizer(req.model)
-        if tok is None or (len(prompt) <= tok.offload_chars // 2 and not getattr(req, "messages", None)):
-            return None  # short: answered inline by the pick (a flattened prompt's form adds a few characters)
+        if tok is None or len(prompt) + _TEMPLATE_CHARS * len(getattr(req, "messages", None) or ()) + 64 \
+                <= tok.offload_chars:
+            return None  # short: the pick answers it inline (checked on the flattened prompt, not rendered)
         sizes = self.index.block_sizes()
         if not sizes:
             return None

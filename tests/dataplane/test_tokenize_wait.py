@@ -152,3 +152,26 @@ async def test_the_router_awaits_the_hook_before_the_pick_only_when_it_answers_o
         assert seen == ["long", "waited"] and lease.backend.name == "b0"
     async with router.route(_req("short")) as lease:
         assert seen[2:] == ["short"] and lease.backend.name == "b0"
+
+
+async def test_chat_requests_wait_when_long_and_are_not_rendered_twice_when_short() -> None:
+    from proxy.core.request import summary_from_openai
+
+    text, tok, matcher = _setup()
+    renders: list[int] = []
+    real = tok.render_chat
+
+    def spy(messages, **kw):  # type: ignore[no-untyped-def]
+        renders.append(len(messages))
+        return real(messages, **kw)
+
+    tok.render_chat = spy  # type: ignore[method-assign]
+    short = summary_from_openai("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "ba be"}]})
+    assert matcher.prepare(short) is None and renders == []  # told short from the flattened prompt
+    long = summary_from_openai("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": text}]})
+    ready = matcher.prepare(long)
+    assert ready is not None
+    await ready
+    got = matcher(long)
+    assert got is not None and matcher.deferred == 0
+    assert got.prompt_tokens == len(token_ids(real(long.messages)))
