@@ -19,6 +19,11 @@ Cost, and how it is kept off the request path:
 - `encode_async` / `encode_chat_async` run a tokenisation whose uncached part exceeds `offload_chars` in
   an executor (HF tokenizers release the GIL while encoding), so a 64k-token prompt does not stall the
   event loop; cached or short prompts are answered inline, cheaper than a thread hop.
+- `PreciseMatcher.prepare` (the router's hook, before the pick) makes a request whose prompt needs that
+  wait for its own tokenisation in the executor, at most `telemetry.kv_events.precise_wait_ms`: the loop
+  stays free, only that request waits (tens of ms for 64k tokens, against the seconds of prefill a
+  misrouted continuation costs), and its pick is precise even when another process tokenised its
+  earlier turns.
 """
 
 from __future__ import annotations
@@ -275,10 +280,10 @@ class PreciseMatcher:
         defer_prefix: bool = False,
         wait_s: float = 0.2,
     ) -> None:
-        """`defer_prefix`: while a long prompt is tokenised off the loop, answer from its leading chunks
-        instead of not at all (at most the tokenizer's `offload_chars` of them not yet cached are tokenised
-        inline): a continuation whose earlier turns another process tokenised then still finds the engine
-        holding them. Off: such a prompt is routed by the learned index that time."""
+        """`defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
+        or its wait reached `wait_s`), answer from its leading chunks instead of not at all (at most the
+        tokenizer's `offload_chars` of them not yet cached are tokenised inline). Off: such a prompt is
+        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits)."""
         from proxy.core.kv_index import block_keys, chain_seed
 
         self._block_keys = block_keys
