@@ -171,14 +171,19 @@ LOAD_VIEWS = ("own", "engines", "fleet-counts", "peers")
 INDEXES = ("learned", "precise")
 # The precise index's lookup in each process:
 #   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
-#           defaults (proxy/dataplane/tokenize.py): a prompt whose untokenised part exceeds the tokenizer's
-#           `offload_chars` is tokenised off the event loop and routed by the learned index that time, and
-#           each process has its own chunk cache and memo, as each proxy worker does. The executor work
-#           is done at once (virtual time: it takes milliseconds, reuse gaps are seconds).
-#   proxy-prefix  the same with the matcher's `defer_prefix` on: a deferred prompt is answered from its
+#           defaults (proxy/dataplane/tokenize.py), each process with its own chunk cache and memo, as each
+#           proxy worker has: a prompt whose untokenised part exceeds the tokenizer's `offload_chars` waits
+#           for its tokenisation off the event loop (the router's `prepare` hook, bounded by
+#           `telemetry.kv_events.precise_wait_ms`) and is then routed precisely. The tokenisation is
+#           taken to cost no virtual time (`PreciseMatcher.tokenise_now` before the pick): ~30 ms for 64k
+#           tokens (`python -m proxy.dataplane.tokenize`) is never near the 200 ms bound, so no wait falls
+#           back, and the few ms it adds to those requests' TTFT are not modelled.
+#   proxy-nowait  the proxy before the wait (precise_wait_ms 0): such a prompt is tokenised off the loop
+#           and routed by the learned index that time (the executor work is done at once)
+#   proxy-prefix  proxy-nowait with the matcher's `defer_prefix` on: a deferred prompt is answered from its
 #           leading chunks (at most `offload_chars` of them tokenised inline) instead of not at all
 #   inline  every prompt tokenised before its pick (what the replay modelled before: an upper bound)
-PRECISE_LOOKUPS = ("proxy", "proxy-prefix", "inline")
+PRECISE_LOOKUPS = ("proxy", "proxy-nowait", "proxy-prefix", "inline")
 
 
 class _AtOnce(Executor):
@@ -302,16 +307,19 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
 
         matcher = PreciseMatcher(kvidx, {cfg.model: ModelTokenizer.from_dir(TOKENIZER_DIR, executor=at_once)},
-                                 executor=at_once, defer_prefix=cfg.precise_lookup == "proxy-prefix")
+                                 executor=at_once, defer_prefix=cfg.precise_lookup == "proxy-prefix",
+                                 wait_s=0.2 if cfg.precise_lookup == "proxy" else 0.0)
         matchers.append(matcher)
         return matcher
 
     matchers: list[Any] = []
+    waits: list[Any] = []  # per process: its prepare hook (virtual time), or None
     # R x W processes; workers of one replica share in-flight and ledger when `shared_worker_load`. Each
     # picks through the data plane's own Router (model and LoRA-holder exclusion, saturation), as live.
     procs: list[tuple[Any, InflightTable]] = []
     if policy is not None:  # a caller's own policy (loadtest/experiment_replay.py): one process routes with it
         procs.append((policy, InflightTable()))
+        waits.append(None)
     # load_view "peers": per replica, the other replicas' load as of the last refresh.
     peer_views: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(cfg.replicas)]
     replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
@@ -321,11 +329,16 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         for w in range(cfg.workers):
             table = replica_table if cfg.shared_worker_load else InflightTable()
             ledger = replica_ledger if cfg.shared_worker_load else WorkLedger()
+            view = None
             if cfg.policy == "affinity":
-                pol: Any = AffinityPolicy(rcfg, precise=process_view(), work=ledger, peers=peers)
+                view = process_view()
+                pol: Any = AffinityPolicy(rcfg, precise=view, work=ledger, peers=peers)
             else:
                 pol = build_policy(rcfg, instance=r * cfg.workers + w)
             procs.append((pol, table))
+            # The router's prepare hook, in virtual time: the wait for a long prompt's tokenisation.
+            waits.append(view.tokenise_now if cfg.precise_lookup == "proxy" and view is not None
+                         and hasattr(view, "tokenise_now") else None)
             if not replica_load[r] or not cfg.shared_worker_load:
                 replica_load[r].append((table, ledger))
     n_procs = len(procs)
@@ -342,6 +355,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     live: dict[str, tuple[Record, str, int, float, InflightTable]] = {}  # id -> (record, backend, tokens, arrival, table)
     samples: list[dict[str, Any]] = []
     route_cpu = 0.0
+    waited = 0
     reasons: Counter[str] = Counter()
     items = workload.items
     net = cfg.net_ms / 1000.0
@@ -478,6 +492,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
             summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None,
                                           adapters=adapters | router.adapter_names())
+            if waits[p_i] is not None and waits[p_i](summary):
+                waited += 1
             try:
                 decision, _ = router.pick(summary, frozenset())
             except NoBackendAvailable as exc:  # answered by the proxy itself, as live (404 / 503)
@@ -547,6 +563,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     if matchers:
         meta["precise_deferred"] = sum(m.deferred for m in matchers)  # first sightings routed by the learned index
         meta["precise_errors"] = sum(m.errors for m in matchers)
+        meta["precise_waited"] = waited  # first sightings tokenised before their pick (lookup proxy)
     if kvidx is not None:
         # What the precise index ended with next to what the engines really hold (equal unless events
         # were lost: the feed's own check).
@@ -609,8 +626,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--peer-refresh-ms", type=float, default=50.0,
                     help="--load-view peers: how often each replica publishes its load and reads the others'")
     ap.add_argument("--precise-lookup", default="proxy", choices=PRECISE_LOOKUPS,
-                    help="proxy: the data plane's PreciseMatcher (long first sightings routed by the learned index "
-                         "while tokenised off the loop); inline: every prompt tokenised before its pick")
+                    help="proxy: the data plane's PreciseMatcher (a long first sighting waits for its tokenisation "
+                         "off the loop, in no virtual time); proxy-nowait: routed by the learned index meanwhile; "
+                         "inline: every prompt tokenised before its pick")
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
     ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
                     help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")

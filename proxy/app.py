@@ -289,6 +289,7 @@ class AffinityProxy:
             experiments=self.experiments if data else None,
             aliases=config.model_aliases(),
             adapter_catalog=frozenset(config.lora_pool.adapters) if config.lora_pool.enabled else frozenset(),
+            prepare=self.precise.prepare if self.precise is not None and data else None,
         )
         # The LoRA adapter pool (off unless configured): a control-plane service acting on the router's demand.
         if config.lora_pool.enabled and control:

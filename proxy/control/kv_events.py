@@ -35,13 +35,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping
 
 import xxhash
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from zmq.utils.monitor import parse_monitor_message
 
 from proxy.control.telemetry_config import KVEventsEndpoint
@@ -432,6 +432,36 @@ class _IndexCollector:
         return []
 
 
+class _WaitCollector:
+    """`PreciseMatcher.prepare`'s waits (a long, uncached prompt waiting for its tokenisation before its
+    pick) and the waits that ran into `telemetry.kv_events.precise_wait_ms`."""
+
+    def __init__(self, matcher: Any) -> None:  # proxy.dataplane.tokenize.PreciseMatcher
+        self._m = matcher
+
+    def collect(self) -> Iterable[Metric]:
+        from proxy.dataplane.tokenize import WAIT_BUCKETS
+
+        m = self._m
+        hist = HistogramMetricFamily("affinity_proxy_precise_wait_seconds",
+                                     "Time a request waited for its prompt's tokenisation (off the event loop) "
+                                     "before its pick, for the precise KV index.")
+        running = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, n in zip((*map(repr, WAIT_BUCKETS), "+Inf"), m.wait_counts):
+            running += n
+            buckets.append((bound, running))
+        hist.add_metric([], buckets, m.wait_sum_s)
+        timeouts = CounterMetricFamily("affinity_proxy_precise_wait_timeouts",
+                                       "Waits for a prompt's tokenisation that reached "
+                                       "telemetry.kv_events.precise_wait_ms (routed by the learned index).")
+        timeouts.add_metric([], m.wait_timeouts)
+        return [hist, timeouts]
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+
 @dataclass
 class PreciseRouting:
     """What `telemetry.kv_events` wires into one data-plane process: the index, the policy's lookup, and
@@ -443,8 +473,12 @@ class PreciseRouting:
     models: Mapping[str, str]
     stale_after_s: float
     replay_timeout_s: float
+    # The router's `prepare` hook (`PreciseMatcher.prepare`): a long prompt waits for its tokenisation.
+    prepare: Callable[[Any], Awaitable[None] | None] | None = None
 
     def subscriber(self, registry: CollectorRegistry | None) -> KVEventSubscriber:
+        if registry is not None and self.prepare is not None:
+            registry.register(_WaitCollector(self.matcher))
         return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
                                  stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
 
@@ -477,5 +511,6 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
     index = KVIndex()
-    return PreciseRouting(index, PreciseMatcher(index, tokenizers), endpoints, models, ke.stale_after_s,
-                          ke.replay_timeout_ms / 1000.0)
+    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0)
+    return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
+                          prepare=matcher.prepare if ke.precise_wait_ms > 0 else None)

@@ -41,6 +41,9 @@ class KVEventsConfig:
           meta-llama/Meta-Llama-3-8B-Instruct: /models/llama3-8b
         stale_after_s: 30             # no event for this long: stale, routed by the learned index (0 = never)
         replay_timeout_ms: 2000       # a replay that has not ended by then failed: the index is cleared
+        precise_wait_ms: 200          # a long, uncached prompt waits this long at most for its tokenisation
+                                      # (off the event loop) before its pick; then the learned index routes it
+                                      # (0 = never wait: such a prompt is always routed by the learned index)
     ```
     """
 
@@ -48,6 +51,7 @@ class KVEventsConfig:
     tokenizers: dict[str, str] = field(default_factory=dict)
     stale_after_s: float = field(default=30.0, metadata={"ge": 0})
     replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
+    precise_wait_ms: int = field(default=200, metadata={"ge": 0, "le": 60000})
 
     @property
     def enabled(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy, Reason
@@ -89,7 +89,8 @@ class Lease:
     backend, the HTTP `status` (gRPC: mapped to its HTTP equivalent; 499 = the client went away) and the
     duration since the request's head was received (`received_at`, time.monotonic), then reports the
     outcome for passive outlier detection. A coroutine data plane uses it as `async with`; a
-    callback-driven one (gRPC) calls `try_pick` / `wait_in_queue` and `finish` itself.
+    callback-driven one (gRPC) awaits what `prepare` answers, then calls `try_pick` / `wait_in_queue` and
+    `finish` itself.
     """
 
     __slots__ = ("router", "summary", "exclude", "grpc", "decision", "backend", "status", "outcome",
@@ -173,7 +174,18 @@ class Lease:
             if outcome is not None:
                 report(name, outcome)
 
+    def prepare(self) -> Awaitable[None] | None:
+        """What to await before the first pick (the router's `prepare` hook: e.g. a long prompt's
+        tokenisation for the precise lookup, bounded by the hook itself), or None: pick at once."""
+        prepare = self.router.prepare
+        return prepare(self.summary) if prepare is not None else None
+
     async def __aenter__(self) -> Lease:
+        prepare = self.router.prepare
+        if prepare is not None:
+            ready = prepare(self.summary)
+            if ready is not None:  # short and cached prompts take no extra await
+                await ready
         try:
             self.try_pick()
         except Overloaded as exc:
@@ -214,6 +226,7 @@ class Router:
         experiments: ExperimentRuntime | None = None,
         aliases: Mapping[str, tuple[str, str | None]] | None = None,
         adapter_catalog: frozenset[str] = frozenset(),
+        prepare: Callable[[RequestSummary], Awaitable[None] | None] | None = None,
     ) -> None:
         self.store = store
         # Public model name -> (served name, fallback): YAML `models` (see resolve_model).
@@ -233,6 +246,9 @@ class Router:
         self.queue = queue
         self.on_outcome = on_outcome
         self.experiments = experiments  # live A/B arms and canary groups: each arm picks with its own policy
+        # Awaited before a request's first pick when it answers an awaitable (None: pick at once), e.g.
+        # `PreciseMatcher.prepare`: a long, uncached prompt waits (bounded) for its own tokenisation.
+        self.prepare = prepare
 
     def reconfigure(self, *, policy: Policy | None = None, overload: OverloadConfig | None = None,
                     panic: PanicView | None = None) -> None:

@@ -19,19 +19,26 @@ Cost, and how it is kept off the request path:
 - `encode_async` / `encode_chat_async` run a tokenisation whose uncached part exceeds `offload_chars` in
   an executor (HF tokenizers release the GIL while encoding), so a 64k-token prompt does not stall the
   event loop; cached or short prompts are answered inline, cheaper than a thread hop.
+- `PreciseMatcher.prepare` (the router's hook, before the pick) makes a request whose prompt needs that
+  wait for its own tokenisation in the executor, at most `telemetry.kv_events.precise_wait_ms`: the loop
+  stays free, only that request waits (tens of ms for 64k tokens, against the seconds of prefill a
+  misrouted continuation costs), and its pick is precise even when another process tokenised its
+  earlier turns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Mapping, Sequence
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -41,6 +48,14 @@ from tokenizers import Tokenizer
 __all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points"]
 
 log = logging.getLogger(__name__)
+
+# Upper bounds (seconds) of `PreciseMatcher`'s wait histogram (affinity_proxy_precise_wait_seconds).
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+# What a chat template is assumed to add per message to the flattened prompt (`role\ncontent\n`), so that
+# `PreciseMatcher.prepare` can tell a short chat request without rendering it. A template that adds more
+# leaves a prompt just over `offload_chars` to the learned index, as before the wait.
+_TEMPLATE_CHARS = 256
 
 _PROBES = (
     "The quick brown fox jumps over the lazy dog, again and again: 12345 67890 tokens.",
@@ -241,9 +256,13 @@ class PreciseMatcher:
     the KV index's `PreciseMatch` out, tokenising with the model's tokenizer.
 
     It runs inside `pick`, on the event loop, so it never tokenises much there: a prompt whose uncached
-    part exceeds the tokenizer's `offload_chars` is handed to the executor to warm the chunk cache and
-    answered None this time (the learned index decides; the next sighting, or the continuation, is
-    precise). Chat requests are rendered from `RequestSummary.messages` with the model's chat template,
+    part exceeds the tokenizer's `offload_chars` is tokenised in the executor. `prepare(summary)`, awaited
+    by the router before the pick (`Router(prepare=...)`), makes that request wait for its own
+    tokenisation, at most `wait_s`: its pick then finds the ids memoised and is precise. Concurrent requests
+    for one text share one tokenisation. Past the bound (or with `wait_s` 0, or more than `max_warming`
+    tokenisations running) the pick answers None (the learned index decides) and the tokenisation goes on
+    for the next sighting; a tokeniser error is answered None too. `prepare` returns None, not an
+    awaitable, for a short or cached prompt: those take no extra await. Chat requests are rendered from `RequestSummary.messages` with the model's chat template,
     as the engine does; a summary without messages (gRPC extractors) falls back to its flattened prompt
     (`role\\ncontent\\n` per message) when the template renders that same form (the simulator's does:
     checked once per tokenizer), else gets None.
@@ -259,11 +278,12 @@ class PreciseMatcher:
         max_warming: int = 4,
         memo_entries: int = 256,
         defer_prefix: bool = False,
+        wait_s: float = 0.2,
     ) -> None:
-        """`defer_prefix`: while a long prompt is tokenised off the loop, answer from its leading chunks
-        instead of not at all (at most the tokenizer's `offload_chars` of them not yet cached are tokenised
-        inline): a continuation whose earlier turns another process tokenised then still finds the engine
-        holding them. Off: such a prompt is routed by the learned index that time."""
+        """`defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
+        or its wait reached `wait_s`), answer from its leading chunks instead of not at all (at most the
+        tokenizer's `offload_chars` of them not yet cached are tokenised inline). Off: such a prompt is
+        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits)."""
         from proxy.core.kv_index import block_keys, chain_seed
 
         self._block_keys = block_keys
@@ -281,6 +301,14 @@ class PreciseMatcher:
         self.errors = 0  # requests the lookup could not tokenise (answered None)
         self.deferred = 0  # requests whose prompt was being tokenised off the loop (None, or a prefix answer)
         self._defer_prefix = defer_prefix
+        self.wait_s = wait_s
+        # Tokenisations running in the executor, by (model, text): what `prepare` waits on and `_warm` joins.
+        self._pending: dict[tuple[str, str], asyncio.Future[None]] = {}
+        # The waits `prepare` made (seconds, fixed buckets; `wait_counts[i]` counts waits <= WAIT_BUCKETS[i],
+        # the last one +Inf) and how many ran into `wait_s` (their requests were routed by the learned index).
+        self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
+        self.wait_sum_s = 0.0
+        self.wait_timeouts = 0
 
     def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
         tok = self.tokenizers.get(model) if model is not None else None
@@ -314,6 +342,19 @@ class PreciseMatcher:
             log.debug("precise lookup failed; the learned index decides", exc_info=True)
             return None
 
+    def _text(self, req: Any, tok: ModelTokenizer) -> str | None:
+        """What the engine tokenises for `req`, or None when this lookup cannot tell."""
+        text: str = req.prompt
+        if req.endpoint.endswith("/chat/completions"):
+            messages = getattr(req, "messages", None)
+            if messages and tok.has_chat_template:
+                return tok.render_chat(messages)  # what the engine tokenises (add_generation_prompt: vLLM's default)
+            suffix = self._suffix(tok)
+            if suffix is None:
+                return None
+            text += suffix
+        return text
+
     def _lookup(self, req: Any) -> Any:
         from proxy.core.kv_index import PreciseMatch
 
@@ -323,16 +364,9 @@ class PreciseMatcher:
         tok = self._tokenizer(req.model)
         if tok is None:
             return None
-        text = req.prompt
-        if req.endpoint.endswith("/chat/completions"):
-            messages = getattr(req, "messages", None)
-            if messages and tok.has_chat_template:
-                text = tok.render_chat(messages)  # what the engine tokenises (add_generation_prompt: vLLM's default)
-            else:
-                suffix = self._suffix(tok)
-                if suffix is None:
-                    return None
-                text += suffix
+        text = self._text(req, tok)
+        if text is None:
+            return None
         model = req.adapter or req.model or self.default_model or ""
         memo = self._memo
         hit = memo.get((model, text))
@@ -342,7 +376,7 @@ class PreciseMatcher:
             return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
         if tok.uncached_chars(text) > tok.offload_chars:
             head = tok.leading_text(text, tok.offload_chars) if self._defer_prefix else ""  # before the warm-up
-            self._warm(tok, text)
+            self._warm(tok, text, model)
             self.deferred += 1
             if not head:
                 return None
@@ -351,18 +385,131 @@ class PreciseMatcher:
             keys = {size: self._block_keys(ids, size, seed) for size in sizes}
             total = len(ids) * len(text) // len(head)  # the whole prompt's tokens, at the head's density
             return PreciseMatch(total, self.index.match(ids, model, keys), max(sizes))
-        ids = tok.encode(text)
+        n, keys = self._remember(model, text, tok.encode(text), sizes)
+        return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
+
+    def _remember(self, model: str, text: str, ids: list[int], sizes: set[int]
+                  ) -> tuple[int, dict[int, list[int]]]:
         seed = self._chain_seed(model)
         keys = {size: self._block_keys(ids, size, seed) for size in sizes}
+        memo = self._memo
         memo[(model, text)] = (len(ids), keys)
+        memo.move_to_end((model, text))
         if len(memo) > self._memo_entries:
             memo.popitem(last=False)
-        return PreciseMatch(len(ids), self.index.match(ids, model, keys), max(sizes))
+        return len(ids), keys
 
-    def _warm(self, tok: ModelTokenizer, text: str) -> None:
-        """Tokenise `text` in the executor so that its next sighting finds every chunk cached."""
+    # ---- waiting for a long prompt's tokenisation (before the pick) --------------------------------------
+    def _offloaded(self, req: Any) -> tuple[ModelTokenizer, str, str, set[int]] | None:
+        """(tokenizer, text, model, block sizes) when `req`'s lookup would tokenise off the loop; else None."""
+        prompt = req.prompt
+        if not prompt:
+            return None
+        tok = self._tokenizer(req.model)
+        if tok is None or len(prompt) + _TEMPLATE_CHARS * len(getattr(req, "messages", None) or ()) + 64 \
+                <= tok.offload_chars:
+            return None  # short: the pick answers it inline (checked on the flattened prompt, not rendered)
+        sizes = self.index.block_sizes()
+        if not sizes:
+            return None
+        text = self._text(req, tok)
+        if text is None or len(text) <= tok.offload_chars:
+            return None
+        model = req.adapter or req.model or self.default_model or ""
+        if (model, text) in self._pending:
+            return tok, text, model, sizes  # join it (its thread may have cached some chunks already)
+        hit = self._memo.get((model, text))
+        if hit is not None and sizes <= hit[1].keys():
+            return None
+        if tok.uncached_chars(text) <= tok.offload_chars:
+            return None
+        return tok, text, model, sizes
+
+    def prepare(self, req: Any) -> Awaitable[None] | None:
+        """The router's `prepare` hook: None when `req`'s pick can look it up inline (short, cached, or no
+        precise lookup at all), else an awaitable that waits, at most `wait_s`, for its tokenisation in the
+        executor (shared with concurrent requests for the same text). Never raises."""
+        if self.wait_s <= 0:
+            return None
+        try:
+            job = self._offloaded(req)
+        except Exception:  # rendering failed: the pick's lookup counts it and answers None
+            return None
+        if job is None:
+            return None
+        fut = self._start(*job)
+        if fut is None:
+            return None  # too many tokenisations running: this one is routed by the learned index
+        return self._wait(fut)
+
+    async def _wait(self, fut: asyncio.Future[None]) -> None:
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
+        except asyncio.TimeoutError:
+            self.wait_timeouts += 1  # it goes on in the executor, for the next sighting
+        except Exception:
+            pass  # a tokeniser error: the pick's lookup answers None (and counts it)
+        waited = time.monotonic() - t0
+        self.wait_sum_s += waited
+        self.wait_counts[bisect.bisect_left(WAIT_BUCKETS, waited)] += 1
+
+    def tokenise_now(self, req: Any) -> bool:
+        """Do what `prepare` waits for, here and now (the virtual-time replay's model of a wait that takes
+        no time): True when `req` needed it."""
+        try:
+            job = self._offloaded(req)
+            if job is None:
+                return False
+            tok, text, model, sizes = job
+            self._remember(model, text, tok.encode(text), sizes)
+        except Exception:  # the pick's lookup counts it and answers None
+            return False
+        return True
+
+    def _start(self, tok: ModelTokenizer, text: str, model: str,
+               sizes: set[int]) -> asyncio.Future[None] | None:
+        """The running tokenisation of (model, text), started in the executor if none is; its result is
+        memoised so that the next lookup of the text is a dict hit. None: `max_warming` are running."""
+        key = (model, text)
+        fut = self._pending.get(key)
+        if fut is not None:
+            return fut
+        if len(self._pending) >= self._max_warming:
+            return None
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self._executor, tok.encode, text)
+        fut = loop.create_future()
+        self._pending[key] = fut
+
+        def done(f: asyncio.Future[list[int]]) -> None:
+            self._pending.pop(key, None)
+            if f.cancelled():
+                fut.cancel()
+                return
+            exc = f.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved, so a failure nobody waited for is not logged as never retrieved
+                return
+            try:
+                self._remember(model, text, f.result(), sizes)
+            except Exception as err:  # keying failed: the pick's lookup will tell
+                fut.set_exception(err)
+                fut.exception()
+                return
+            fut.set_result(None)
+
+        work.add_done_callback(done)
+        return fut
+
+    def _warm(self, tok: ModelTokenizer, text: str, model: str) -> None:
+        """Tokenise `text` in the executor so that its next sighting finds every chunk cached (unless it is
+        being tokenised already, e.g. for a request that stopped waiting at `wait_s`)."""
+        if (model, text) in self._pending:
+            return
         key = hash(text)
-        if key in self._warming or len(self._warming) >= self._max_warming:
+        if key in self._warming or len(self._warming) + len(self._pending) >= self._max_warming:
             return
         try:
             loop = asyncio.get_running_loop()

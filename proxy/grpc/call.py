@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable
 
 import h2.errors
 import h2.exceptions
@@ -287,6 +287,25 @@ class Call:
         self.summary = summary
         ctx.prune_pools()
         lease = ctx.router.route(summary, self.attempts.exclude, received_at=self.started, grpc=True)
+        ready = lease.prepare()
+        if ready is not None:  # e.g. a long prompt's tokenisation for the precise lookup (bounded)
+            self.state = _WAIT_CONN
+            self.admission = asyncio.get_running_loop().create_task(self._prepared(lease, ready))
+            return
+        self._try(lease)
+
+    async def _prepared(self, lease: Lease, ready: Awaitable[None]) -> None:
+        await ready
+        self.admission = None
+        if self.state == _DONE:
+            return  # the client left while it waited: nothing was picked or held
+        try:
+            self._try(lease)
+        except Exception as exc:
+            self.internal_error(exc)
+
+    def _try(self, lease: Lease) -> None:
+        ctx = self.ctx
         try:
             lease.try_pick()
         except Overloaded as err:

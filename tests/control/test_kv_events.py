@@ -277,3 +277,25 @@ async def test_a_restarted_engine_numbering_past_ours_is_caught_by_the_digest(ri
         r.pub.publish([_stored(0)])
     await _until(lambda: r.metric("affinity_proxy_kv_event_restarts_total") == 1 and r.index.is_fresh("b0"))
     assert r.index.num_blocks("b0") == 1 and r.index.match(_prompt(3), MODEL) == {"b0": 4}
+
+
+async def test_precise_wait_ms_is_validated_and_wires_the_routers_hook() -> None:
+    from proxy.config import parse_config
+    from proxy.control.kv_events import build_precise_routing
+    from sim.tokenizer import TOKENIZER_DIR
+
+    base = ("backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n"
+            "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n      a: {endpoint: 'tcp://127.0.0.1:5557'}\n"
+            % TOKENIZER_DIR)
+    built = build_precise_routing(parse_config(base))
+    assert built is not None and built.prepare is not None
+    assert built.matcher.wait_s == 0.2  # type: ignore[attr-defined]  # the default, 200 ms
+    registry = CollectorRegistry()
+    sub = built.subscriber(registry)
+    assert registry.get_sample_value("affinity_proxy_precise_wait_seconds_count") == 0
+    assert registry.get_sample_value("affinity_proxy_precise_wait_timeouts_total") == 0
+    await sub.stop()
+    off = build_precise_routing(parse_config(base + "    precise_wait_ms: 0\n"))
+    assert off is not None and off.prepare is None  # never wait: the learned index routes long first sightings
+    with pytest.raises(ValueError, match="precise_wait_ms"):
+        parse_config(base + "    precise_wait_ms: -5\n")

@@ -1,6 +1,7 @@
 """The offline replay's model of two proxy behaviours under scale-out (issue 13): the shared ledger load
-view (`--load-view peers`) and the data plane's precise lookup, which routes a long first sighting by the
-learned index while it tokenises it off the event loop (`--precise-lookup proxy`, the default)."""
+view (`--load-view peers`) and the data plane's precise lookup: a long first sighting waits for its
+tokenisation off the event loop (`--precise-lookup proxy`, the default), or, as before that wait, is
+routed by the learned index meanwhile (`--precise-lookup proxy-nowait`)."""
 
 from __future__ import annotations
 
@@ -32,17 +33,23 @@ def short_prompts() -> Workload:
     )
 
 
-async def test_long_first_sightings_are_routed_by_the_learned_index_as_in_the_proxy() -> None:
-    """The threshold is the data plane's own (`ModelTokenizer.offload_chars`): a prompt whose untokenised
-    part is longer is deferred once per process (its chunks are then cached), a short one never."""
+async def test_long_first_sightings_are_routed_by_the_learned_index_without_the_wait() -> None:
+    """The threshold is the data plane's own (`ModelTokenizer.offload_chars`): with precise_wait_ms 0 a
+    prompt whose untokenised part is longer is deferred once per process (its chunks are then cached), a
+    short one never."""
     assert ModelTokenizer.from_dir(TOKENIZER_DIR).offload_chars == 32768
-    one = await replay(long_prompts(), BASE)
+    nowait = replace(BASE, precise_lookup="proxy-nowait")
+    one = await replay(long_prompts(), nowait)
     assert 1 <= one.meta["precise_deferred"] <= 2  # each system prompt's first sighting, at most
     assert one.meta["precise_errors"] == 0
-    four = await replay(long_prompts(), replace(BASE, replicas=4))
+    four = await replay(long_prompts(), replace(nowait, replicas=4))
     assert four.meta["precise_deferred"] > one.meta["precise_deferred"]  # every replica tokenises for itself
-    short = await replay(short_prompts(), BASE)
+    short = await replay(short_prompts(), nowait)
     assert short.meta["precise_deferred"] == 0
+    # The proxy as it is: each of those first sightings waits for its tokenisation, none is deferred.
+    waits = await replay(long_prompts(), replace(BASE, replicas=4))
+    assert waits.meta["precise_deferred"] == 0
+    assert waits.meta["precise_waited"] >= four.meta["precise_deferred"]
     inline = await replay(long_prompts(), replace(BASE, precise_lookup="inline"))
     assert "precise_deferred" not in inline.meta
     assert scaleout_label(replace(BASE, precise_lookup="inline")).endswith("lookup inline")

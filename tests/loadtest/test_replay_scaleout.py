@@ -107,3 +107,20 @@ async def test_kv_events_arrive_after_the_configured_delay() -> None:
     prompt = summarize(await replay(w, base), w)
     late = summarize(await replay(w, replace(base, kv_event_delay_ms=60_000)), w)
     assert late["hit_ratio"] < 0.8 * prompt["hit_ratio"]
+
+
+async def test_the_proxys_lookup_waits_for_long_first_sightings_as_the_proxy_does() -> None:
+    """lookup proxy: a long prompt another replica tokenised waits for its own tokenisation (no virtual
+    time) and is routed precisely, as inline; proxy-nowait (the proxy before the wait) routes it by the
+    learned index that time and loses hits at R = 4."""
+    w = load_workload("mooncake", prefer_sample=True).window(0, 120, None)
+    base = replace(BASE, backends=4, max_model_len=131072, replicas=4, index="precise", load_view="engines")
+    waits = await replay(w, base)
+    nowait = await replay(w, replace(base, precise_lookup="proxy-nowait"))
+    inline = await replay(w, replace(base, precise_lookup="inline"))
+    assert waits.meta["precise_waited"] > 0 and waits.meta["precise_deferred"] == 0
+    assert nowait.meta["precise_waited"] == 0 and nowait.meta["precise_deferred"] > 0
+    assert nowait.meta["label"].endswith("lookup proxy-nowait load engines")
+    hit = {k: summarize(r, w)["hit_ratio"] for k, r in (("proxy", waits), ("nowait", nowait), ("inline", inline))}
+    assert hit["proxy"] > hit["nowait"]
+    assert abs(hit["proxy"] - hit["inline"]) < 0.05 * hit["inline"], hit
