@@ -7,6 +7,7 @@ import is coverage-instrumented; tests/hardening/test_fuzz_smoke.py runs each fo
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import importlib.util
 import json
@@ -45,7 +46,7 @@ def _fdp_json(fdp: Any, depth: int = 0) -> Any:
             _fdp_json(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 6))}
 
 
-class Target:
+class Target(abc.ABC):
     doc: ClassVar[str] = ""
 
     def setup(self) -> None:
@@ -54,8 +55,9 @@ class Target:
     def seeds(self) -> list[bytes]:
         return []
 
+    @abc.abstractmethod
     def one(self, data: bytes) -> None:
-        raise NotImplementedError
+        """Run one input; raise (or let escape) what counts as a crash for this door."""
 
 
 # ------------------------------------------------------------------------------------------ summary
