@@ -7,6 +7,7 @@ and the tests take their list of policies from it, so no second list of names ex
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from proxy.core.affinity import AffinityPolicy, PeerLoad, PreciseLookup
@@ -16,24 +17,35 @@ from proxy.core.policies import (LeastCost, LeastLoad, LeastRequest, PowerOfTwo,
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.work_ledger import WorkLedger
 
-__all__ = ["POLICIES", "PolicyFactory", "build_policy", "policy_name_error"]
+__all__ = ["POLICIES", "PolicyFactory", "PolicyInputs", "build_policy", "policy_name_error"]
 
-# (routing config, instance, precise) -> a fresh policy with its own state. `instance` (e.g. the worker
-# process index) gives the policies that draw random numbers their own seeded stream per worker; the others
-# ignore it, and so does the affinity mapping, which is the same in every worker and replica by design.
-# `precise` is the KV-event lookup (proxy/control/kv_events.py), None without telemetry.kv_events; only the
-# policies that read a cache view take it.
-PolicyFactory = Callable[[RoutingConfig, int, "PreciseLookup | None"], Policy]
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a policy may be built with besides its config. `instance` (e.g. the worker process index) gives
+    the policies that draw random numbers their own seeded stream per worker; the others ignore it, and so
+    does the affinity mapping, which is the same in every worker and replica by design. `precise` is the
+    KV-event lookup (proxy/control/kv_events.py), None without telemetry.kv_events; `work` the work ledger
+    shared by a host's workers; `peers` the other replicas' load (routing.peer_load,
+    proxy/control/peer_load.py). Only the policies that read a cache view or a load ledger take them."""
+
+    instance: int = 0
+    precise: PreciseLookup | None = None
+    work: WorkLedger | None = None
+    peers: PeerLoad | None = None
+
+
+# (routing config, inputs) -> a fresh policy with its own state.
+PolicyFactory = Callable[[RoutingConfig, PolicyInputs], Policy]
 
 POLICIES: Mapping[str, PolicyFactory] = {
-    AffinityPolicy.name: lambda cfg, instance, precise: AffinityPolicy(cfg, precise=precise),
-    RoundRobin.name: lambda cfg, instance, precise: RoundRobin(cfg),
-    WeightedRoundRobin.name: lambda cfg, instance, precise: WeightedRoundRobin(cfg),
-    LeastRequest.name: lambda cfg, instance, precise: LeastRequest(cfg),
-    RandomPolicy.name: lambda cfg, instance, precise: RandomPolicy(cfg, instance),
-    PowerOfTwo.name: lambda cfg, instance, precise: PowerOfTwo(cfg, instance),
-    LeastLoad.name: lambda cfg, instance, precise: LeastLoad(cfg),
-    LeastCost.name: lambda cfg, instance, precise: LeastCost(cfg),
+    AffinityPolicy.name: lambda cfg, i: AffinityPolicy(cfg, precise=i.precise, work=i.work, peers=i.peers),
+    RoundRobin.name: lambda cfg, i: RoundRobin(cfg),
+    WeightedRoundRobin.name: lambda cfg, i: WeightedRoundRobin(cfg),
+    LeastRequest.name: lambda cfg, i: LeastRequest(cfg),
+    RandomPolicy.name: lambda cfg, i: RandomPolicy(cfg, i.instance),
+    PowerOfTwo.name: lambda cfg, i: PowerOfTwo(cfg, i.instance),
+    LeastLoad.name: lambda cfg, i: LeastLoad(cfg),
+    LeastCost.name: lambda cfg, i: LeastCost(cfg),
 }
 
 
@@ -48,12 +60,9 @@ def policy_name_error(name: str) -> str | None:
 
 def build_policy(cfg: RoutingConfig, *, instance: int = 0, precise: PreciseLookup | None = None,
                  work: WorkLedger | None = None, peers: PeerLoad | None = None) -> Policy:
-    """The policy named by `cfg.policy`, configured by `cfg`. A fresh instance each call (its own state).
-    `work` and `peers` (the affinity policy's work ledger, and the other replicas' load from
-    routing.peer_load, proxy/control/peer_load.py) go to the affinity policy; the others ignore them."""
+    """The policy named by `cfg.policy`, configured by `cfg`, built with the inputs it reads (`PolicyInputs`).
+    A fresh instance each call (its own state)."""
     factory = POLICIES.get(cfg.policy)
     if factory is None:
         raise ValueError(f"policy: {policy_name_error(cfg.policy)}")
-    if cfg.policy == AffinityPolicy.name and (work is not None or peers is not None):
-        return AffinityPolicy(cfg, precise=precise, work=work, peers=peers)
-    return factory(cfg, instance, precise)
+    return factory(cfg, PolicyInputs(instance, precise, work, peers))
