@@ -306,7 +306,7 @@ class AffinityProxy:
         if self._host is not None:
             on_reload.extend(self._host.on_reload)
         # KV-event subscriber (a data-plane service, one per routing process): its subscriptions follow reloads.
-        self.kv_events = self.precise.subscriber(self.metrics.registry) if self.precise is not None else None
+        self.kv_events = self.precise.subscriber(self.metrics.registry, self.store) if self.precise is not None else None
         if self.kv_events is not None:
             on_reload.append(self.kv_events.reload)
         if self.peer_load is not None:

@@ -15,9 +15,13 @@ from proxy.core.score import ScoreConfig
 
 @dataclass(frozen=True)
 class KVEventsEndpoint:
-    """Where one backend publishes its KV-cache events (vLLM `--kv-events-config`)."""
+    """Where one backend publishes its KV-cache events (vLLM `--kv-events-config`).
 
-    endpoint: str = field(metadata={"min_len": 1})  # the PUB socket, e.g. tcp://10.0.0.7:5557
+    ``{host}`` in an endpoint stands for the backend's URL host; for a backend discovered by DNS
+    (`discovery`, a Kubernetes headless Service) the entry under the service's name is a template that
+    every address it resolves to fills in (``tcp://{host}:5557``: each pod's own publisher)."""
+
+    endpoint: str = field(metadata={"min_len": 1})  # the PUB socket, e.g. tcp://10.0.0.7:5557 or tcp://{host}:5557
     topic: str = ""
     replay_endpoint: str | None = None  # the ROUTER socket; without it a sequence gap clears the index
     model: str | None = None  # base model name that seeds block keys (default: the backend's first model)
@@ -26,6 +30,8 @@ class KVEventsEndpoint:
         for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 yield name, f"must be a ZeroMQ endpoint (tcp://host:port, ipc://path), got {value!r}"
+            elif value is not None and ("{" in value.replace("{host}", "") or "}" in value.replace("{host}", "")):
+                yield name, f"the only placeholder is {{host}} (the backend's URL host), got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class KVEventsConfig:
       kv_events:
         backends:                     # backend name -> its publisher; backends not listed keep the learned index
           gpu-0: {endpoint: "tcp://10.0.0.7:5557", replay_endpoint: "tcp://10.0.0.7:5558", topic: ""}
+          vllm: {endpoint: "tcp://{host}:5557", replay_endpoint: "tcp://{host}:5558"}  # a discovered
+                                      # service: one subscription per address it resolves to
         tokenizers:                   # model name -> folder with tokenizer.json (+ tokenizer_config.json)
           meta-llama/Meta-Llama-3-8B-Instruct: /models/llama3-8b
         stale_after_s: 30             # no event for this long: stale, routed by the learned index (0 = never)
