@@ -114,13 +114,16 @@ class KVEventSubscriber:
         wall_clock: Callable[[], float] = time.time,
         config: Config | None = None,
         store: SnapshotStore | None = None,
+        load_tokenizers: Callable[[Mapping[str, str]], object] | None = None,
     ) -> None:
         """`models`: base model name per backend (seeds the keys of blocks without a LoRA name); a backend's
         own `model:` in the configuration wins. `config` and `store`: the configuration `backends` came
         from and the process's snapshot store; the subscriptions then follow the fleet as well as reloads:
         a backend that DNS discovery adds (``<service>@<address>``, named in `telemetry.kv_events.backends`
         by its service, with ``{host}`` in its endpoints) is subscribed, and unsubscribed once it left the
-        snapshot (every --workers worker gets the supervisor's snapshots, so each follows by itself)."""
+        snapshot (every --workers worker gets the supervisor's snapshots, so each follows by itself).
+        `load_tokenizers`: called with `telemetry.kv_events.tokenizers` of every reloaded configuration
+        (`PreciseMatcher.load_tokenizers`: a model added, or whose folder changed, gets its tokenizer)."""
         self.index = index
         self._feeds: dict[str, _Feed] = {}
         self._tracked: dict[str, str] = {}  # backend -> the model its block keys are seeded with
@@ -145,6 +148,7 @@ class KVEventSubscriber:
         if registry is not None:
             registry.register(_IndexCollector(self))
         self._config = config
+        self._load_tokenizers = load_tokenizers
         self._fleet: tuple[BackendSpec, ...] = ()
         if store is not None:
             self.follow(store.current)
@@ -223,7 +227,10 @@ class KVEventSubscriber:
         return changed
 
     def reload(self, config: Config) -> None:
-        """A reload listener: follow `telemetry.kv_events.backends` of the configuration swapped in."""
+        """A reload listener: follow `telemetry.kv_events` of the configuration swapped in (its tokenizers,
+        then its subscriptions)."""
+        if self._load_tokenizers is not None and config.telemetry.kv_events.enabled:
+            self._load_tokenizers(config.telemetry.kv_events.tokenizers)
         try:
             endpoints, models = kv_event_backends(config, self._fleet)
         except ValueError as exc:  # a listed backend with no model: keep the subscriptions in force
@@ -511,6 +518,8 @@ class PreciseRouting:
     # The router's `prepare` hook (`PreciseMatcher.prepare`): a long prompt waits for its tokenisation.
     prepare: Callable[[Any], Awaitable[None] | None] | None = None
     config: Config | None = None  # what it was built from (discovered backends are resolved against it)
+    # `PreciseMatcher.load_tokenizers`: a reload's telemetry.kv_events.tokenizers reach the matcher.
+    load_tokenizers: Callable[[Mapping[str, str]], object] | None = None
 
     def subscriber(self, registry: CollectorRegistry | None, store: SnapshotStore | None = None) -> KVEventSubscriber:
         """`store`: the process's snapshot store, whose fleet the subscriptions follow (discovery)."""
@@ -518,7 +527,8 @@ class PreciseRouting:
             registry.register(_WaitCollector(self.matcher))
         return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
                                  stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s,
-                                 config=self.config, store=store)
+                                 config=self.config, store=store,
+                                 load_tokenizers=self.load_tokenizers)
 
 
 def _zmq_host(host: str) -> str:
@@ -582,6 +592,7 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
     index = KVIndex()
-    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0)
+    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
-                          prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config)
+                          prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config,
+                          load_tokenizers=matcher.load_tokenizers)

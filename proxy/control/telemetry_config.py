@@ -61,6 +61,17 @@ class KVEventsConfig:
     replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
     precise_wait_ms: int = field(default=200, metadata={"ge": 0, "le": 60000})
 
+    def validate(self) -> Iterable[tuple[str, str]]:
+        # Each folder must load, checked when the config is loaded and on every reload (as TLS files are):
+        # a reload naming a bad one is refused and the running configuration keeps serving.
+        if self.tokenizers:
+            from proxy.dataplane.tokenize import tokenizer_folder_error  # only configs with tokenizers pay for it
+
+            for model, path in self.tokenizers.items():
+                error = tokenizer_folder_error(path)
+                if error is not None:
+                    yield f"tokenizers.{model}", f"cannot load the tokenizer: {error}"
+
     @property
     def enabled(self) -> bool:
         return bool(self.backends)

@@ -14,6 +14,7 @@ from proxy.control.kv_events import KVEventSubscriber
 from proxy.control.telemetry_config import KVEventsEndpoint
 from proxy.core.kv_index import KVIndex
 from sim.kv_events import KVEventPublisher, KVEventsConfig
+from sim.tokenizer import TOKENIZER_DIR
 
 from .test_kv_events import BS, MODEL, _chain, _port, _prompt, _until
 
@@ -81,7 +82,7 @@ async def test_a_reloaded_config_drives_the_subscriptions() -> None:
     """`reload` is the listener the proxy registers: it reads `telemetry.kv_events` of the new config,
     and a config it cannot use (a listed backend with no model) leaves the subscriptions as they were."""
     base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2'}\n"
-    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '/nonexistent'}\n    backends:\n"
+    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n" % TOKENIZER_DIR
     a = "      a: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
     b_with_model = "      b: {endpoint: 'tcp://127.0.0.1:%d', model: m}\n" % _port()
     b_without = "      b: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
