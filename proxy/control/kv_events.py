@@ -592,7 +592,8 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
     index = KVIndex()
-    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers)
+    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers,
+                             max_warming=ke.precise_wait_concurrency)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
                           prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config,
                           load_tokenizers=matcher.load_tokenizers)

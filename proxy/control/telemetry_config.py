@@ -52,6 +52,9 @@ class KVEventsConfig:
         precise_wait_ms: 200          # a long, uncached prompt waits this long at most for its tokenisation
                                       # (off the event loop) before its pick; then the learned index routes it
                                       # (0 = never wait: such a prompt is always routed by the learned index)
+        precise_wait_concurrency: 4   # at most this many prompts are tokenised off the event loop at once
+                                      # (per process); a long first sighting past that does not wait: the
+                                      # learned index routes it
     ```
     """
 
@@ -60,6 +63,7 @@ class KVEventsConfig:
     stale_after_s: float = field(default=30.0, metadata={"ge": 0})
     replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
     precise_wait_ms: int = field(default=200, metadata={"ge": 0, "le": 60000})
+    precise_wait_concurrency: int = field(default=4, metadata={"ge": 1, "le": 1024})
 
     def validate(self) -> Iterable[tuple[str, str]]:
         # Each folder must load, checked when the config is loaded and on every reload (as TLS files are):

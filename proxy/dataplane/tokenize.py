@@ -317,7 +317,9 @@ class PreciseMatcher:
         did not change). `defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
         or its wait reached `wait_s`), answer from its leading chunks instead of not at all (at most the
         tokenizer's `offload_chars` of them not yet cached are tokenised inline). Off: such a prompt is
-        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits)."""
+        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits).
+        `max_warming`: tokenisations running in the executor at once, waited for or not
+        (`telemetry.kv_events.precise_wait_concurrency`); past it a long prompt is not tokenised for now."""
         from proxy.core.kv_index import block_keys, chain_seed
 
         self._block_keys = block_keys
