@@ -240,8 +240,9 @@ class KVEventSubscriber:
         self.reconfigure(endpoints, models)
 
     def follow(self, snapshot: Snapshot) -> None:
-        """A snapshot listener: subscribe the backends discovery added, drop those that left. Cheap when the
-        fleet's names did not change (most snapshots only carry new load signals)."""
+        """A snapshot listener: subscribe the backends discovery added, drop those that left the snapshot
+        (drained). One tuple comparison when no backend's spec changed (most snapshots only carry new load
+        signals)."""
         if self._config is None:
             return
         fleet = tuple(b.spec for b in snapshot.backends)
@@ -250,7 +251,7 @@ class KVEventSubscriber:
         self._fleet = fleet
         try:
             endpoints, models = kv_event_backends(self._config, fleet)
-        except ValueError as exc:  # not reached: the configuration in force was resolved before
+        except ValueError as exc:  # not expected: `reload` kept only a configuration that resolved
             _log.error("KV-event subscriptions unchanged: %s", exc)
             return
         self.reconfigure(endpoints, models)
