@@ -92,8 +92,8 @@ def tokenizer_folder_error(path: str) -> str | None:
     try:
         ModelTokenizer.from_dir(folder)
         error = None
-    except TokenizerError as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever a folder does to the loader is the config's error
+        error = str(exc) if isinstance(exc, TokenizerError) else f"{folder}: {exc!r}"
     _FOLDER_CHECKS[key] = error
     if len(_FOLDER_CHECKS) > 64:
         _FOLDER_CHECKS.popitem(last=False)
@@ -371,7 +371,7 @@ class PreciseMatcher:
             for model, path in wanted.items():
                 try:
                     loaded[model] = ModelTokenizer.from_dir(path)
-                except TokenizerError as exc:
+                except Exception as exc:  # noqa: BLE001 - the table in force keeps routing, whatever the folder did
                     log.error("telemetry.kv_events.tokenizers.%s: %s; keeping its previous tokenizer", model, exc)
             return loaded
 
