@@ -273,8 +273,14 @@ class AffinityProxy:
             on_outcome = monitor.report
         # Live experiments (proxy/experiments): arms of policies or canary groups, judged by guardrails; the
         # runtime runs where requests are routed (each worker of --workers N judges its own traffic).
-        self.experiments = ExperimentRuntime(config.experiments, build_policy=build_policy, admin_token=self.admin_token,
-                                             routes=data)
+        def make_arm_policy(routing: RoutingConfig) -> Policy:
+            # An arm's policy reads what the main one reads: the KV-event lookup and the other replicas'
+            # load (None while routing.peer_load is off: the exchange then holds no view).
+            return build_policy(routing, precise=matcher,
+                                peers=self.peer_load.peers if self.peer_load is not None else None)
+
+        self.experiments = ExperimentRuntime(config.experiments, build_policy=make_arm_policy,
+                                             admin_token=self.admin_token, routes=data)
         add_experiment_routes(self.admin_app, self.experiments)
         if data:  # a --workers supervisor routes nothing: its /metrics merges the workers' per-arm series
             self.metrics.register_collector(self.experiments.collect)
@@ -306,7 +312,7 @@ class AffinityProxy:
         if self._host is not None:
             on_reload.extend(self._host.on_reload)
         # KV-event subscriber (a data-plane service, one per routing process): its subscriptions follow reloads.
-        self.kv_events = self.precise.subscriber(self.metrics.registry) if self.precise is not None else None
+        self.kv_events = self.precise.subscriber(self.metrics.registry, self.store) if self.precise is not None else None
         if self.kv_events is not None:
             on_reload.append(self.kv_events.reload)
         if self.peer_load is not None:

@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import ipaddress
 import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Union
+from urllib.parse import urlsplit
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -61,9 +63,11 @@ __all__ = [
     "TimeoutsConfig",
     "UpstreamConfig",
     "dump_config",
+    "is_dns_name",
     "load_config",
     "parse_config",
     "parse_section",
+    "url_host_port",
 ]
 
 
@@ -200,6 +204,22 @@ class UpstreamConfig:
         check_config(self)
 
 
+def is_dns_name(host: str | None) -> bool:
+    """A host that DNS discovery re-resolves: a name, not an IPv4/IPv6 literal (proxy/control/discovery.py)."""
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return True
+    return False
+
+
+def url_host_port(url: str) -> tuple[str | None, int]:
+    parts = urlsplit(url)
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+
+
 @dataclass(frozen=True)
 class DiscoveryConfig:
     """YAML `discovery`: backends whose URL host is a DNS name are re-resolved (Kubernetes headless Service)."""
@@ -262,8 +282,27 @@ class Config:
         if policy is not None:
             yield "routing.policy", policy
         yield from self._port_clashes()
+        yield from self._kv_event_errors()
         if not self.discovery.enabled:  # discovered backends are not known yet: their names cannot be checked
             yield from backend_group_errors(self.experiments, [b.name for b in self.backends])
+
+    def _kv_event_errors(self) -> Iterable[tuple[str, str]]:
+        """`telemetry.kv_events.backends` entries that name a backend discovered by DNS (one backend per
+        address) are templates for each address: their endpoints must say where the address goes
+        (``{host}``); a ``{host}`` needs a backend whose URL host can stand for it."""
+        urls = {b.name: b.url for b in self.backends}
+        for name, ep in self.telemetry.kv_events.backends.items():
+            url = urls.get(name)
+            templated = "{host}" in ep.endpoint or "{host}" in (ep.replay_endpoint or "")
+            if url is None:
+                if templated:
+                    yield (f"telemetry.kv_events.backends.{name}", "uses {host} but names no backend "
+                           "(it stands for the backend's URL host)")
+                continue
+            if self.discovery.enabled and is_dns_name(url_host_port(url)[0]) and "{host}" not in ep.endpoint:
+                yield (f"telemetry.kv_events.backends.{name}.endpoint",
+                       f"{name} is discovered by DNS (one backend per address): name the address as {{host}}, "
+                       f"e.g. 'tcp://{{host}}:5557', so that each one subscribes to its own engine")
 
     def _port_clashes(self) -> Iterable[tuple[str, str]]:
         """Two listeners on one port: the second bind would fail at start (or, with SO_REUSEPORT, the two

@@ -13,7 +13,6 @@ The gRPC and metrics addresses follow the pod when they name the same host as th
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import socket
 from dataclasses import replace
@@ -21,28 +20,13 @@ from typing import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.control.membership import Membership
-from proxy.config import DiscoveryConfig
+from proxy.config import DiscoveryConfig, is_dns_name, url_host_port
 from proxy.core.snapshot import BackendSpec, duplicate_urls
 
 log = logging.getLogger("affinity_proxy.discovery")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 SOURCE = "discovery"
-
-
-def is_dns_name(host: str | None) -> bool:
-    if not host:
-        return False
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return True
-    return False
-
-
-def url_host_port(url: str) -> tuple[str | None, int]:
-    parts = urlsplit(url)
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def split_services(specs: Sequence[BackendSpec]) -> tuple[list[BackendSpec], list[BackendSpec]]:
@@ -88,6 +72,12 @@ def expand(service: BackendSpec, addresses: Sequence[str]) -> list[BackendSpec]:
         out.append(replace(service, name=f"{service.name}@{addr}", url=_swap_host(service.url, host, ip),
                            grpc_address=grpc, metrics_url=metrics))
     return out
+
+
+def service_of(name: str) -> str | None:
+    """The service a discovered backend's name came from (`expand` names them ``<service>@<address>``)."""
+    service, at, _ = name.rpartition("@")
+    return service if at else None
 
 
 def unique_urls(specs: Sequence[BackendSpec]) -> list[BackendSpec]:
@@ -173,4 +163,5 @@ class Discovery:
                 pass
 
 
-__all__ = ["Discovery", "expand", "is_dns_name", "split_services", "system_resolver", "unique_urls"]
+__all__ = ["Discovery", "expand", "is_dns_name", "service_of", "split_services", "system_resolver", "unique_urls",
+           "url_host_port"]

@@ -31,6 +31,7 @@ last 10 s, index blocks and freshness per backend.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -44,9 +45,13 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from zmq.utils.monitor import parse_monitor_message
 
+from proxy.config import is_dns_name, url_host_port
+from proxy.control.discovery import service_of
+from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import KVEventsEndpoint
 from proxy.core.affinity import PreciseLookup
 from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
+from proxy.core.snapshot import BackendSpec, Snapshot
 from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message, decode_replay, encode_replay_request
 
 if TYPE_CHECKING:
@@ -107,9 +112,18 @@ class KVEventSubscriber:
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        config: Config | None = None,
+        store: SnapshotStore | None = None,
+        load_tokenizers: Callable[[Mapping[str, str]], object] | None = None,
     ) -> None:
         """`models`: base model name per backend (seeds the keys of blocks without a LoRA name); a backend's
-        own `model:` in the configuration wins."""
+        own `model:` in the configuration wins. `config` and `store`: the configuration `backends` came
+        from and the process's snapshot store; the subscriptions then follow the fleet as well as reloads:
+        a backend that DNS discovery adds (``<service>@<address>``, named in `telemetry.kv_events.backends`
+        by its service, with ``{host}`` in its endpoints) is subscribed, and unsubscribed once it left the
+        snapshot (every --workers worker gets the supervisor's snapshots, so each follows by itself).
+        `load_tokenizers`: called with `telemetry.kv_events.tokenizers` of every reloaded configuration
+        (`PreciseMatcher.load_tokenizers`: a model added, or whose folder changed, gets its tokenizer)."""
         self.index = index
         self._feeds: dict[str, _Feed] = {}
         self._tracked: dict[str, str] = {}  # backend -> the model its block keys are seeded with
@@ -133,6 +147,12 @@ class KVEventSubscriber:
         self.metrics = KVEventMetrics(registry) if registry is not None else None
         if registry is not None:
             registry.register(_IndexCollector(self))
+        self._config = config
+        self._load_tokenizers = load_tokenizers
+        self._fleet: tuple[BackendSpec, ...] = ()
+        if store is not None:
+            self.follow(store.current)
+            store.subscribe(self.follow)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,6 +164,7 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # a discovered pod's address may be IPv6 (tcp://[fd00::7]:5557)
         sub.setsockopt(zmq.RCVHWM, 100_000)  # vLLM's PUB high-water mark: a busy loop queues, not drops
         sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
         sub.connect(feed.config.endpoint)
@@ -206,11 +227,32 @@ class KVEventSubscriber:
         return changed
 
     def reload(self, config: Config) -> None:
-        """A reload listener: follow `telemetry.kv_events.backends` of the configuration swapped in."""
+        """A reload listener: follow `telemetry.kv_events` of the configuration swapped in (its tokenizers,
+        then its subscriptions)."""
+        if self._load_tokenizers is not None and config.telemetry.kv_events.enabled:
+            self._load_tokenizers(config.telemetry.kv_events.tokenizers)
         try:
-            endpoints, models = kv_event_backends(config)
+            endpoints, models = kv_event_backends(config, self._fleet)
         except ValueError as exc:  # a listed backend with no model: keep the subscriptions in force
             _log.error("reload: KV-event subscriptions unchanged: %s", exc)
+            return
+        self._config = config
+        self.reconfigure(endpoints, models)
+
+    def follow(self, snapshot: Snapshot) -> None:
+        """A snapshot listener: subscribe the backends discovery added, drop those that left the snapshot
+        (drained). One tuple comparison when no backend's spec changed (most snapshots only carry new load
+        signals)."""
+        if self._config is None:
+            return
+        fleet = tuple(b.spec for b in snapshot.backends)
+        if fleet == self._fleet:
+            return
+        self._fleet = fleet
+        try:
+            endpoints, models = kv_event_backends(self._config, fleet)
+        except ValueError as exc:  # not expected: `reload` kept only a configuration that resolved
+            _log.error("KV-event subscriptions unchanged: %s", exc)
             return
         self.reconfigure(endpoints, models)
 
@@ -322,6 +364,7 @@ class KVEventSubscriber:
         outcome = "timeout"
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
         try:
             dealer.connect(endpoint)
             await dealer.send_multipart(encode_replay_request(start))
@@ -475,27 +518,66 @@ class PreciseRouting:
     replay_timeout_s: float
     # The router's `prepare` hook (`PreciseMatcher.prepare`): a long prompt waits for its tokenisation.
     prepare: Callable[[Any], Awaitable[None] | None] | None = None
+    config: Config | None = None  # what it was built from (discovered backends are resolved against it)
+    # `PreciseMatcher.load_tokenizers`: a reload's telemetry.kv_events.tokenizers reach the matcher.
+    load_tokenizers: Callable[[Mapping[str, str]], object] | None = None
 
-    def subscriber(self, registry: CollectorRegistry | None) -> KVEventSubscriber:
+    def subscriber(self, registry: CollectorRegistry | None, store: SnapshotStore | None = None) -> KVEventSubscriber:
+        """`store`: the process's snapshot store, whose fleet the subscriptions follow (discovery)."""
         if registry is not None and self.prepare is not None:
             registry.register(_WaitCollector(self.matcher))
         return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
-                                 stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s)
+                                 stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s,
+                                 config=self.config, store=store,
+                                 load_tokenizers=self.load_tokenizers)
 
 
-def kv_event_backends(config: Config) -> tuple[dict[str, KVEventsEndpoint], dict[str, str]]:
-    """`telemetry.kv_events.backends` of `config` and the base model seeding each one's block keys (its
-    `model:`, else the backend's first model). Raises ValueError for a listed backend with no model."""
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _at_host(ep: KVEventsEndpoint, host: str | None) -> KVEventsEndpoint:
+    """`ep` with ``{host}`` replaced by `host` (a URL host; IPv6 in brackets, as ZeroMQ writes it)."""
+    if host is None or "{host}" not in ep.endpoint + (ep.replay_endpoint or ""):
+        return ep
+    h = _zmq_host(host)
+    return dataclasses.replace(ep, endpoint=ep.endpoint.replace("{host}", h),
+                               replay_endpoint=None if ep.replay_endpoint is None
+                               else ep.replay_endpoint.replace("{host}", h))
+
+
+def kv_event_backends(config: Config, fleet: Iterable[BackendSpec] = ()
+                      ) -> tuple[dict[str, KVEventsEndpoint], dict[str, str]]:
+    """The KV-event publisher of every backend that has one, and the base model seeding each one's block
+    keys (its `model:`, else the backend's first model). Raises ValueError for a listed backend with no model.
+
+    A `telemetry.kv_events.backends` entry is for the backend of that name, ``{host}`` standing for its URL
+    host; the entry of a service that `discovery` resolves (a DNS name) is for every backend of `fleet` (the
+    snapshot's) discovered from it, ``<service>@<address>``, each at its own address."""
     ke = config.telemetry.kv_events
-    backend_models = {b.name: b.models[0] for b in config.backends if b.models}
+    by_name = {b.name: b for b in config.backends}
+    services = {b.name for b in config.backends if config.discovery.enabled and is_dns_name(url_host_port(b.url)[0])}
+    endpoints: dict[str, KVEventsEndpoint] = {}
     models: dict[str, str] = {}
+    service_models: dict[str, str] = {}
     for name, ep in ke.backends.items():
-        model = ep.model or backend_models.get(name)
+        b = by_name.get(name)
+        model = ep.model or (b.models[0] if b is not None and b.models else None)
         if not model:
             raise ValueError(f"telemetry.kv_events.backends.{name}: set `model:` or the backend's `models:` "
                              "(the model name seeds its block keys)")
+        if name in services:
+            service_models[name] = model  # a template: its addresses are subscribed below, not the service
+            continue
+        endpoints[name] = _at_host(ep, url_host_port(b.url)[0] if b is not None else None)
         models[name] = model
-    return dict(ke.backends), models
+    for spec in fleet:
+        service = service_of(spec.name)
+        if service is None or service not in service_models or spec.name in ke.backends:
+            continue
+        endpoints[spec.name] = _at_host(ke.backends[service], url_host_port(spec.url)[0])
+        models[spec.name] = service_models[service]
+    return endpoints, models
 
 
 def build_precise_routing(config: Config) -> PreciseRouting | None:
@@ -511,6 +593,8 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
     index = KVIndex()
-    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0)
+    matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers,
+                             max_warming=ke.precise_wait_concurrency)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
-                          prepare=matcher.prepare if ke.precise_wait_ms > 0 else None)
+                          prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config,
+                          load_tokenizers=matcher.load_tokenizers)

@@ -15,9 +15,13 @@ from proxy.core.score import ScoreConfig
 
 @dataclass(frozen=True)
 class KVEventsEndpoint:
-    """Where one backend publishes its KV-cache events (vLLM `--kv-events-config`)."""
+    """Where one backend publishes its KV-cache events (vLLM `--kv-events-config`).
 
-    endpoint: str = field(metadata={"min_len": 1})  # the PUB socket, e.g. tcp://10.0.0.7:5557
+    ``{host}`` in an endpoint stands for the backend's URL host; for a backend discovered by DNS
+    (`discovery`, a Kubernetes headless Service) the entry under the service's name is a template that
+    every address it resolves to fills in (``tcp://{host}:5557``: each pod's own publisher)."""
+
+    endpoint: str = field(metadata={"min_len": 1})  # the PUB socket, e.g. tcp://10.0.0.7:5557 or tcp://{host}:5557
     topic: str = ""
     replay_endpoint: str | None = None  # the ROUTER socket; without it a sequence gap clears the index
     model: str | None = None  # base model name that seeds block keys (default: the backend's first model)
@@ -26,6 +30,8 @@ class KVEventsEndpoint:
         for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 yield name, f"must be a ZeroMQ endpoint (tcp://host:port, ipc://path), got {value!r}"
+            elif value is not None and ("{" in value.replace("{host}", "") or "}" in value.replace("{host}", "")):
+                yield name, f"the only placeholder is {{host}} (the backend's URL host), got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class KVEventsConfig:
       kv_events:
         backends:                     # backend name -> its publisher; backends not listed keep the learned index
           gpu-0: {endpoint: "tcp://10.0.0.7:5557", replay_endpoint: "tcp://10.0.0.7:5558", topic: ""}
+          vllm: {endpoint: "tcp://{host}:5557", replay_endpoint: "tcp://{host}:5558"}  # a discovered
+                                      # service: one subscription per address it resolves to
         tokenizers:                   # model name -> folder with tokenizer.json (+ tokenizer_config.json)
           meta-llama/Meta-Llama-3-8B-Instruct: /models/llama3-8b
         stale_after_s: 30             # no event for this long: stale, routed by the learned index (0 = never)
@@ -44,6 +52,9 @@ class KVEventsConfig:
         precise_wait_ms: 200          # a long, uncached prompt waits this long at most for its tokenisation
                                       # (off the event loop) before its pick; then the learned index routes it
                                       # (0 = never wait: such a prompt is always routed by the learned index)
+        precise_wait_concurrency: 4   # at most this many prompts are tokenised off the event loop at once
+                                      # (per process); a long first sighting past that does not wait: the
+                                      # learned index routes it
     ```
     """
 
@@ -52,6 +63,18 @@ class KVEventsConfig:
     stale_after_s: float = field(default=30.0, metadata={"ge": 0})
     replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
     precise_wait_ms: int = field(default=200, metadata={"ge": 0, "le": 60000})
+    precise_wait_concurrency: int = field(default=4, metadata={"ge": 1, "le": 1024})
+
+    def validate(self) -> Iterable[tuple[str, str]]:
+        # Each folder must load, checked when the config is loaded and on every reload (as TLS files are):
+        # a reload naming a bad one is refused and the running configuration keeps serving.
+        if self.tokenizers:
+            from proxy.dataplane.tokenize import tokenizer_folder_error  # only configs with tokenizers pay for it
+
+            for model, path in self.tokenizers.items():
+                error = tokenizer_folder_error(path)
+                if error is not None:
+                    yield f"tokenizers.{model}", f"cannot load the tokenizer: {error}"
 
     @property
     def enabled(self) -> bool:

@@ -45,7 +45,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points"]
+__all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points", "tokenizer_folder_error"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,38 @@ _PROBES = (
 
 class TokenizerError(ValueError):
     """The tokenizer folder or the chat template cannot be used (or the template raised)."""
+
+
+_FOLDER_CHECKS: OrderedDict[tuple[str, tuple[tuple[int, int, int] | None, ...]], str | None] = OrderedDict()
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def tokenizer_folder_error(path: str) -> str | None:
+    """Why `path` cannot serve as a model's tokenizer folder (what `ModelTokenizer.from_dir` raises), or
+    None. The configuration's check (`telemetry.kv_events.tokenizers`, at load and on every reload); the
+    answer is remembered per identity of the folder's two files, so re-reading an unchanged configuration
+    does not load its tokenizers again."""
+    folder = Path(path)
+    key = (str(folder.resolve()), (_identity(folder / "tokenizer.json"), _identity(folder / "tokenizer_config.json")))
+    if key in _FOLDER_CHECKS:
+        _FOLDER_CHECKS.move_to_end(key)
+        return _FOLDER_CHECKS[key]
+    try:
+        ModelTokenizer.from_dir(folder)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - whatever a folder does to the loader is the config's error
+        error = str(exc) if isinstance(exc, TokenizerError) else f"{folder}: {exc!r}"
+    _FOLDER_CHECKS[key] = error
+    if len(_FOLDER_CHECKS) > 64:
+        _FOLDER_CHECKS.popitem(last=False)
+    return error
 
 
 def cut_points(text: str, chunk_chars: int) -> list[int]:
@@ -279,18 +311,26 @@ class PreciseMatcher:
         memo_entries: int = 256,
         defer_prefix: bool = False,
         wait_s: float = 0.2,
+        paths: Mapping[str, str] | None = None,
     ) -> None:
-        """`defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
+        """`paths`: the folder each of `tokenizers` was loaded from (`load_tokenizers` keeps those that
+        did not change). `defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
         or its wait reached `wait_s`), answer from its leading chunks instead of not at all (at most the
         tokenizer's `offload_chars` of them not yet cached are tokenised inline). Off: such a prompt is
-        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits)."""
+        routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits).
+        `max_warming`: tokenisations running in the executor at once, waited for or not
+        (`telemetry.kv_events.precise_wait_concurrency`); past it a long prompt is not tokenised for now."""
         from proxy.core.kv_index import block_keys, chain_seed
 
         self._block_keys = block_keys
         self._chain_seed = chain_seed
         self.index = index
         self.tokenizers = dict(tokenizers)
+        self._paths = dict(paths or {})
+        self._pinned_default = default_model
         self.default_model = default_model if default_model is not None else next(iter(self.tokenizers), None)
+        self._loading = 0  # generation of the latest `load_tokenizers`: an older load that ends later loses
+        self._load_task: asyncio.Task[None] | None = None
         self._executor = executor
         self._warming: set[int] = set()
         self._max_warming = max_warming
@@ -309,6 +349,60 @@ class PreciseMatcher:
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum_s = 0.0
         self.wait_timeouts = 0
+
+    # ---- tokenizers following a reload ----------------------------------------------------------------
+    def load_tokenizers(self, paths: Mapping[str, str]) -> Awaitable[None] | None:
+        """Follow `telemetry.kv_events.tokenizers` of a reloaded configuration: a model added or whose
+        folder changed gets its tokenizer loaded (off the event loop when one runs: a large tokenizer.json
+        takes a few hundred ms), one removed is dropped, unchanged ones keep theirs (and their caches). The
+        new table is swapped in whole once every new tokenizer loaded; until then the old one routes. A
+        folder that cannot be loaded (the configuration's check let it through, then it changed) keeps that
+        model's previous tokenizer, if any, and is logged. Returns the load's task when one runs, else None."""
+        paths = dict(paths)
+        wanted = {m: p for m, p in paths.items() if self._paths.get(m) != p or m not in self.tokenizers}
+        if not wanted and set(paths) == set(self.tokenizers):
+            self._paths = paths
+            return None
+        self._loading += 1
+        generation = self._loading
+
+        def load() -> dict[str, ModelTokenizer]:
+            loaded: dict[str, ModelTokenizer] = {}
+            for model, path in wanted.items():
+                try:
+                    loaded[model] = ModelTokenizer.from_dir(path)
+                except Exception as exc:  # noqa: BLE001 - the table in force keeps routing, whatever the folder did
+                    log.error("telemetry.kv_events.tokenizers.%s: %s; keeping its previous tokenizer", model, exc)
+            return loaded
+
+        def swap(loaded: dict[str, ModelTokenizer]) -> None:
+            if generation != self._loading:
+                return  # a later reload's table wins
+            table: dict[str, ModelTokenizer] = {}
+            kept: dict[str, str] = {}
+            for model, path in paths.items():
+                tok = loaded.get(model) or self.tokenizers.get(model)
+                if tok is not None:
+                    table[model] = tok
+                    kept[model] = path if model in loaded or model not in wanted else self._paths.get(model, "")
+            self.tokenizers, self._paths = table, kept
+            self._memo.clear()  # keyed by model: a changed tokenizer's ids are not the old ones
+            self._chat_suffix.clear()
+            self.default_model = (self._pinned_default if self._pinned_default is not None
+                                  else next(iter(self.tokenizers), None))
+            log.info("KV events: tokenizers now %s (loaded: %s)", sorted(table), ", ".join(sorted(loaded)) or "-")
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            swap(load())
+            return None
+
+        async def run() -> None:
+            swap(await loop.run_in_executor(self._executor, load))
+
+        self._load_task = loop.create_task(run(), name="load-tokenizers")  # held: a task nobody holds may be collected
+        return self._load_task
 
     def _tokenizer(self, model: str | None) -> ModelTokenizer | None:
         tok = self.tokenizers.get(model) if model is not None else None

@@ -52,6 +52,12 @@ SUMMED_GAUGES = frozenset(
         "process_open_fds",
     }
 )
+# Gauges that say whether something holds in every worker: the proxy's value is the lowest worker's. Every
+# worker runs its own routing.peer_load exchange (they publish one host-wide row under one id, and each
+# reads the other replicas' rows for its own policy), so the host routes on the peers' load only while
+# every worker's view is fresh: one worker cut off from Redis routes its share of the traffic blind, which
+# the highest value would hide.
+MIN_GAUGES = frozenset({"affinity_proxy_peer_load_up"})
 # Gauges that count up (exposed as gauges because they are read from plain integers at scrape time): like
 # counters, a dead worker's last value is carried forward.
 MONOTONIC_GAUGES = frozenset({"affinity_proxy_upstream_requests", "affinity_proxy_upstream_connections_opened"})
@@ -79,7 +85,8 @@ def merge_families(
     Counters, histograms and summaries add up (and `retired`, the carried-forward totals of dead workers,
     is added to them); `*_created` takes the earliest. Gauges in SUMMED_GAUGES add up; any other gauge is
     the supervisor's value when it has one (it owns the shared state, such as the snapshot), else the
-    highest worker value. The connection reuse ratio is recomputed from the summed counts.
+    highest worker value (the lowest for MIN_GAUGES). The connection reuse ratio is recomputed from the
+    summed counts.
     """
     retired = retired or {}
     meta: dict[str, FamilyData] = {}
@@ -105,7 +112,7 @@ def merge_families(
             elif summed:
                 acc[key] += value
             elif (family.name, key) not in from_own:
-                acc[key] = max(acc[key], value)
+                acc[key] = min(acc[key], value) if family.name in MIN_GAUGES else max(acc[key], value)
 
     for family in own:
         add(family, True)

@@ -229,7 +229,9 @@ def test_a_backend_without_a_model_is_a_config_error() -> None:
 
 
 async def test_build_precise_routing_from_the_config(tmp_path) -> None:
-    from proxy.config import parse_config
+    import dataclasses
+
+    from proxy.config import ConfigError, parse_config
     from proxy.control.kv_events import build_precise_routing
     from proxy.dataplane.tokenize import TokenizerError
     from sim.tokenizer import TOKENIZER_DIR
@@ -237,7 +239,8 @@ async def test_build_precise_routing_from_the_config(tmp_path) -> None:
     base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2'}\n"
     assert build_precise_routing(parse_config(base)) is None
     kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n      a: {endpoint: 'tcp://127.0.0.1:5557'}\n"
-    built = build_precise_routing(parse_config(base + kv % TOKENIZER_DIR))
+    config = parse_config(base + kv % TOKENIZER_DIR)
+    built = build_precise_routing(config)
     assert built is not None and built.models == {"a": "m"} and built.index.tracked() == []
     sub = built.subscriber(CollectorRegistry())
     assert built.index.tracked() == ["a"] and built.index.state("a") == "stale"
@@ -245,8 +248,11 @@ async def test_build_precise_routing_from_the_config(tmp_path) -> None:
     await sub.stop()
     with pytest.raises(ValueError, match="model"):
         build_precise_routing(parse_config(base + (kv % TOKENIZER_DIR).replace("a: {", "b: {")))
-    with pytest.raises(TokenizerError):
-        build_precise_routing(parse_config(base + kv % tmp_path))
+    with pytest.raises(TokenizerError):  # a folder broken after the configuration's check
+        build_precise_routing(dataclasses.replace(config, telemetry=dataclasses.replace(
+            config.telemetry, kv_events=dataclasses.replace(config.telemetry.kv_events, tokenizers={"m": str(tmp_path)}))))
+    with pytest.raises(ConfigError, match="tokenizers.m"):  # which the check refuses (issue 13)
+        parse_config(base + kv % tmp_path)
 
 
 async def test_a_restarted_engine_numbering_past_ours_is_caught_by_the_digest(rig) -> None:

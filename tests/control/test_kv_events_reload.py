@@ -14,6 +14,7 @@ from proxy.control.kv_events import KVEventSubscriber
 from proxy.control.telemetry_config import KVEventsEndpoint
 from proxy.core.kv_index import KVIndex
 from sim.kv_events import KVEventPublisher, KVEventsConfig
+from sim.tokenizer import TOKENIZER_DIR
 
 from .test_kv_events import BS, MODEL, _chain, _port, _prompt, _until
 
@@ -81,7 +82,7 @@ async def test_a_reloaded_config_drives_the_subscriptions() -> None:
     """`reload` is the listener the proxy registers: it reads `telemetry.kv_events` of the new config,
     and a config it cannot use (a listed backend with no model) leaves the subscriptions as they were."""
     base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2'}\n"
-    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '/nonexistent'}\n    backends:\n"
+    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n" % TOKENIZER_DIR
     a = "      a: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
     b_with_model = "      b: {endpoint: 'tcp://127.0.0.1:%d', model: m}\n" % _port()
     b_without = "      b: {endpoint: 'tcp://127.0.0.1:%d'}\n" % _port()
@@ -97,5 +98,61 @@ async def test_a_reloaded_config_drives_the_subscriptions() -> None:
         assert sorted(sub.feeds()) == ["a", "b"]  # refused: b has no model; nothing changed
         sub.reload(parse_config(base))
         assert list(sub.feeds()) == [] and index.tracked() == []
+    finally:
+        await sub.stop()
+
+
+def test_discovered_backends_fill_in_their_services_template() -> None:
+    """`kv_event_backends` with the snapshot's fleet: a static backend's `{host}` is its URL host; a
+    service that discovery resolves subscribes each `<service>@<address>` at its own address (IPv6 in
+    brackets), never the service's own name; its model seeds each one's keys."""
+    from proxy.control.kv_events import kv_event_backends
+    from proxy.core.snapshot import BackendSpec
+
+    text = ("discovery: {enabled: true}\nbackends:\n"
+            "  - {name: s, url: 'http://10.0.0.9:8000', models: [m]}\n"
+            "  - {name: vllm, url: 'http://vllm.ns.svc:8000', models: [big]}\n"
+            "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n"
+            "      s: {endpoint: 'tcp://{host}:5557'}\n"
+            "      vllm: {endpoint: 'tcp://{host}:5557', replay_endpoint: 'tcp://{host}:5558', topic: kv}\n"
+            % TOKENIZER_DIR)
+    config = parse_config(text)
+    endpoints, models = kv_event_backends(config)
+    assert endpoints == {"s": KVEventsEndpoint(endpoint="tcp://10.0.0.9:5557")} and models == {"s": "m"}
+    fleet = [BackendSpec("s", "http://10.0.0.9:8000", models=("m",)),
+             BackendSpec("vllm@10.1.0.4:8000", "http://10.1.0.4:8000", models=("big",)),
+             BackendSpec("vllm@[fd00::7]:8000", "http://[fd00::7]:8000", models=("big",)),
+             BackendSpec("other@10.1.0.5:8000", "http://10.1.0.5:8000")]
+    endpoints, models = kv_event_backends(config, fleet)
+    assert sorted(endpoints) == ["s", "vllm@10.1.0.4:8000", "vllm@[fd00::7]:8000"]
+    assert endpoints["vllm@10.1.0.4:8000"] == KVEventsEndpoint(
+        endpoint="tcp://10.1.0.4:5557", replay_endpoint="tcp://10.1.0.4:5558", topic="kv")
+    assert endpoints["vllm@[fd00::7]:8000"].endpoint == "tcp://[fd00::7]:5557"
+    assert models["vllm@10.1.0.4:8000"] == "big"
+
+
+async def test_the_subscriptions_follow_the_snapshots_fleet() -> None:
+    """A discovered backend joining the snapshot is tracked and subscribed; once it left, it is gone."""
+    from proxy.control.store import SnapshotStore
+    from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
+
+    config = parse_config(
+        "discovery: {enabled: true}\nbackends:\n  - {name: vllm, url: 'http://vllm.ns.svc:8000', models: [m]}\n"
+        "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n"
+        "      vllm: {endpoint: 'tcp://{host}:%d'}\n" % (TOKENIZER_DIR, _port()))
+    store = SnapshotStore(Snapshot.initial(config.backend_specs()))
+    index = KVIndex()
+    sub = KVEventSubscriber(index, {}, models={}, registry=CollectorRegistry(), config=config, store=store)
+    try:
+        await sub.start()
+        assert list(sub.feeds()) == []  # the service's own name is no backend to subscribe
+        pod = BackendState(spec=BackendSpec("vllm@127.0.0.1:8000", "http://127.0.0.1:8000", models=("m",)))
+        store.publish(store.current.evolve([pod]))
+        assert list(sub.feeds()) == ["vllm@127.0.0.1:8000"] and index.state("vllm@127.0.0.1:8000") == "stale"
+        assert "vllm@127.0.0.1:8000" in sub._tasks
+        store.publish(store.current.evolve([pod]))  # the same fleet (new load signals): nothing changes
+        assert list(sub.feeds()) == ["vllm@127.0.0.1:8000"]
+        store.publish(store.current.evolve([]))
+        assert list(sub.feeds()) == [] and index.tracked() == [] and sub._tasks == {}
     finally:
         await sub.stop()

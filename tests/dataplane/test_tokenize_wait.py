@@ -175,3 +175,43 @@ async def test_chat_requests_wait_when_long_and_are_not_rendered_twice_when_shor
     got = matcher(long)
     assert got is not None and matcher.deferred == 0
     assert got.prompt_tokens == len(token_ids(real(long.messages)))
+
+
+async def test_the_number_of_tokenisations_waited_for_at_once_is_a_config_key() -> None:
+    """`telemetry.kv_events.precise_wait_concurrency` (default 4, as the bound was before it was a key):
+    that many distinct long prompts wait for their tokenisation at once; the next one does not wait (the
+    learned index routes it) until one of them finished."""
+    import pytest
+
+    from proxy.config import ConfigError, parse_config
+    from proxy.control.kv_events import build_precise_routing
+
+    base = ("backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n"
+            "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n      a: {endpoint: 'tcp://127.0.0.1:5557'}\n"
+            % TOKENIZER_DIR)
+    assert parse_config(base).telemetry.kv_events.precise_wait_concurrency == 4
+    for bad, message in (("0", "must be >= 1"), ("2000", "must be <= 1024"), ("two", "must be an integer")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config(base + f"    precise_wait_concurrency: {bad}\n")
+    rng = random.Random(5)
+    for key, n in (("", 4), ("    precise_wait_concurrency: 2\n", 2)):
+        built = build_precise_routing(parse_config(base + key))
+        assert built is not None
+        matcher = built.matcher
+        built.index.track("a", model="m")
+        built.index.stored("a", (1,), None, list(range(16)), 16)  # the engines' block size
+        built.index.mark_fresh("a")
+        gate = threading.Event()
+        for tok in matcher.tokenizers.values():  # type: ignore[attr-defined]  # a PreciseMatcher
+            real = tok._raw
+            tok._raw = lambda t, real=real: (gate.wait(5), real(t))[1]
+        texts = [_text(rng, 9000) for _ in range(n + 1)]
+        assert all(len(t) > 32768 for t in texts)  # each too long for the event loop
+        prepare = matcher.prepare  # type: ignore[attr-defined]  # a PreciseMatcher
+        waits = [prepare(_req(t)) for t in texts]
+        assert all(w is not None for w in waits[:n]) and waits[n] is None, (key, waits)
+        gate.set()
+        await asyncio.gather(*waits[:n])
+        again = prepare(_req(texts[n]))  # room again
+        assert again is not None
+        await again

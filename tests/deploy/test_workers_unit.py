@@ -202,3 +202,19 @@ def test_supervisor_reads_the_workers_rows_and_clears_a_dead_workers_row() -> No
 
 def _renamed(state: BackendState, name: str) -> BackendState:
     return dataclasses.replace(state, spec=dataclasses.replace(state.spec, name=name))
+
+
+def test_peer_load_up_is_up_only_while_every_workers_view_is_fresh() -> None:
+    """Each worker runs its own routing.peer_load exchange: one cut off from Redis routes its share blind,
+    so the proxy's `affinity_proxy_peer_load_up` is the lowest worker's (the highest would say 1)."""
+    def fam(name: str, v: float) -> list[FamilyData]:
+        return [FamilyData(name, "gauge", "", "", ((name, (), v),))]
+
+    up = "affinity_proxy_peer_load_up"
+    assert _values(render(merge_families([], [fam(up, 1.0), fam(up, 0.0)])))[(up, ())] == 0.0
+    assert _values(render(merge_families([], [fam(up, 0.0), fam(up, 1.0)])))[(up, ())] == 0.0
+    assert _values(render(merge_families([], [fam(up, 1.0), fam(up, 1.0)])))[(up, ())] == 1.0
+    assert _values(render(merge_families([], [fam(up, 1.0)])))[(up, ())] == 1.0
+    # Other gauges keep the highest worker's value.
+    replicas = "affinity_proxy_peer_load_replicas"
+    assert _values(render(merge_families([], [fam(replicas, 2.0), fam(replicas, 1.0)])))[(replicas, ())] == 2.0
