@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Sequence, cast
 
 from aiohttp import web
@@ -47,6 +48,18 @@ log = logging.getLogger("affinity_proxy.resilience")
 # Sections that only take effect at start: a reload that changes them is applied for everything else and
 # logs that these need a restart.
 RESTART_ONLY = ("listen", "grpc_listen", "admin", "limits", "upstream", "telemetry", "debug_headers")
+
+
+def restart_only_changes(old: Config, new: Config) -> list[str]:
+    """The RESTART_ONLY sections a reload from `old` to `new` changes. The KV-event subscriber follows
+    `telemetry.kv_events.backends` and `.tokenizers` at once (`proxy/control/kv_events.py`) while KV
+    events stay on, so those two alone are not a telemetry change that waits for a restart."""
+    told, tnew = old.telemetry, new.telemetry
+    if told.kv_events.enabled and tnew.kv_events.enabled:
+        told = replace(told, kv_events=replace(told.kv_events, backends=tnew.kv_events.backends,
+                                               tokenizers=tnew.kv_events.tokenizers))
+    return [name for name in RESTART_ONLY
+            if (told != tnew if name == "telemetry" else getattr(old, name) != getattr(new, name))]
 
 
 def panic_view(overload: OverloadConfig, monitor: HealthMonitor) -> PanicView:
@@ -132,7 +145,7 @@ class Resilience:
     def apply_config(self, new: Config) -> int:
         """Swap in a validated config: backends, health, outliers, retries, overload, routing, discovery."""
         old = self.config
-        restart = [name for name in RESTART_ONLY if getattr(old, name) != getattr(new, name)]
+        restart = restart_only_changes(old, new)
         if restart:
             log.warning("reload: %s changed and take effect only after a restart", ", ".join(restart))
         self.monitor.reconfigure(new.health_checks, new.outlier_detection)

@@ -156,3 +156,21 @@ async def test_the_subscriptions_follow_the_snapshots_fleet() -> None:
         assert list(sub.feeds()) == [] and index.tracked() == [] and sub._tasks == {}
     finally:
         await sub.stop()
+
+
+def test_a_reload_of_kv_event_backends_or_tokenizers_is_not_reported_as_needing_a_restart() -> None:
+    """The subscriber applies `telemetry.kv_events.backends` and `.tokenizers` at once, so the reload's
+    "take effect only after a restart" warning must not name telemetry for them; any other telemetry
+    change, and switching KV events on or off, still needs the restart and is named."""
+    from proxy.resilience import restart_only_changes
+    base = "backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n  - {name: b, url: 'http://127.0.0.1:2', models: [m]}\n"
+    kv = "telemetry:\n  kv_events:\n    tokenizers: {m: '%s'}\n    backends:\n" % TOKENIZER_DIR
+    a = "      a: {endpoint: 'tcp://127.0.0.1:5557'}\n"
+    b = "      b: {endpoint: 'tcp://127.0.0.1:5558'}\n"
+    one, two = parse_config(base + kv + a), parse_config(base + kv + a + b)
+    assert restart_only_changes(one, two) == []
+    assert restart_only_changes(one, parse_config(base)) == ["telemetry"]
+    slower = parse_config(base + "telemetry:\n  interval_ms: 500\n  kv_events:\n    tokenizers: {m: '%s'}\n"
+                          "    backends:\n" % TOKENIZER_DIR + a)
+    assert restart_only_changes(one, slower) == ["telemetry"]
+    assert restart_only_changes(one, parse_config(base + kv + a + "limits: {max_body_bytes: 1000}\n")) == ["limits"]
