@@ -607,6 +607,147 @@ def extra_table(raw: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def parse_arm(spec: str) -> tuple[str, str, dict[str, str]]:
+    """`NAME=TREE[,KEY=VALUE...]`: an affinity-proxy source tree run as one arm of `ab_c1`, with extra
+    environment variables (e.g. `this-gc700=.,AFFINITY_PROXY_GC=700`); TREE `.` is this checkout."""
+    name, _, rest = spec.partition("=")
+    tree, *envs = rest.split(",")
+    if not name or not tree or any("=" not in e for e in envs):
+        raise SystemExit(f"--arm {spec!r}: expected NAME=TREE[,KEY=VALUE...]")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return name, here if tree == "." else os.path.abspath(tree), dict(e.split("=", 1) for e in envs)
+
+
+def ab_c1(peers_dir: str, ap_bin: str, arms: list[tuple[str, str, dict[str, str]]], policy: str, rounds: int,
+          secs: float, base_port: int, nice: int = 0) -> dict[str, Any]:
+    """Latency at one connection, arm against arm in one run: every arm (an affinity-proxy tree, with its
+    own environment) is up at once, pinned to core 0, backends and this client on core 1; each round
+    measures direct, then every arm in a rotating order, `secs` of `c1_latencies` each (every request a
+    sample). An arm not being measured is SIGSTOPped, so that its telemetry poller and health checks do not
+    run on the measured arm's core (they would be part of every other arm's tail); it is resumed a second
+    before its turn and warmed up for half a second. Per round and arm: p50, p99, p99.9, CPU µs per
+    request of the process tree. The first arm is the reference: the report gives, per other arm, the
+    median of the per-round ratios and in how many rounds the arm was lower. `nice` (e.g. -10, as root):
+    every process of the run, this client included, at that niceness, so that on a machine shared with
+    other work a woken proxy is scheduled ahead of it and the tail measured is the proxies' own."""
+    import signal
+    import subprocess
+
+    hz = os.sysconf("SC_CLK_TCK")
+    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
+    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
+    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"abc1-{base_port}")
+    os.makedirs(run_dir, exist_ok=True)
+    b = load_harness(peers_dir)
+    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
+    b.ensure_tokenizer()
+    procs: list[subprocess.Popen[bytes]] = []
+    logf = open(os.path.join(run_dir, "abc1.log"), "a")
+
+    def start(cmd: list[str], cpus: str, env: dict[str, str] | None = None) -> int:
+        p = subprocess.Popen(["nice", "-n", str(nice), "taskset", "-c", cpus, *cmd], stdout=logf, stderr=logf,
+                             env=env, start_new_session=True, cwd=run_dir)
+        procs.append(p)
+        return p.pid
+
+    if nice:
+        os.nice(nice)
+    backends = [base_port + 1, base_port + 2]
+    ports: dict[str, int] = {}
+    pids: dict[str, int] = {}
+    os.sched_setaffinity(0, {1})
+    res: dict[str, list[dict[str, float]]] = {"direct": []}
+    try:
+        for port in backends:
+            start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "16",
+                   "--model-path", b.TOKDIR], "1")
+        for i, (name, tree, env) in enumerate(arms):
+            port = ports[name] = base_port + 10 + 10 * i
+            cfg = os.path.join(run_dir, f"{name}.yaml")
+            with open(cfg, "w") as f:
+                f.write(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                        f"admin: {{host: 127.0.0.1, port: {port + 1}}}\nbackends:\n"
+                        + "".join(f"  - {{name: be{j}, url: 'http://127.0.0.1:{p}'}}\n" for j, p in enumerate(backends))
+                        + f"routing: {{policy: {policy}}}\n")
+            pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
+                               dict(os.environ, PYTHONPATH=tree, **env))
+            res[name] = []
+        time.sleep(8)
+        for name in ports:
+            c1_latencies(ports[name], 1.0)  # warm-up: backend connections, caches
+            os.killpg(pids[name], signal.SIGSTOP)
+        names = list(ports)
+        for rnd in range(rounds):
+            r = c1_latencies(backends[0], secs)
+            r["round"] = rnd
+            res["direct"].append(r)
+            for k in range(len(names)):
+                name = names[(rnd + k) % len(names)]
+                os.killpg(pids[name], signal.SIGCONT)
+                time.sleep(1.0)
+                c1_latencies(ports[name], 0.5)
+                tree_pids = b.tree(pids[name])
+                t0 = b.cpu_ticks(tree_pids)
+                r = c1_latencies(ports[name], secs)
+                r["cpu_us"] = (b.cpu_ticks(tree_pids) - t0) / hz / r["requests"] * 1e6
+                r["round"] = rnd
+                os.killpg(pids[name], signal.SIGSTOP)
+                res[name].append(r)
+                b.log(f"abc1 {policy} round {rnd} {name}: p50 {r['p50_us']:.0f} p99 {r['p99_us']:.0f} "
+                      f"p99.9 {r['p999_us']:.0f} µs, {r['requests']:.0f} requests, {r['cpu_us']:.1f} µs CPU/req "
+                      f"(direct p50 {res['direct'][-1]['p50_us']:.0f} p99 {res['direct'][-1]['p99_us']:.0f})")
+        return {"policy": policy, "rounds": rounds, "secs": secs, "nice": nice, "arms": [[n, t, e] for n, t, e in arms],
+                "results": res}
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def ab_c1_table(raw: dict[str, Any]) -> str:
+    """The medians per arm, and per arm against the first: median of per-round ratios, rounds lower."""
+    res = raw["results"]
+    names = [a[0] for a in raw["arms"]]
+    ref = names[0]
+    direct = {r["round"]: r for r in res["direct"]}
+    keys = (("p50_us", "p50"), ("p99_us", "p99"), ("p999_us", "p99.9"), ("cpu_us", "CPU/req"))
+    lines = [f"{raw['policy']}, {raw['rounds']} rounds × {raw['secs']:g} s per arm, one connection (µs)"
+             + (f", niceness {raw['nice']}" if raw.get("nice") else ""), "",
+             "| arm | " + " | ".join(f"{t} (median)" for _, t in keys) + " | added p50 | added p99 |",
+             "|---|" + "---|" * (len(keys) + 2)]
+    for n in ["direct", *names]:
+        rs = res[n]
+        cells = [("%.0f" if k != "cpu_us" else "%.1f") % statistics.median(r[k] for r in rs) if all(k in r for r in rs)
+                 else "-" for k, _ in keys]
+        added = ["-", "-"] if n == "direct" else [
+            "%.0f" % statistics.median(r[k] - direct[r["round"]][k] for r in rs) for k in ("p50_us", "p99_us")]
+        lines.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(added) + " |")
+    lines += ["", f"| against {ref}: median of per-round ratios (rounds lower / rounds) | "
+              + " | ".join(t for _, t in keys) + " | added p99 |", "|---|" + "---|" * (len(keys) + 1)]
+    by_round = {n: {r["round"]: r for r in res[n]} for n in names}
+    for n in names[1:]:
+        common = sorted(set(by_round[n]) & set(by_round[ref]))
+        cells = []
+        for k, _ in [*keys, ("added_p99", "")]:
+            if k == "added_p99":
+                pairs = [(by_round[n][i]["p99_us"] - direct[i]["p99_us"]) / (by_round[ref][i]["p99_us"] - direct[i]["p99_us"])
+                         for i in common if by_round[ref][i]["p99_us"] > direct[i]["p99_us"]]
+            else:
+                pairs = [by_round[n][i][k] / by_round[ref][i][k] for i in common]
+            cells.append("%.3f× (%d/%d)" % (statistics.median(pairs), sum(x < 1 for x in pairs), len(pairs))
+                         if pairs else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", "/work/shared/peers"))
@@ -631,7 +772,32 @@ def main() -> None:
     ap.add_argument("--extra-targets", default="nginx,vllm-rr,sglang-rr,ap-rr,ap-aff")
     ap.add_argument("--c1-secs", type=int, default=10, help="--extra: seconds of each 1-connection run")
     ap.add_argument("--extra-rows", default="c1,cpu,h2c,tls", help="--extra: which rows (c1,cpu,h2c,tls)")
+    ap.add_argument("--ab-c1", metavar="POLICY", help="only the A/B at one connection of the --arm trees "
+                    "(default: --baseline against this tree), see ab_c1")
+    ap.add_argument("--arm", action="append", default=[], help="--ab-c1: NAME=TREE[,KEY=VALUE...], repeatable; "
+                    "the first is the reference")
+    ap.add_argument("--ab-c1-rounds", type=int, default=8)
+    ap.add_argument("--ab-c1-secs", type=float, default=5.0)
+    ap.add_argument("--ab-c1-nice", type=int, default=0, help="--ab-c1: niceness of every process of the run "
+                    "(negative needs root), see ab_c1")
     a = ap.parse_args()
+    if a.render and a.ab_c1:
+        with open(a.render) as f:
+            print(ab_c1_table(json.load(f)))
+        return
+    if a.ab_c1:
+        arms = [parse_arm(x) for x in a.arm] or (
+            [("base", os.path.abspath(a.baseline), {}), parse_arm("this=.")] if a.baseline else [])
+        if len(arms) < 2:
+            raise SystemExit("--ab-c1 needs two --arm or a --baseline")
+        raw = ab_c1(a.peers_dir, a.ap_bin, arms, a.ab_c1, a.ab_c1_rounds, a.ab_c1_secs, a.port_base + 800,
+                     a.ab_c1_nice)
+        out = os.path.join(a.results, "peers-abc1-raw-%s.json" % time.strftime("%Y%m%d-%H%M%S"))
+        with open(out, "w") as f:
+            json.dump(raw, f, indent=1)
+        print(f"raw: {out}\n")
+        print(ab_c1_table(raw))
+        return
     if a.render and a.extra:
         with open(a.render) as f:
             print(extra_table(json.load(f)))

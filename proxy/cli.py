@@ -49,6 +49,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     _setup_logging(args.log_level, config)
     from proxy.app import AffinityProxy
+    from proxy.gcsettings import tune_gc
     from proxy.multiproc.cpus import default_worker_count
     from proxy.multiproc.serve import serve
 
@@ -60,7 +61,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def main() -> None:
         if workers == 1:
             # One process does everything: no supervisor, no channel, nothing to restart.
-            await AffinityProxy(config, config_path=args.config).serve_until_signal()
+            proxy = AffinityProxy(config, config_path=args.config)
+            tune_gc()  # the process is built: freeze what start-up made (proxy/gcsettings.py)
+            await proxy.serve_until_signal()
         else:
             await serve(config, workers, config_path=args.config)
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from proxy.control.store import SnapshotStore
 from proxy.core.snapshot import Snapshot
+from proxy.gcsettings import tune_gc
 from proxy.listen import reserve_port
 from proxy.multiproc.shared_load import SharedLoad
 from proxy.multiproc.supervisor import Supervisor
@@ -103,6 +104,7 @@ async def serve(config: Any, workers: int, config_path: str | None = None) -> No
             adapter_demand=supervisor.take_adapter_demand,
         ),
     )
+    tune_gc()  # the control plane is built: freeze what start-up made (proxy/gcsettings.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

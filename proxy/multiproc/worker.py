@@ -115,6 +115,7 @@ class _Batch:
 
 async def _worker(channel_fd: int, shared_fd: int) -> int:
     from proxy.app import AffinityProxy
+    from proxy.gcsettings import tune_gc
 
     reader, writer = await asyncio.open_unix_connection(sock=socket.socket(fileno=channel_fd))
     init = await read_message(reader)
@@ -143,6 +144,7 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
         load_report=None if orca is None else (lambda name, header: orca.add((name, header))),
         response_homes=homes,
     )
+    tune_gc()  # the process is built: freeze what start-up made (proxy/gcsettings.py)
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

@@ -43,3 +43,40 @@ def test_extra_table_pairs_added_latency_with_direct_of_the_same_repetition() ->
     assert rows["p99 at 1 connection, HTTP/1.1 (µs)"][0] == "50"  # direct's own, beside
     assert rows["CPU µs per small POST, HTTP/1.1, 64 connections"][-1].strip(" |") == "65.0"
     assert rows["CPU µs per small POST, h2c, 16 conns x 4 streams"][-1].strip(" |") == "-"
+
+
+def test_an_arm_names_a_tree_and_its_environment() -> None:
+    import os
+
+    import pytest
+
+    from loadtest.bench_peers import parse_arm
+
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert parse_arm("this=.") == ("this", here, {})
+    assert parse_arm("gc=/x/y,AFFINITY_PROXY_GC=default,A=b=c") == ("gc", "/x/y", {"AFFINITY_PROXY_GC": "default", "A": "b=c"})
+    for bad in ("this", "=.", "x=.,NOVALUE"):
+        with pytest.raises(SystemExit):
+            parse_arm(bad)
+
+
+def test_ab_c1_table_gives_medians_of_per_round_ratios_against_the_first_arm() -> None:
+    from loadtest.bench_peers import ab_c1_table
+
+    def r(rnd: int, p50: float, p99: float) -> dict[str, float]:
+        return {"round": rnd, "p50_us": p50, "p99_us": p99, "p999_us": 2 * p99, "cpu_us": p50 / 2, "requests": 10.0}
+
+    raw = {"policy": "round_robin", "rounds": 3, "secs": 4.0, "arms": [["base", "/b", {}], ["this", "/t", {}]],
+           "results": {"direct": [r(0, 10, 20), r(1, 10, 20), r(2, 10, 20)],
+                       "base": [r(0, 100, 420), r(1, 100, 220), r(2, 100, 320)],
+                       "this": [r(0, 90, 220), r(1, 110, 420), r(2, 80, 160)]}}
+    lines = ab_c1_table(raw).splitlines()
+    this = next(line for line in lines if line.startswith("| this | 0"))
+    cells = this.split(" | ")[1:]
+    # per round p50 ratios 0.9, 1.1, 0.8 -> median 0.9, lower in 2 of 3; p99 ratios 0.52, 1.91, 0.5 -> 0.524
+    assert cells[0] == "0.900× (2/3)"
+    assert cells[1] == "0.524× (2/3)"
+    # added p99: (220-20)/(420-20), (420-20)/(220-20), (160-20)/(320-20) -> median 0.5
+    assert cells[4].rstrip(" |") == "0.500× (2/3)"
+    medians = next(line for line in lines if line.startswith("| this | 90"))
+    assert [c.rstrip(" |") for c in medians.split(" | ")[5:7]] == ["80", "200"]  # minus direct, same round
