@@ -126,7 +126,8 @@ class _UpstreamTransport(asyncio.Transport):
         pass
 
 
-async def _run(policy: str, requests: int, conns: int, profile: str | None, count: bool) -> dict[str, float]:
+async def _run(policy: str, requests: int, conns: int, profile: str | None, count: bool,
+               parts: bool = False) -> dict[str, float]:
     from proxy.app import AffinityProxy
     from proxy.config import parse_config
     from proxy.upstream import http1 as up
@@ -173,6 +174,10 @@ async def _run(policy: str, requests: int, conns: int, profile: str | None, coun
         await asyncio.gather(*(drive(c, n // conns) for c in range(conns)))
 
     await batch(2000)  # warm-up: caches, first-time paths
+    if parts:
+        out = _parts(plane, body(7, 0))
+        await proxy.stop()
+        return out
     counts: dict[str, float] = {}
     if count:
         counts = await _count(loop, batch, 1000 * conns)
@@ -189,6 +194,68 @@ async def _run(policy: str, requests: int, conns: int, profile: str | None, coun
         prof.dump_stats(profile)  # type: ignore[arg-type]  # only set with a path
     await proxy.stop()
     return {"us_per_request": cpu / requests * 1e6, **counts}
+
+
+def _parts(plane: Any, body: bytes) -> dict[str, float]:
+    """µs per call of each step of one request, on the serving proxy's own objects (timeit, best of 5):
+    the function-by-function breakdown of what the whole request costs."""
+    import timeit
+
+    from proxy.dataplane.openai import InboundRequest, parse_json
+    from proxy.core.request import summary_from_openai
+    from proxy.upstream.headers import upstream_request_head
+    from proxy.wire.http1 import RequestParser, ResponseParser
+
+    pipeline = plane.pipeline
+    router = pipeline.router
+    raw = REQUEST % (len(body), body)
+    req_parsed = RequestParser().feed(raw)[0]
+    headers = tuple(req_parsed.headers)
+    parsed = parse_json(body)
+    summary = summary_from_openai("/v1/completions", parsed, adapters=router.adapter_names())
+    observability = pipeline.observability
+
+    def request_parse() -> None:
+        RequestParser(max_head=16384).feed(raw)
+
+    def json_parse() -> None:
+        parse_json(body)
+
+    def summarise() -> None:
+        summary_from_openai("/v1/completions", parse_json(body), adapters=router.adapter_names())
+
+    def route() -> None:
+        lease = router.route(summary, received_at=0.0)
+        lease.try_pick()
+        lease.status = 200
+        lease.finish()
+
+    def head_out() -> None:
+        upstream_request_head("POST", "/v1/completions", b"127.0.0.1:1", headers, "127.0.0.1", "http",
+                              "0123456789abcdef0123456789abcdef", len(body))
+
+    def response_parse() -> None:
+        ResponseParser().feed(ANSWER)
+
+    def observe() -> None:
+        ob = observability.begin("0123456789abcdef0123456789abcdef", "http/1.1", "POST", "/v1/completions",
+                                 "127.0.0.1", lambda name: None, 0.0, len(body), None)
+        ob.summarised(summary)
+        r = ob.record
+        r.backend, r.policy, r.reason, r.load_score, r.inflight, r.attempts = "be0", "round_robin", "balanced", 0.0, 1, 1
+        ob.first_byte()
+        r.status, r.bytes_out = 200, len(ANSWER_BODY)
+        ob.finish(200, bytes_out=len(ANSWER_BODY))
+
+    steps = {"request_parse": request_parse, "json_parse": json_parse, "summarise(json+summary)": summarise,
+             "route(pick+finish)": route, "upstream_head": head_out, "response_parse": response_parse}
+    if observability is not None:
+        steps["observability(begin..finish, access log)"] = observe
+    out = {}
+    for name, fn in steps.items():
+        n = 20000
+        out[name] = min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+    return out
 
 
 async def _count(loop: asyncio.AbstractEventLoop, batch: Any, n: int) -> dict[str, float]:
@@ -220,6 +287,7 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=8)
     ap.add_argument("--profile", default=None)
     ap.add_argument("--count", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="µs per call of each step (see _parts)")
     ap.add_argument("--ab", default=None, help="a baseline source tree: alternate rounds, this tree vs it")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -229,7 +297,7 @@ def main() -> None:
         out = os.dup(1)
         os.dup2(fd, 1)  # the access log goes to stdout
         import uvloop
-        res = uvloop.run(_run(args.policy, args.requests, args.conns, args.profile, args.count))
+        res = uvloop.run(_run(args.policy, args.requests, args.conns, args.profile, args.count, args.parts))
         os.dup2(out, 1)
         print(json.dumps(res) if args.json else res)
         return
