@@ -275,7 +275,8 @@ async def _count(loop: asyncio.AbstractEventLoop, batch: Any, n: int) -> dict[st
         await batch(n)
     finally:
         for k in calls:
-            delattr(loop, k) if k in loop.__dict__ else None
+            if k in vars(loop):
+                delattr(loop, k)
     # The driver's own: one create_future per request; the fake backend one call_soon per request.
     return {f"{k}_per_request": v / n for k, v in calls.items()}
 
