@@ -134,12 +134,26 @@ async def run_with_retries(
     attempts = Attempts(controller)
     while True:
         try:
-            async with router.route(summary, attempts.exclude, received_at=received_at) as lease:
+            lease = router.route(summary, attempts.exclude, received_at=received_at)
+            if isinstance(lease, Lease):
+                # `async with lease` spelled out: no __aenter__/__aexit__ coroutines per attempt.
+                waiting = lease.enter()
+                if waiting is not None:
+                    await waiting
                 try:
                     return await attempt(lease)
                 except RetryableFailure as failure:
                     last: RetryableFailure[T] = failure
                     tried = lease.tried
+                finally:
+                    lease.finish()
+            else:  # a stand-in router's context manager
+                async with lease as entered:
+                    try:
+                        return await attempt(entered)
+                    except RetryableFailure as failure:
+                        last = failure
+                        tried = entered.tried
         except NoBackendAvailable:
             if attempts.count == 1:
                 raise

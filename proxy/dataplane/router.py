@@ -180,16 +180,32 @@ class Lease:
         prepare = self.router.prepare
         return prepare(self.summary) if prepare is not None else None
 
-    async def __aenter__(self) -> Lease:
+    def enter(self) -> Awaitable[None] | None:
+        """Pick, holding the slot: None when that is done already (the usual case: no coroutine made, no
+        await), else an awaitable that does it (a prompt to prepare first, the overload queue). Raises what
+        `try_pick` raises."""
         prepare = self.router.prepare
         if prepare is not None:
             ready = prepare(self.summary)
             if ready is not None:  # short and cached prompts take no extra await
-                await ready
+                return self._enter_after(ready)
+        try:
+            self.try_pick()
+        except Overloaded as exc:
+            return self.wait_in_queue(exc)
+        return None
+
+    async def _enter_after(self, ready: Awaitable[None]) -> None:
+        await ready
         try:
             self.try_pick()
         except Overloaded as exc:
             await self.wait_in_queue(exc)
+
+    async def __aenter__(self) -> Lease:
+        waiting = self.enter()
+        if waiting is not None:
+            await waiting
         return self
 
     async def __aexit__(

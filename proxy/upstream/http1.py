@@ -142,11 +142,12 @@ class Exchange:
     __slots__ = (
         "conn", "method_head", "status", "reason", "headers", "raw_headers", "chunked", "content_length",
         "keep_alive", "_parser", "_parts", "_raw_sink", "_piece_waiter",
-        "_done", "_head_fut", "_error", "deadline", "_complete", "_sink_transport", "_paused", "_pieces",
+        "_done", "_head_fut", "_error", "deadline", "_complete", "_sink_transport", "_paused", "_pieces", "_loop",
     )
 
     def __init__(self, conn: _Connection, head_only: bool, loop: asyncio.AbstractEventLoop) -> None:
         self.conn = conn
+        self._loop = loop
         self.method_head = head_only
         self.status = 0
         self.reason = ""
@@ -287,7 +288,7 @@ class Exchange:
             if self._error is not None:
                 raise self._error
             if self._done is None:
-                self._done = asyncio.get_running_loop().create_future()
+                self._done = self._loop.create_future()
             await self._done
         parts = self._parts
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -339,7 +340,7 @@ class Exchange:
 
     async def _next_piece(self) -> None:
         """Sleep until the protocol callbacks report progress (a piece, the end, an error, a pause)."""
-        self._piece_waiter = asyncio.get_running_loop().create_future()
+        self._piece_waiter = self._loop.create_future()
         try:
             await self._piece_waiter
         finally:
@@ -413,6 +414,7 @@ class UpstreamPool:
         self._live: set[Exchange] = set()
         self._deadline_check: asyncio.TimerHandle | None = None
         self._tick = min(1.0, max(0.01, request_timeout_s / 10))
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def backend(self, url: str) -> Backend:
         b = self._backends.get(url)
@@ -472,15 +474,21 @@ class UpstreamPool:
                 while b.idle and b.idle[0].idle_since < cutoff:
                     b.idle.popleft().close()
 
-    async def _acquire(self, b: Backend) -> _Connection:
-        now = time.monotonic()
+    def _idle_connection(self, b: Backend) -> _Connection | None:
+        """The most recently used idle connection still fit for reuse, or None."""
         idle = b.idle
-        while idle:
-            conn = idle.pop()
-            if conn.closed or now - conn.idle_since > self.keepalive_s:
-                conn.close()
-                continue
-            return conn
+        if idle:
+            now = time.monotonic()
+            while idle:
+                conn = idle.pop()
+                if conn.closed or now - conn.idle_since > self.keepalive_s:
+                    conn.close()
+                    continue
+                return conn
+        return None
+
+    async def _acquire(self, b: Backend) -> _Connection:
+        """A connection when none is idle: a new one, or the next one given back (FIFO) at the limit."""
         if b.open >= self.limit:
             waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
             b.waiters.append(waiter)
@@ -560,9 +568,15 @@ class UpstreamPool:
     async def request(self, url: str, head: bytes, body: bytes, *, head_only: bool = False) -> Exchange:
         """Send `head` (request line + headers, ending in a blank line) and `body` to the backend at `url`;
         returns once the response head arrived. The caller must `release()` the exchange."""
-        b = self.backend(url)
-        conn = await self._acquire(b)
-        loop = asyncio.get_running_loop()
+        b = self._backends.get(url)
+        if b is None:
+            b = self.backend(url)
+        conn = self._idle_connection(b)  # the usual case: no coroutine for the checkout
+        if conn is None:
+            conn = await self._acquire(b)
+        loop = self._loop
+        if loop is None:  # known from the first request: get_running_loop costs a getpid() on 3.11
+            loop = self._loop = asyncio.get_running_loop()
         ex = Exchange(conn, head_only, loop)
         conn.exchange = ex
         ex.deadline = loop.time() + self.request_timeout_s

@@ -584,7 +584,22 @@ class Request:
         return f"Request({self.method} {self.target!r}, framing={self.framing!r}, keep_alive={self.keep_alive})"
 
 
+# A memo of valid request lines: clients of an LLM API send a handful (POST /v1/chat/completions HTTP/1.1),
+# and the line is the request's one field validated byte by byte. Only short valid lines are kept (a pure
+# function of the line, so no state leaks between connections), at most _REQUEST_LINES_MAX of them.
+_REQUEST_LINES: dict[bytes, tuple[str, bytes, bytes]] = {}
+_REQUEST_LINES_MAX = 1024
+_REQUEST_LINE_MEMO_BYTES = 256
+
+
 def _request_line(line: bytes) -> tuple[str, bytes, bytes]:
+    parsed = _parse_request_line(line)
+    if len(line) <= _REQUEST_LINE_MEMO_BYTES and len(_REQUEST_LINES) < _REQUEST_LINES_MAX:
+        _REQUEST_LINES[line] = parsed
+    return parsed
+
+
+def _parse_request_line(line: bytes) -> tuple[str, bytes, bytes]:
     method, sp, rest = line.partition(b" ")
     target, sp2, version = rest.partition(b" ")
     if not sp or not sp2 or not method or not target or b" " in version:
@@ -696,8 +711,10 @@ class RequestParser:
         lines = head.split(b"\r\n")
         if len(head) - len(head.translate(None, b"\r\n")) != 2 * len(lines) - 2:
             raise ProtocolError("bare CR or LF in the request head")
-        method, target, version = _request_line(lines[0])
-        if _FIELD_CTL.search(head, len(lines[0])):
+        line = lines[0]
+        known = _REQUEST_LINES.get(line)
+        method, target, version = known if known is not None else _request_line(line)
+        if _FIELD_CTL.search(head, len(line)):
             raise ProtocolError("control character in a header field")
         keep_alive = version == b"1.1"
         length: int | None = None

@@ -107,6 +107,38 @@ def test_json_nesting_is_bounded_without_recursion() -> None:
             parse_json(b'{"a":' * depth + b"1" + b"}" * depth)
 
 
+@pytest.mark.parametrize("body", [
+    b'{"model":"m","prompt":"hi","max_tokens":16,"temperature":0.7,"stream":false}',
+    b'{"a":1,"a":2}', b'{"a":-0.0,"b":-0}', b'{"a":123456789012345678901234567890}', b'{"a":18446744073709551616}',
+    b'{"a":"\xc3\xa9 \\u2603 \\ud83d\\ude00"}', b'{"a":1e5,"b":1E-7,"c":0.1}',
+    # What msgspec refuses goes to json.loads: json's value, as before.
+    b'{"a":NaN,"b":Infinity}', b'{"a":1e400}', b'{"a":"\\ud800"}', b'{"a":"\xed\xa0\x80"}',
+])
+def test_json_values_are_json_loads_values(body: bytes) -> None:
+    import json
+    import math
+
+    got, want = parse_json(body), json.loads(body.decode("utf-8", "surrogatepass"))
+    assert repr(got) == repr(want)  # same types, same float signs (nan != nan, so compare the spelling)
+    assert [type(v) for v in got.values()] == [type(v) for v in want.values()]
+    assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got.values(), want.values())
+               if isinstance(g, float) and g == g)
+
+
+@pytest.mark.parametrize("body", [b'{"a":', b'{"a":1,}', b"{'a':1}", b'{"a":1} x', b'{"a":"\xff"}', b'{"a":"\x01"}'])
+def test_json_errors_are_json_loads_errors(body: bytes) -> None:
+    import json
+
+    with pytest.raises(ValueError) as got:
+        parse_json(body)
+    try:
+        json.loads(body.decode("utf-8", "surrogatepass"))
+    except ValueError as want:
+        assert str(got.value) == str(want)  # the 400's message is what it was
+    else:
+        raise AssertionError("json.loads accepted it")
+
+
 def test_request_ids_are_unique_within_and_across_processes() -> None:
     first, second = request_id_source(), request_id_source()  # two interpreters draw two prefixes
     ids = {first() for _ in range(10_000)} | {second() for _ in range(10_000)}
