@@ -140,6 +140,132 @@ class PerCallEncoder(hpack.hpack.Encoder):
         return super().add(to_add, sensitive, huffman and not sensitive)
 
 
+_STATIC_FULL = {entry: i + 1 for i, entry in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
+_STATIC_NAME = {name: i + 1 for i, (name, _) in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
+_INDEX_NONE = hpack.hpack.INDEX_NONE
+_INDEX_NEVER = hpack.hpack.INDEX_NEVER
+_FIELD_CACHE_MAX = 4096  # distinct (name, value) pairs kept encoded; the cache starts over when full
+
+
+class ResponseEncoder(PerCallEncoder):
+    """The client connection's encoder: every field a static-table index or a literal *without indexing*,
+    so the connection's dynamic table stays empty and a field's encoding depends on nothing but the field;
+    each field is encoded once per process (`_FIELDS`, shared by every client connection) and then looked up.
+
+    hpack's own encoder (what `PerCallEncoder` is) searches the dynamic table linearly for every field,
+    Huffman-codes every literal and inserts every new value, so a response's fresh x-request-id and
+    content-length evict the entries the other fields hit: measured here (a bridged OpenAI response,
+    :status + 4 fields) 21 µs per header block, against 2 µs looked up. The price is bytes: a repeated
+    `content-type: application/json` costs 13 bytes instead of one index byte (about 40 bytes per
+    response). A value is Huffman-coded when that is shorter (paid once, at the cache miss). A field marked
+    never-indexed (`per_call`) is still a plain never-indexed literal, and not cached: its value is new each
+    time. A dynamic table size change asked by the client's SETTINGS is still signalled first, as hpack does.
+    """
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        table = self.header_table
+        parts: list[bytes] = []
+        if table.resized:
+            parts.append(self._encode_table_size_change())
+            table.resized = False
+        fields = _FIELDS
+        never = hpack.struct.NeverIndexedHeaderTuple
+        for field in headers:
+            if type(field) is never:
+                parts.append(self._literal(field[0], field[1], _INDEX_NEVER, False))
+                continue
+            encoded = fields.get(field)
+            if encoded is None:
+                name, value = field  # h2 hands the encoder (bytes, bytes) pairs (utf8_encode_headers)
+                index = _STATIC_FULL.get((name, value))
+                if index is not None:
+                    encoded = self._encode_indexed(index)
+                else:
+                    encoded = self._literal(name, value, _INDEX_NONE, huffman)
+                if len(fields) >= _FIELD_CACHE_MAX:
+                    fields.clear()
+                fields[(name, value)] = encoded
+            parts.append(encoded)
+        return b"".join(parts)
+
+    def _literal(self, name: bytes, value: bytes, indexbit: bytes, huffman: bool) -> bytes:
+        if huffman:
+            coded = self.huffman_coder.encode(value)
+            huffman = len(coded) < len(value)
+        index = _STATIC_NAME.get(name)
+        if index is not None:
+            return self._encode_indexed_literal(index, value, indexbit, huffman)
+        if not huffman:
+            return self._encode_literal(name, value, indexbit, False)
+        # The name is Huffman-coded too when the value is (both once per distinct field).
+        return self._encode_literal(name, value, indexbit, True)
+
+
+_FIELDS: dict[Any, bytes] = {}
+
+
+class _CountedTable(hpack.table.HeaderTable):
+    """hpack's dynamic table, counting its changes: `generation` names its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.generation += 1
+        super().add(name, value)
+
+    @property  # the same property as hpack's, its setter counting
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, value: int) -> None:
+        if value != self._maxsize:
+            self.generation += 1
+        hpack.table.HeaderTable.maxsize.fset(self, value)  # type: ignore[attr-defined]  # hpack's own setter
+
+
+_BLOCKS_MAX = 16  # header blocks remembered per connection
+_BLOCK_MAX_BYTES = 1024  # longer blocks are not remembered
+
+
+class RepeatDecoder(hpack.hpack.Decoder):
+    """hpack's decoder, remembering the last few header blocks that changed nothing in the dynamic table.
+
+    A client sends much the same request many times: h2load, curl and other nghttp2 clients send `:path`
+    and `content-length` as literals without indexing and every other field as an index, so that block is
+    the same bytes every time; a client that indexes everything sends the same bytes once its fields are in
+    the table. Decoding such a block is a function of its bytes and the table's state, and it leaves the
+    state as it was; so the result is kept by bytes with the table's `generation` (every insertion,
+    eviction and resize changes it) and the limits it was checked against (`max_header_list_size`,
+    `max_allowed_table_size`), and returned again while all of them are unchanged. Measured here: a 7-field
+    request block 24 µs to decode with hpack, 1 µs looked up. Any block that adds an entry (or changes the
+    size) is decoded by hpack every time, and errors are hpack's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _CountedTable()
+        self._blocks: dict[bytes, tuple[int, int, int, list[Any]]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        table = self.header_table
+        gen = table.generation  # type: ignore[attr-defined]  # a _CountedTable (set in __init__)
+        hit = self._blocks.get(data) if raw else None
+        if (hit is not None and hit[0] == gen and hit[1] == self.max_header_list_size
+                and hit[2] == self.max_allowed_table_size):
+            return list(hit[3])
+        headers = super().decode(data, raw)
+        if (raw and table.generation == gen  # type: ignore[attr-defined]  # as above
+                and type(data) is bytes and len(data) <= _BLOCK_MAX_BYTES):
+            blocks = self._blocks
+            if len(blocks) >= _BLOCKS_MAX:
+                blocks.clear()
+            blocks[data] = (gen, self.max_header_list_size, self.max_allowed_table_size, list(headers))
+        return headers
+
+
 def per_call(name: bytes, value: bytes) -> hpack.struct.NeverIndexedHeaderTuple:
     """A header field whose value changes from call to call: never indexed (see `PerCallEncoder`)."""
     return hpack.struct.NeverIndexedHeaderTuple(name, value)

@@ -56,6 +56,7 @@ class ClientConnection(Protocol):
     """The client connection as its streams write to it."""
 
     conn: h2.connection.H2Connection
+    now: float  # when the current read came in (time.monotonic)
     paused: bool
     blocked: dict[Any, None]
     calls: dict[int, Any]
