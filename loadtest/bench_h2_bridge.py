@@ -12,7 +12,9 @@ every answer after the clock stops (the round fails unless every request was ans
     .venv/bin/python -m loadtest.bench_h2_bridge --requests 20000 --rounds 5
     PYTHONPATH=/work/wt/before-h2 .venv/bin/python -P loadtest/bench_h2_bridge.py   # another tree
 
-Prints the thread CPU µs per request of the proxy side for each round, and their median.
+Prints the thread CPU µs per request of the proxy side for each round, and their median. `--ablate encoder`
+(`decoder`, `encoder+decoder`) adds alternating rounds with hpack's own coders put back on the connection
+(this tree only), and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def client_conn() -> h2.connection.H2Connection:
     return conn
 
 
-async def one_round(n: int, batch: int) -> float:
+async def one_round(n: int, batch: int, without: frozenset[str] = frozenset()) -> float:
     from proxy.grpc.connection import Flusher
     from proxy.grpc.downstream import Downstream
     from proxy.grpc.grpc_config import GrpcOptions
@@ -85,6 +87,7 @@ async def one_round(n: int, batch: int) -> float:
     ctx = types.SimpleNamespace(flusher=Flusher(loop), options=GrpcOptions(), downstreams=set(),
                                 openai=StubPipeline(), registry=None, local_prefixes=(), observability=None)
     down = Downstream(ctx)  # type: ignore[arg-type]  # a stand-in context: only what the bridge path reads
+    _ablate(down, without)
     transport = FakeTransport()
     down.connection_made(transport)  # type: ignore[arg-type]
     client = client_conn()
@@ -130,16 +133,38 @@ async def one_round(n: int, batch: int) -> float:
     return spent / done * 1e6
 
 
+def _ablate(down: Any, without: frozenset[str]) -> None:
+    """Put hpack's own coders back on the connection, to measure what this tree's coders save."""
+    if "encoder" in without:
+        from proxy.grpc.connection import PerCallEncoder
+
+        down.conn.encoder = PerCallEncoder()
+    if "decoder" in without:
+        decoder = hpack.Decoder()
+        decoder.max_header_list_size = down.conn.decoder.max_header_list_size
+        decoder.max_allowed_table_size = down.conn.decoder.max_allowed_table_size
+        down.conn.decoder = decoder
+
+
 async def main_async(args: argparse.Namespace) -> None:
     from proxy.grpc.connection import quiet_hpack_logging
 
     quiet_hpack_logging()  # as the listener does at start
+    variants = {"this": frozenset[str]()}
+    for v in args.ablate:
+        variants["without " + v] = frozenset(v.split("+"))
     await one_round(2000, args.batch)  # warm-up
-    res = []
+    res: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(args.rounds):
-        res.append(await one_round(args.requests, args.batch))
-        print(f"round {r}: {res[-1]:.2f} µs CPU per request (proxy side)")
-    print(f"median: {statistics.median(res):.2f} µs")
+        for name, without in (list(variants.items()) if r % 2 == 0 else list(variants.items())[::-1]):
+            res[name].append(await one_round(args.requests, args.batch, without))
+            print(f"round {r} {name}: {res[name][-1]:.2f} µs CPU per request (proxy side)")
+    for name, xs in res.items():
+        ratio = ""
+        if name != "this":
+            ratio = f", this / {name}: median of per-round ratios " + \
+                f"{statistics.median(a / b for a, b in zip(res['this'], xs)):.3f}"
+        print(f"median {name}: {statistics.median(xs):.2f} µs{ratio}")
 
 
 def main() -> None:
@@ -147,6 +172,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=3, help="requests per read")
+    ap.add_argument("--ablate", action="append", default=[], metavar="encoder|decoder|encoder+decoder",
+                    help="also run rounds (alternating) with hpack's own coders back in place of this tree's")
     args = ap.parse_args()
     import uvloop
 

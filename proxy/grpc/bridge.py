@@ -124,6 +124,13 @@ class HttpBridgeCall:
     # ---------------------------------------------------------------------------------------- writes
 
     def _send_headers(self, status: int, headers: CIMultiDict[str] | list[tuple[str, str]], end: bool) -> None:
+        self.down.conn.send_headers(self.sid, self._head(status, headers), end_stream=end)
+        if end:
+            self.ended = True
+        self.down.mark()
+
+    @staticmethod
+    def _head(status: int, headers: CIMultiDict[str] | list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
         names = _NAMES
         out: list[tuple[bytes, bytes]] = [(b":status", _STATUS.get(status) or str(status).encode())]
         for k, v in headers.items() if isinstance(headers, CIMultiDict) else headers:
@@ -136,10 +143,7 @@ class HttpBridgeCall:
                 out.append(per_call(name, v.encode("latin-1")))
             else:
                 out.append((name, v.encode("latin-1")))
-        self.down.conn.send_headers(self.sid, out, end_stream=end)
-        if end:
-            self.ended = True
-        self.down.mark()
+        return out
 
     async def _write(self, data: bytes) -> None:
         if not data:
@@ -248,9 +252,19 @@ class HttpBridgeCall:
         length = answer.head_length
         if length is not None or answer.status not in (204, 304):
             headers["content-length"] = str(len(body) if length is None else length)
-        self._send_headers(answer.status, headers, end=not body)
-        if body:
-            await self._end(body)
+        if self.closed or self.ended:
+            return
+        head = self._head(answer.status, headers)
+        if answer.status >= 200 and not self.to_down and self.down.send_whole(self.sid, head, body):
+            self.ended = True  # HEADERS and the body's one DATA frame (END_STREAM) in h2's buffer
+            self.down.mark()
+            return
+        self.down.conn.send_headers(self.sid, head, end_stream=not body)
+        self.down.mark()
+        if not body:
+            self.ended = True
+            return
+        await self._end(body)
 
     async def start(self, up: Exchange, headers: CIMultiDict[str]) -> None:
         self._send_headers(up.status, headers, end=False)

@@ -19,6 +19,7 @@ from typing import Any
 
 import h2.config
 import h2.connection
+import h2.exceptions
 import h2.settings
 import h2.stream
 import hpack.hpack
@@ -122,6 +123,76 @@ def _probe_fast_path() -> bool:
 
 
 _FAST_PATH = _probe_fast_path()
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
+_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
+_SEND_DATA = h2.stream.StreamInputs.SEND_DATA
+_SEND_END_STREAM = h2.stream.StreamInputs.SEND_END_STREAM
+
+
+def _probe_whole_answer() -> bool:
+    """`H2Side.send_whole` writes a stream's frames into h2's output buffer itself and drives h2's stream
+    state machine; check once that this h2 has the pieces it uses (and that the result reads back as a
+    response), else fall back to plain h2."""
+    try:
+        server = h2.connection.H2Connection(config=h2_config(client_side=False))
+        client = h2.connection.H2Connection(config=h2_config(client_side=True))
+        client.initiate_connection()
+        server.initiate_connection()
+        client.receive_data(server.data_to_send())
+        client.send_headers(1, [(b":method", b"GET"), (b":path", b"/"), (b":scheme", b"http"),
+                                (b":authority", b"x")], end_stream=True)
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+        stream = server.streams[1]
+        if not (isinstance(server._data_to_send, bytearray)  # noqa: SLF001
+                and stream.state_machine.state is _HALF_CLOSED_REMOTE
+                and stream.state_machine.headers_sent is None
+                and isinstance(stream.outbound_flow_control_window, int)):
+            return False
+        if not _write_whole(server, stream, 1, [(b":status", b"200")], b"ok"):
+            return False
+        events = client.receive_data(server.data_to_send())
+        got = [(type(ev).__name__, getattr(ev, "headers", None) or getattr(ev, "data", None)) for ev in events]
+        return (stream.state_machine.state is h2.stream.StreamState.CLOSED
+                and got == [("ResponseReceived", [(b":status", b"200")]), ("DataReceived", b"ok"),
+                            ("StreamEnded", None)])
+    except Exception:  # any shape we do not recognise: use h2 as it is
+        return False
+
+
+def _frame_head(length: int, ftype: int, flags: int, sid: int) -> bytes:
+    return (length.to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big"))
+
+
+def _write_whole(conn: h2.connection.H2Connection, stream: Any, sid: int, headers: list[Any], body: bytes) -> bool:
+    n = len(body)
+    max_frame = conn.max_outbound_frame_size
+    if n > max_frame or n > stream.outbound_flow_control_window or n > conn.outbound_flow_control_window:
+        return False
+    block = conn.encoder.encode(headers)
+    machine = stream.state_machine
+    machine.process_input(_SEND_HEADERS)
+    if n:
+        machine.process_input(_SEND_DATA)
+    machine.process_input(_SEND_END_STREAM)
+    stream.outbound_flow_control_window -= n
+    conn.outbound_flow_control_window -= n
+    out = conn._data_to_send  # noqa: SLF001
+    end_on_headers = 0 if n else _END_STREAM
+    if len(block) <= max_frame:
+        out += _frame_head(len(block), 1, _END_HEADERS | end_on_headers, sid)
+        out += block
+    else:  # HEADERS and CONTINUATION frames, END_HEADERS on the last
+        out += _frame_head(max_frame, 1, end_on_headers, sid)
+        out += block[:max_frame]
+        for at in range(max_frame, len(block), max_frame):
+            piece = block[at:at + max_frame]
+            out += _frame_head(len(piece), 9, _END_HEADERS if at + max_frame >= len(block) else 0, sid)
+            out += piece
+    if n:
+        out += _frame_head(n, 0, _END_STREAM, sid)
+        out += body
+    return True
 
 
 class PerCallEncoder(hpack.hpack.Encoder):
@@ -339,9 +410,10 @@ class H2Side(asyncio.Protocol, abc.ABC):
         frames in the original order. Streams opened by a HEADERS frame earlier in the same read qualify
         too (h2 is handed those HEADERS first). A DATA frame that ends its stream (a unary request's only frame)
         is handed to h2's stream object directly, so the stream's state machine closes it and h2's own
-        DataReceived/StreamEnded events come out. A padded DATA frame, one inside a header block, on a
-        stream h2 does not think open, with a content-length to check, or over the frame size limit goes
-        to h2 as usual.
+        DataReceived/StreamEnded events come out (and the stream checks a declared content-length, as
+        h2 would: a plain HTTP/2 POST's one DATA frame takes this path too). A padded DATA frame, one
+        inside a header block, on a stream h2 does not think open, one that would take a stream past its
+        declared content-length before its end, or over the frame size limit goes to h2 as usual.
 
         WINDOW_UPDATE frames (the peers send about two per unary call; ~4 µs each through h2) are taken the
         same way when the connection is open and the increment overflows no window: a connection-level one
@@ -383,14 +455,23 @@ class H2Side(asyncio.Protocol, abc.ABC):
                             events.extend(conn.receive_data(buf[slow:pos]))
                             slow = pos
                         stream = streams.get(sid)
+                        ended = flags & _END_STREAM
+                        expected = stream._expected_content_length if stream is not None else None  # noqa: SLF001
                         if (stream is not None and stream.state_machine.state in _RECV_DATA_STATES
-                                and stream._expected_content_length is None  # noqa: SLF001
+                                and (expected is None or ended
+                                     or stream._actual_content_length + length <= expected)  # noqa: SLF001
                                 and conn.state_machine.state is not _CONN_CLOSED):
                             conn._inbound_flow_control_window_manager.window_consumed(length)  # noqa: SLF001
-                            if flags & _END_STREAM:
+                            if ended:
                                 # The last frame of the stream: h2's own stream object takes it, so the
-                                # state machine closes the stream and emits StreamEnded as usual.
-                                events.extend(stream.receive_data(buf[pos + 9 : nxt], True, length)[1])
+                                # state machine closes the stream, checks a declared content-length and
+                                # emits StreamEnded as usual; a wrong length is h2's protocol error, with
+                                # the GOAWAY h2 itself would send.
+                                try:
+                                    events.extend(stream.receive_data(buf[pos + 9 : nxt], True, length)[1])
+                                except h2.exceptions.ProtocolError as err:
+                                    conn._terminate_connection(err.error_code)  # noqa: SLF001
+                                    raise
                             else:
                                 stream._inbound_window_manager.window_consumed(length)  # noqa: SLF001
                                 stream._actual_content_length += length  # noqa: SLF001
@@ -429,6 +510,26 @@ class H2Side(asyncio.Protocol, abc.ABC):
         self._inbuf = buf[pos:]
         return events
 
+    def send_whole(self, sid: int, headers: list[Any], body: bytes) -> bool:
+        """A whole response on stream `sid` at once (HEADERS with `headers`, then `body` in one DATA frame
+        with END_STREAM, or END_STREAM on the HEADERS when `body` is empty), written straight into h2's
+        output buffer: h2's own stream state machine takes the three steps and both flow-control windows
+        are charged, so h2 is left exactly as `send_headers` + `send_data` would leave it. True if sent;
+        False (nothing changed) unless the connection is open, the stream is half-closed by the client
+        with no response yet, and the body fits one frame and both windows; the caller then sends it
+        through h2. `headers` must be a final (not 1xx) response head.
+
+        Measured here: a small bridged answer's frames take ~2 µs this way against ~12 µs through h2
+        (frame objects, a state transition per call, header re-encoding to bytes, debug calls)."""
+        conn = self.conn
+        if not _WHOLE or conn.state_machine.state not in _CONN_OPEN:
+            return False
+        stream = conn.streams.get(sid)
+        if (stream is None or stream.state_machine.state is not _HALF_CLOSED_REMOTE
+                or stream.state_machine.headers_sent):
+            return False
+        return _write_whole(conn, stream, sid, headers, body)
+
     def mark(self) -> None:
         self.flusher.mark(self)
 
@@ -455,3 +556,6 @@ class H2Side(asyncio.Protocol, abc.ABC):
     @abc.abstractmethod
     def flush_call(self, call: Any) -> None:
         """Send what `call` has queued for this connection, as far as the windows allow."""
+
+
+_WHOLE = _probe_whole_answer()

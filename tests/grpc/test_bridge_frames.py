@@ -5,9 +5,11 @@ blocks) decodes to exactly what hpack's own coders give."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
+import h2.errors
 import h2.events
 import h2.settings
 import hpack
@@ -117,3 +119,22 @@ def test_repeated_request_blocks_decode_as_hpack_decodes_them() -> None:
     mine.max_header_list_size = 10
     with pytest.raises(hpack.OversizedHeaderListError):
         mine.decode(b"\xbe", raw=True)
+
+
+@pytest.mark.parametrize("sent", [b"12345", b"x" * 20])
+async def test_a_body_not_matching_its_content_length_is_a_protocol_error(fleet: Fleet, make_proxy,
+                                                                         sent: bytes) -> None:
+    """The request's only DATA frame comes in the read of its HEADERS (the fast path); a declared length
+    that the body does not match still ends the connection with GOAWAY PROTOCOL_ERROR, as h2 answers it."""
+    proxy = await make_proxy(fleet_entries(fleet)[:1])
+    client = await RawClient.connect(proxy_address(proxy))
+    try:
+        client.conn.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/v1/completions"),
+                                     (b":authority", b"proxy"), (b"content-length", b"10")])
+        client.conn.send_data(1, sent, end_stream=True)
+        client.flush()
+        ev = await client.wait_for(lambda ev: isinstance(ev, h2.events.ConnectionTerminated))
+        assert ev.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
+        await asyncio.wait_for(client.lost.wait(), 10)
+    finally:
+        client.close()
