@@ -226,7 +226,8 @@ class ResponseEncoder(PerCallEncoder):
     hpack's own encoder (what `PerCallEncoder` is) searches the dynamic table linearly for every field,
     Huffman-codes every literal and inserts every new value, so a response's fresh x-request-id and
     content-length evict the entries the other fields hit: measured here (a bridged OpenAI response,
-    :status + 4 fields) 21 µs per header block, against 2 µs looked up. The price is bytes: a repeated
+    :status + 4 fields, a fresh x-request-id each) 11.5 µs per header block with hpack's encoder, 5.9 µs
+    with the id never-indexed (`PerCallEncoder`), 1.1 µs looked up. The price is bytes: a repeated
     `content-type: application/json` costs 13 bytes instead of one index byte (about 40 bytes per
     response). A value is Huffman-coded when that is shorter (paid once, at the cache miss). A field marked
     never-indexed (`per_call`) is still a plain never-indexed literal, and not cached: its value is new each
@@ -243,7 +244,14 @@ class ResponseEncoder(PerCallEncoder):
         never = hpack.struct.NeverIndexedHeaderTuple
         for field in headers:
             if type(field) is never:
-                parts.append(self._literal(field[0], field[1], _INDEX_NEVER, False))
+                name, value = field
+                prefix = _NEVER_NAMES.get(name)
+                if prefix is None:  # the name's part of a never-indexed literal, once per name
+                    prefix = self._literal(name, b"", _INDEX_NEVER, False)[:-1]
+                    if len(_NEVER_NAMES) < _FIELD_CACHE_MAX:
+                        _NEVER_NAMES[name] = prefix
+                n = len(value)
+                parts.append(prefix + (bytes((n,)) if n < 127 else bytes(hpack.hpack.encode_integer(n, 7))) + value)
                 continue
             encoded = fields.get(field)
             if encoded is None:
@@ -273,6 +281,7 @@ class ResponseEncoder(PerCallEncoder):
 
 
 _FIELDS: dict[Any, bytes] = {}
+_NEVER_NAMES: dict[bytes, bytes] = {}
 
 
 class _CountedTable(hpack.table.HeaderTable):
@@ -310,8 +319,8 @@ class RepeatDecoder(hpack.hpack.Decoder):
     the table. Decoding such a block is a function of its bytes and the table's state, and it leaves the
     state as it was; so the result is kept by bytes with the table's `generation` (every insertion,
     eviction and resize changes it) and the limits it was checked against (`max_header_list_size`,
-    `max_allowed_table_size`), and returned again while all of them are unchanged. Measured here: a 7-field
-    request block 24 µs to decode with hpack, 1 µs looked up. Any block that adds an entry (or changes the
+    `max_allowed_table_size`), and returned again while all of them are unchanged. Measured here: h2load's
+    7-field request block 12.8 µs to decode with hpack, 0.13 µs looked up. Any block that adds an entry (or changes the
     size) is decoded by hpack every time, and errors are hpack's.
     """
 
@@ -519,8 +528,9 @@ class H2Side(asyncio.Protocol, abc.ABC):
         with no response yet, and the body fits one frame and both windows; the caller then sends it
         through h2. `headers` must be a final (not 1xx) response head.
 
-        Measured here: a small bridged answer's frames take ~2 µs this way against ~12 µs through h2
-        (frame objects, a state transition per call, header re-encoding to bytes, debug calls)."""
+        Measured here (200 small answers on one connection, the same encoder): 2 µs per answer this way,
+        33 µs through h2's send_headers + send_data (frame objects and their serialisation, header
+        re-encoding to bytes, validation flags, debug calls)."""
         conn = self.conn
         if not _WHOLE or conn.state_machine.state not in _CONN_OPEN:
             return False

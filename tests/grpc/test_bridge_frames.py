@@ -83,6 +83,10 @@ def test_response_fields_are_static_indexes_or_unindexed_literals() -> None:
     assert b"0123456789abcdef0123456789abcdef" in block  # the per-call id: a plain literal...
     assert not dec.decode(block, raw=True)[3].indexable  # ...marked never-indexed
     assert block == ResponseEncoder().encode(headers)  # a field's bytes depend on nothing else
+    for value in (b"", b"a" * 126, b"b" * 127, b"c" * 300):  # never-indexed value lengths around the prefix
+        for name in (b"x-request-id", b"content-length"):  # a literal name, a static-table one
+            fields = dec.decode(enc.encode([(b":status", b"200"), per_call(name, value)]), raw=True)
+            assert fields == [(b":status", b"200"), (name, value)] and not fields[1].indexable
     # A smaller table asked for by the client's SETTINGS is still signalled before the next block.
     enc.header_table_size = 0
     resized = enc.encode(headers)
