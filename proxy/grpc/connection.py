@@ -465,9 +465,8 @@ class H2Side(asyncio.Protocol, abc.ABC):
                             slow = pos
                         stream = streams.get(sid)
                         ended = flags & _END_STREAM
-                        expected = stream._expected_content_length if stream is not None else None  # noqa: SLF001
                         if (stream is not None and stream.state_machine.state in _RECV_DATA_STATES
-                                and (expected is None or ended
+                                and ((expected := stream._expected_content_length) is None or ended  # noqa: SLF001
                                      or stream._actual_content_length + length <= expected)  # noqa: SLF001
                                 and conn.state_machine.state is not _CONN_CLOSED):
                             conn._inbound_flow_control_window_manager.window_consumed(length)  # noqa: SLF001
