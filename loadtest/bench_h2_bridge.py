@@ -13,8 +13,9 @@ every answer after the clock stops (the round fails unless every request was ans
     PYTHONPATH=/work/wt/before-h2 .venv/bin/python -P loadtest/bench_h2_bridge.py   # another tree
 
 Prints the thread CPU µs per request of the proxy side for each round, and their median. `--ablate encoder`
-(`decoder`, `encoder+decoder`) adds alternating rounds with hpack's own coders put back on the connection
-(this tree only), and the median of the per-round ratios.
+(`decoder`, `headers`, `whole`, or several joined by +) adds alternating rounds with h2's or hpack's own
+way put back on the connection for that piece (this tree only, see `_ablate`), and the median of the
+per-round ratios.
 """
 
 from __future__ import annotations
@@ -134,7 +135,13 @@ async def one_round(n: int, batch: int, without: frozenset[str] = frozenset()) -
 
 
 def _ablate(down: Any, without: frozenset[str]) -> None:
-    """Put hpack's own coders back on the connection, to measure what this tree's coders save."""
+    """Put h2's and hpack's own ways back on the connection, to measure what this tree's save: `encoder`,
+    `decoder` (hpack's coders), `headers` (new streams' HEADERS through h2's frame buffer), `whole` (whole
+    answers through h2's send_headers + send_data)."""
+    if "headers" in without:
+        down.fast_headers = False
+    if "whole" in without:
+        down.send_whole = lambda sid, headers, body: False
     if "encoder" in without:
         from proxy.grpc.connection import PerCallEncoder
 
@@ -172,8 +179,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=3, help="requests per read")
-    ap.add_argument("--ablate", action="append", default=[], metavar="encoder|decoder|encoder+decoder",
-                    help="also run rounds (alternating) with hpack's own coders back in place of this tree's")
+    ap.add_argument("--ablate", action="append", default=[], metavar="encoder|decoder|headers|whole|a+b",
+                    help="also run rounds (alternating) with h2's / hpack's own ways back (see _ablate)")
     args = ap.parse_args()
     import uvloop
 
