@@ -13,7 +13,7 @@ every answer after the clock stops (the round fails unless every request was ans
     PYTHONPATH=/work/wt/before-h2 .venv/bin/python -P loadtest/bench_h2_bridge.py   # another tree
 
 Prints the thread CPU µs per request of the proxy side for each round, and their median. `--ablate encoder`
-(`decoder`, `headers`, `whole`, or several joined by +) adds alternating rounds with h2's or hpack's own
+(`decoder`, `headers`, `fast`, `whole`, or several joined by +) adds alternating rounds with h2's or hpack's own
 way put back on the connection for that piece (this tree only, see `_ablate`), and the median of the
 per-round ratios.
 """
@@ -136,8 +136,10 @@ async def one_round(n: int, batch: int, without: frozenset[str] = frozenset()) -
 
 def _ablate(down: Any, without: frozenset[str]) -> None:
     """Put h2's and hpack's own ways back on the connection, to measure what this tree's save: `encoder`,
-    `decoder` (hpack's coders), `headers` (new streams' HEADERS through h2's frame buffer), `whole` (whole
-    answers through h2's send_headers + send_data)."""
+    `decoder` (hpack's coders), `headers` (new streams' HEADERS through h2's frame buffer), `fast` (every
+    frame through h2's receive_data), `whole` (whole answers through h2's send_headers + send_data)."""
+    if "fast" in without:  # every receive fast path (DATA, WINDOW_UPDATE, new-stream HEADERS)
+        down.fast = False
     if "headers" in without:
         down.fast_headers = False
     if "whole" in without:
@@ -179,7 +181,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=3, help="requests per read")
-    ap.add_argument("--ablate", action="append", default=[], metavar="encoder|decoder|headers|whole|a+b",
+    ap.add_argument("--ablate", action="append", default=[], metavar="encoder|decoder|headers|fast|whole|a+b",
                     help="also run rounds (alternating) with h2's / hpack's own ways back (see _ablate)")
     args = ap.parse_args()
     import uvloop

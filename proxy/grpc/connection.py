@@ -219,12 +219,14 @@ _STATIC_NAME = {name: i + 1 for i, (name, _) in reversed(list(enumerate(hpack.ta
 _INDEX_NONE = hpack.hpack.INDEX_NONE
 _INDEX_NEVER = hpack.hpack.INDEX_NEVER
 _FIELD_CACHE_MAX = 4096  # distinct (name, value) pairs kept encoded; the cache starts over when full
+_FIELD_CACHE_BYTES = 256  # a longer field is encoded every time (the cache stays under ~2 MiB)
 
 
 class ResponseEncoder(PerCallEncoder):
     """The client connection's encoder: every field a static-table index or a literal *without indexing*,
     so the connection's dynamic table stays empty and a field's encoding depends on nothing but the field;
-    each field is encoded once per process (`_FIELDS`, shared by every client connection) and then looked up.
+    each field is encoded once per process (`_FIELDS`, shared by every client connection; fields up to
+    `_FIELD_CACHE_BYTES`) and then looked up.
 
     hpack's own encoder (what `PerCallEncoder` is) searches the dynamic table linearly for every field,
     Huffman-codes every literal and inserts every new value, so a response's fresh x-request-id and
@@ -251,7 +253,7 @@ class ResponseEncoder(PerCallEncoder):
                 prefix = _NEVER_NAMES.get(name)
                 if prefix is None:  # the name's part of a never-indexed literal, once per name
                     prefix = self._literal(name, b"", _INDEX_NEVER, False)[:-1]
-                    if len(_NEVER_NAMES) < _FIELD_CACHE_MAX:
+                    if len(_NEVER_NAMES) < _FIELD_CACHE_MAX and len(name) <= _FIELD_CACHE_BYTES:
                         _NEVER_NAMES[name] = prefix
                 n = len(value)
                 parts.append(prefix + (bytes((n,)) if n < 127 else bytes(hpack.hpack.encode_integer(n, 7))) + value)
@@ -264,9 +266,10 @@ class ResponseEncoder(PerCallEncoder):
                     encoded = self._encode_indexed(index)
                 else:
                     encoded = self._literal(name, value, _INDEX_NONE, huffman)
-                if len(fields) >= _FIELD_CACHE_MAX:
-                    fields.clear()
-                fields[(name, value)] = encoded
+                if len(name) + len(value) <= _FIELD_CACHE_BYTES:
+                    if len(fields) >= _FIELD_CACHE_MAX:
+                        fields.clear()
+                    fields[(name, value)] = encoded
             parts.append(encoded)
         return b"".join(parts)
 
@@ -309,7 +312,7 @@ class _CountedTable(hpack.table.HeaderTable):
         hpack.table.HeaderTable.maxsize.fset(self, value)  # type: ignore[attr-defined]  # hpack's own setter
 
 
-_BLOCKS_MAX = 16  # header blocks remembered per connection
+_BLOCKS_MAX = 4  # header blocks remembered per connection (a client sends few shapes; ~12 KiB at most)
 _BLOCK_MAX_BYTES = 1024  # longer blocks are not remembered
 
 
