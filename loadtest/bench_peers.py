@@ -381,6 +381,104 @@ def c1_latencies(port: int, secs: float, tls: bool = False) -> dict[str, float]:
     return {"requests": float(len(lat)), "p50_us": q(0.50), "p99_us": q(0.99), "p999_us": q(0.999)}
 
 
+def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, conns: int, streams: int,
+          tls: bool, base_port: int, secs: int = 3) -> dict[str, Any]:
+    """This tree against `baseline` over HTTP/2: h2c with prior knowledge, or h2 over TLS (ALPN) when `tls`.
+
+    As `ab_cpu` for HTTP/1.1: both proxies up side by side, pinned to core 0 (backends and load on core 1),
+    h2load runs of `secs` alternating between them (ABBA order), `conns` connections x `streams`
+    concurrent streams, the `H2_BODY` POST to /v1/completions; CPU µs per request of each proxy's process
+    tree (/proc). Printed: the medians and the median of the per-round ratios (the least swayed by a round
+    a burst of foreign load hit). Returns the raw rounds."""
+    import signal
+    import subprocess
+
+    hz = os.sysconf("SC_CLK_TCK")
+    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
+    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
+    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"ab-h2-{base_port}")
+    os.makedirs(run_dir, exist_ok=True)
+    b = load_harness(peers_dir)
+    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
+    b.ensure_tokenizer()
+    body_file = os.path.join(run_dir, "body.json")
+    with open(body_file, "wb") as bf:
+        bf.write(H2_BODY)
+    cert, key = os.path.join(run_dir, "cert.pem"), os.path.join(run_dir, "key.pem")
+    if tls:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    logf = open(os.path.join(run_dir, "ab.log"), "a")
+
+    def start(cmd: list[str], cpus: str, env: dict[str, str] | None = None) -> int:
+        p = subprocess.Popen(["taskset", "-c", cpus, *cmd], stdout=logf, stderr=logf, env=env, start_new_session=True)
+        procs.append(p)
+        return p.pid
+
+    trees = {"base": os.path.abspath(baseline), "this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    backends = [base_port + 1, base_port + 2]
+    ports = {"base": base_port + 11, "this": base_port + 12}
+    scheme = "https" if tls else "http"
+    proto = "h2 (TLS)" if tls else "h2c"
+    try:
+        for port in backends:
+            start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "16",
+                   "--model-path", b.TOKDIR], "1")
+        pids = {}
+        tls_line = f", tls: {{cert_file: '{cert}', key_file: '{key}'}}" if tls else ""
+        for name, tree in trees.items():
+            cfg = os.path.join(run_dir, f"{name}.yaml")
+            with open(cfg, "w") as f:
+                f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}{tls_line}}}\n"
+                        f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
+                        + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
+                        + f"routing: {{policy: {policy}}}\n")
+            pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
+                               dict(os.environ, PYTHONPATH=tree))
+        time.sleep(6)
+
+        def h2load(port: int, duration: int) -> dict[str, float]:
+            out = subprocess.run(["taskset", "-c", "1", "h2load", "-t1", f"-c{conns}", f"-m{streams}", "-D",
+                                  str(duration), "-d", body_file, "-H", "content-type: application/json",
+                                  f"{scheme}://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True).stdout
+            r = parse_h2load(out)
+            if r["requests"] <= 0:
+                raise RuntimeError(f"no request succeeded on port {port}:\n" + out[-1500:])
+            return r
+
+        for name in trees:
+            h2load(ports[name], 2)  # warm-up
+        res: dict[str, list[float]] = {n: [] for n in trees}
+        for rep in range(reps):
+            for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+                pids_now = b.tree(pids[name])
+                t0 = b.cpu_ticks(pids_now)
+                r = h2load(ports[name], secs)
+                t1 = b.cpu_ticks(pids_now)
+                res[name].append((t1 - t0) / hz / r["requests"] * 1e6)
+                b.log(f"ab-h2 {proto} {policy} c{conns}x{streams} rep{rep} {name}: {res[name][-1]:.1f} µs CPU/req, "
+                      f"{r['rps']:.0f} req/s")
+        med = {n: statistics.median(v) for n, v in res.items()}
+        pairs = sorted(t / bb for t, bb in zip(res["this"], res["base"]))
+        lower = sum(1 for x in pairs if x < 1.0)
+        print(f"| {policy}, {proto}, h2load -c{conns} -m{streams}, {reps}× {secs} s alternating | baseline | this tree "
+              f"| ratio |\n|---|---|---|---|")
+        print(f"| CPU µs per request | {med['base']:.1f} | {med['this']:.1f} | {med['this'] / med['base']:.2f}× |")
+        print(f"| CPU/request, median of the {len(pairs)} per-round ratios (this lower in {lower}) | | | "
+              f"{statistics.median(pairs):.2f}× |")
+        return {"policy": policy, "proto": proto, "conns": conns, "streams": streams, "rounds": res}
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.wait(timeout=15)
+
+
 def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
                names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"}),
                baseline: str | None = None) -> dict[str, object]:
@@ -767,6 +865,11 @@ def main() -> None:
     ap.add_argument("--ab", metavar="POLICY", help="only the A/B CPU comparison of this tree and --baseline")
     ap.add_argument("--ab-conns", type=int, default=64)
     ap.add_argument("--ab-reps", type=int, default=6)
+    ap.add_argument("--ab-h2", metavar="POLICY", help="only the A/B CPU comparison of this tree and --baseline "
+                    "over HTTP/2 (h2c; h2 over TLS with --ab-h2-tls), see ab_h2")
+    ap.add_argument("--ab-h2-tls", action="store_true")
+    ap.add_argument("--ab-h2-conns", type=int, default=16)
+    ap.add_argument("--ab-h2-streams", type=int, default=4)
     ap.add_argument("--extra", action="store_true", help="only the rows the main run lacks: p99 at one "
                     "connection from long runs, h2c and TLS (see extra_rows)")
     ap.add_argument("--extra-targets", default="nginx,vllm-rr,sglang-rr,ap-rr,ap-aff")
@@ -811,6 +914,12 @@ def main() -> None:
             json.dump(raw, f, indent=1)
         print(f"raw: {out}\n")
         print(extra_table(raw))
+        return
+    if a.ab_h2:
+        if not a.baseline:
+            raise SystemExit("--ab-h2 needs --baseline")
+        ab_h2(a.peers_dir, a.baseline, a.ap_bin, a.ab_h2, a.ab_reps, a.ab_h2_conns, a.ab_h2_streams, a.ab_h2_tls,
+              a.port_base + 650, a.duration)
         return
     if a.ab:
         if not a.baseline:

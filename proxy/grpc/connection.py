@@ -19,9 +19,11 @@ from typing import Any
 
 import h2.config
 import h2.connection
+import h2.exceptions
 import h2.settings
 import h2.stream
 import hpack.hpack
+import hyperframe.frame
 import hpack.struct
 import hpack.table
 
@@ -94,6 +96,7 @@ _CONN_CLOSED = h2.connection.ConnectionState.CLOSED
 _END_HEADERS = 0x4
 _END_STREAM = 0x1
 _PADDED = 0x8  # padded DATA frames are left to h2
+_PADDED_OR_PRIORITY = 0x8 | 0x20  # HEADERS frames with either are left to h2
 
 
 def _probe_fast_path() -> bool:
@@ -122,6 +125,77 @@ def _probe_fast_path() -> bool:
 
 
 _FAST_PATH = _probe_fast_path()
+_FAST_HEADERS = False  # until _probe_fast_headers (at the end of this module) says otherwise
+_HALF_CLOSED_REMOTE = h2.stream.StreamState.HALF_CLOSED_REMOTE
+_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
+_SEND_DATA = h2.stream.StreamInputs.SEND_DATA
+_SEND_END_STREAM = h2.stream.StreamInputs.SEND_END_STREAM
+
+
+def _probe_whole_answer() -> bool:
+    """`H2Side.send_whole` writes a stream's frames into h2's output buffer itself and drives h2's stream
+    state machine; check once that this h2 has the pieces it uses (and that the result reads back as a
+    response), else fall back to plain h2."""
+    try:
+        server = h2.connection.H2Connection(config=h2_config(client_side=False))
+        client = h2.connection.H2Connection(config=h2_config(client_side=True))
+        client.initiate_connection()
+        server.initiate_connection()
+        client.receive_data(server.data_to_send())
+        client.send_headers(1, [(b":method", b"GET"), (b":path", b"/"), (b":scheme", b"http"),
+                                (b":authority", b"x")], end_stream=True)
+        server.receive_data(client.data_to_send())
+        client.receive_data(server.data_to_send())
+        stream = server.streams[1]
+        if not (isinstance(server._data_to_send, bytearray)  # noqa: SLF001
+                and stream.state_machine.state is _HALF_CLOSED_REMOTE
+                and stream.state_machine.headers_sent is None
+                and isinstance(stream.outbound_flow_control_window, int)):
+            return False
+        if not _write_whole(server, stream, 1, [(b":status", b"200")], b"ok"):
+            return False
+        events = client.receive_data(server.data_to_send())
+        got = [(type(ev).__name__, getattr(ev, "headers", None) or getattr(ev, "data", None)) for ev in events]
+        return (stream.state_machine.state is h2.stream.StreamState.CLOSED
+                and got == [("ResponseReceived", [(b":status", b"200")]), ("DataReceived", b"ok"),
+                            ("StreamEnded", None)])
+    except Exception:  # any shape we do not recognise: use h2 as it is
+        return False
+
+
+def _frame_head(length: int, ftype: int, flags: int, sid: int) -> bytes:
+    return (length.to_bytes(3, "big") + bytes((ftype, flags)) + sid.to_bytes(4, "big"))
+
+
+def _write_whole(conn: h2.connection.H2Connection, stream: Any, sid: int, headers: list[Any], body: bytes) -> bool:
+    n = len(body)
+    max_frame = conn.max_outbound_frame_size
+    if n > max_frame or n > stream.outbound_flow_control_window or n > conn.outbound_flow_control_window:
+        return False
+    block = conn.encoder.encode(headers)
+    machine = stream.state_machine
+    machine.process_input(_SEND_HEADERS)
+    if n:
+        machine.process_input(_SEND_DATA)
+    machine.process_input(_SEND_END_STREAM)
+    stream.outbound_flow_control_window -= n
+    conn.outbound_flow_control_window -= n
+    out = conn._data_to_send  # noqa: SLF001
+    end_on_headers = 0 if n else _END_STREAM
+    if len(block) <= max_frame:
+        out += _frame_head(len(block), 1, _END_HEADERS | end_on_headers, sid)
+        out += block
+    else:  # HEADERS and CONTINUATION frames, END_HEADERS on the last
+        out += _frame_head(max_frame, 1, end_on_headers, sid)
+        out += block[:max_frame]
+        for at in range(max_frame, len(block), max_frame):
+            piece = block[at:at + max_frame]
+            out += _frame_head(len(piece), 9, _END_HEADERS if at + max_frame >= len(block) else 0, sid)
+            out += piece
+    if n:
+        out += _frame_head(n, 0, _END_STREAM, sid)
+        out += body
+    return True
 
 
 class PerCallEncoder(hpack.hpack.Encoder):
@@ -138,6 +212,144 @@ class PerCallEncoder(hpack.hpack.Encoder):
 
     def add(self, to_add: tuple[bytes, bytes], sensitive: bool, huffman: bool = False) -> bytes:
         return super().add(to_add, sensitive, huffman and not sensitive)
+
+
+_STATIC_FULL = {entry: i + 1 for i, entry in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
+_STATIC_NAME = {name: i + 1 for i, (name, _) in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
+_INDEX_NONE = hpack.hpack.INDEX_NONE
+_INDEX_NEVER = hpack.hpack.INDEX_NEVER
+_FIELD_CACHE_MAX = 4096  # distinct (name, value) pairs kept encoded; the cache starts over when full
+_FIELD_CACHE_BYTES = 256  # a longer field is encoded every time (the cache stays under ~2 MiB)
+
+
+class ResponseEncoder(PerCallEncoder):
+    """The client connection's encoder: every field a static-table index or a literal *without indexing*,
+    so the connection's dynamic table stays empty and a field's encoding depends on nothing but the field;
+    each field is encoded once per process (`_FIELDS`, shared by every client connection; fields up to
+    `_FIELD_CACHE_BYTES`) and then looked up.
+
+    hpack's own encoder (what `PerCallEncoder` is) searches the dynamic table linearly for every field,
+    Huffman-codes every literal and inserts every new value, so a response's fresh x-request-id and
+    content-length evict the entries the other fields hit: measured here (a bridged OpenAI response,
+    :status + 4 fields, a fresh x-request-id each) 11.5 µs per header block with hpack's encoder, 5.9 µs
+    with the id never-indexed (`PerCallEncoder`), 1.1 µs looked up. The price is bytes: a repeated
+    `content-type: application/json` costs 13 bytes instead of one index byte (about 40 bytes per
+    response). A value is Huffman-coded when that is shorter (paid once, at the cache miss). A field marked
+    never-indexed (`per_call`) is still a plain never-indexed literal, and not cached: its value is new each
+    time. A dynamic table size change asked by the client's SETTINGS is still signalled first, as hpack does.
+    """
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        table = self.header_table
+        parts: list[bytes] = []
+        if table.resized:
+            parts.append(self._encode_table_size_change())
+            table.resized = False
+        fields = _FIELDS
+        never = hpack.struct.NeverIndexedHeaderTuple
+        for field in headers:
+            if type(field) is never:
+                name, value = field
+                prefix = _NEVER_NAMES.get(name)
+                if prefix is None:  # the name's part of a never-indexed literal, once per name
+                    prefix = self._literal(name, b"", _INDEX_NEVER, False)[:-1]
+                    if len(_NEVER_NAMES) < _FIELD_CACHE_MAX and len(name) <= _FIELD_CACHE_BYTES:
+                        _NEVER_NAMES[name] = prefix
+                n = len(value)
+                parts.append(prefix + (bytes((n,)) if n < 127 else bytes(hpack.hpack.encode_integer(n, 7))) + value)
+                continue
+            encoded = fields.get(field)
+            if encoded is None:
+                name, value = field  # h2 hands the encoder (bytes, bytes) pairs (utf8_encode_headers)
+                index = _STATIC_FULL.get((name, value))
+                if index is not None:
+                    encoded = self._encode_indexed(index)
+                else:
+                    encoded = self._literal(name, value, _INDEX_NONE, huffman)
+                if len(name) + len(value) <= _FIELD_CACHE_BYTES:
+                    if len(fields) >= _FIELD_CACHE_MAX:
+                        fields.clear()
+                    fields[(name, value)] = encoded
+            parts.append(encoded)
+        return b"".join(parts)
+
+    def _literal(self, name: bytes, value: bytes, indexbit: bytes, huffman: bool) -> bytes:
+        if huffman:
+            coded = self.huffman_coder.encode(value)
+            huffman = len(coded) < len(value)
+        index = _STATIC_NAME.get(name)
+        if index is not None:
+            return self._encode_indexed_literal(index, value, indexbit, huffman)
+        if not huffman:
+            return self._encode_literal(name, value, indexbit, False)
+        # The name is Huffman-coded too when the value is (both once per distinct field).
+        return self._encode_literal(name, value, indexbit, True)
+
+
+_FIELDS: dict[Any, bytes] = {}
+_NEVER_NAMES: dict[bytes, bytes] = {}
+
+
+class _CountedTable(hpack.table.HeaderTable):
+    """hpack's dynamic table, counting its changes: `generation` names its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.generation += 1
+        super().add(name, value)
+
+    @property  # the same property as hpack's, its setter counting
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, value: int) -> None:
+        if value != self._maxsize:
+            self.generation += 1
+        hpack.table.HeaderTable.maxsize.fset(self, value)  # type: ignore[attr-defined]  # hpack's own setter
+
+
+_BLOCKS_MAX = 4  # header blocks remembered per connection (a client sends few shapes; ~12 KiB at most)
+_BLOCK_MAX_BYTES = 1024  # longer blocks are not remembered
+
+
+class RepeatDecoder(hpack.hpack.Decoder):
+    """hpack's decoder, remembering the last few header blocks that changed nothing in the dynamic table.
+
+    A client sends much the same request many times: h2load, curl and other nghttp2 clients send `:path`
+    and `content-length` as literals without indexing and every other field as an index, so that block is
+    the same bytes every time; a client that indexes everything sends the same bytes once its fields are in
+    the table. Decoding such a block is a function of its bytes and the table's state, and it leaves the
+    state as it was; so the result is kept by bytes with the table's `generation` (every insertion,
+    eviction and resize changes it) and the limits it was checked against (`max_header_list_size`,
+    `max_allowed_table_size`), and returned again while all of them are unchanged. Measured here: h2load's
+    7-field request block 12.8 µs to decode with hpack, 0.13 µs looked up. Any block that adds an entry (or changes the
+    size) is decoded by hpack every time, and errors are hpack's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _CountedTable()
+        self._blocks: dict[bytes, tuple[int, int, int, list[Any]]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        table = self.header_table
+        gen = table.generation  # type: ignore[attr-defined]  # a _CountedTable (set in __init__)
+        hit = self._blocks.get(data) if raw else None
+        if (hit is not None and hit[0] == gen and hit[1] == self.max_header_list_size
+                and hit[2] == self.max_allowed_table_size):
+            return list(hit[3])
+        headers = super().decode(data, raw)
+        if (raw and table.generation == gen  # type: ignore[attr-defined]  # as above
+                and type(data) is bytes and len(data) <= _BLOCK_MAX_BYTES):
+            blocks = self._blocks
+            if len(blocks) >= _BLOCKS_MAX:
+                blocks.clear()
+            blocks[data] = (gen, self.max_header_list_size, self.max_allowed_table_size, list(headers))
+        return headers
 
 
 def per_call(name: bytes, value: bytes) -> hpack.struct.NeverIndexedHeaderTuple:
@@ -185,6 +397,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
         self._preface_left = 0 if client_side else 24  # a server first reads the client's connection preface
         self._in_header_block = False
         self.fast = _FAST_PATH
+        self.fast_headers = _FAST_HEADERS and not client_side  # a server's new streams (see `receive`)
 
     def init_settings(self, max_streams: int, stream_window: int, connection_window: int) -> None:
         conn = self.conn
@@ -213,9 +426,17 @@ class H2Side(asyncio.Protocol, abc.ABC):
         frames in the original order. Streams opened by a HEADERS frame earlier in the same read qualify
         too (h2 is handed those HEADERS first). A DATA frame that ends its stream (a unary request's only frame)
         is handed to h2's stream object directly, so the stream's state machine closes it and h2's own
-        DataReceived/StreamEnded events come out. A padded DATA frame, one inside a header block, on a
-        stream h2 does not think open, with a content-length to check, or over the frame size limit goes
-        to h2 as usual.
+        DataReceived/StreamEnded events come out (and the stream checks a declared content-length, as
+        h2 would: a plain HTTP/2 POST's one DATA frame takes this path too). A padded DATA frame, one
+        inside a header block, on a stream h2 does not think open, one that would take a stream past its
+        declared content-length before its end, or over the frame size limit goes to h2 as usual.
+
+        On the client-facing (server) side, a HEADERS frame opening a new stream (odd id above every earlier
+        one, END_HEADERS, neither padded nor with priority, within the frame size limit) is built as h2's
+        own HeadersFrame from its bytes and given to h2's `_receive_headers_frame` (the stream limit, HPACK,
+        the state machines and events are h2's); only the frame buffer and the frame's debug repr are
+        skipped (bench_h2_bridge --ablate headers: 0.87x the proxy side's CPU per request). A protocol
+        error there gets h2's GOAWAY, as in `receive_data`.
 
         WINDOW_UPDATE frames (the peers send about two per unary call; ~4 µs each through h2) are taken the
         same way when the connection is open and the increment overflows no window: a connection-level one
@@ -242,6 +463,7 @@ class H2Side(asyncio.Protocol, abc.ABC):
         # Streams whose HEADERS came earlier in this read: not in `calls` yet (their events are handled once
         # this returns), but a unary request's only DATA frame usually follows its HEADERS in the same read.
         fresh: set[int] | None = None
+        new_streams = self.fast_headers
         while end - pos >= 9:
             length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
             nxt = pos + 9 + length
@@ -257,14 +479,22 @@ class H2Side(asyncio.Protocol, abc.ABC):
                             events.extend(conn.receive_data(buf[slow:pos]))
                             slow = pos
                         stream = streams.get(sid)
+                        ended = flags & _END_STREAM
                         if (stream is not None and stream.state_machine.state in _RECV_DATA_STATES
-                                and stream._expected_content_length is None  # noqa: SLF001
+                                and ((expected := stream._expected_content_length) is None or ended  # noqa: SLF001
+                                     or stream._actual_content_length + length <= expected)  # noqa: SLF001
                                 and conn.state_machine.state is not _CONN_CLOSED):
                             conn._inbound_flow_control_window_manager.window_consumed(length)  # noqa: SLF001
-                            if flags & _END_STREAM:
+                            if ended:
                                 # The last frame of the stream: h2's own stream object takes it, so the
-                                # state machine closes the stream and emits StreamEnded as usual.
-                                events.extend(stream.receive_data(buf[pos + 9 : nxt], True, length)[1])
+                                # state machine closes the stream, checks a declared content-length and
+                                # emits StreamEnded as usual; a wrong length is h2's protocol error, with
+                                # the GOAWAY h2 itself would send.
+                                try:
+                                    events.extend(stream.receive_data(buf[pos + 9 : nxt], True, length)[1])
+                                except h2.exceptions.ProtocolError as err:
+                                    conn._terminate_connection(err.error_code)  # noqa: SLF001
+                                    raise
                             else:
                                 stream._inbound_window_manager.window_consumed(length)  # noqa: SLF001
                                 stream._actual_content_length += length  # noqa: SLF001
@@ -292,6 +522,28 @@ class H2Side(asyncio.Protocol, abc.ABC):
                                     events.extend(stream.receive_window_update(inc)[1])
                                     slow = nxt
             elif ftype == 1 or ftype == 5 or ftype == 9:  # HEADERS, PUSH_PROMISE, CONTINUATION
+                if (ftype == 1 and new_streams and flags & _END_HEADERS and not flags & _PADDED_OR_PRIORITY
+                        and not self._in_header_block and length <= max_frame):
+                    sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                    if sid & 1 and sid > conn.highest_inbound_stream_id:
+                        if slow < pos:
+                            events.extend(conn.receive_data(buf[slow:pos]))
+                            slow = pos
+                        if conn.state_machine.state is not _CONN_CLOSED:  # idle until the first request
+                            # A client's new request: h2's own HEADERS handling (stream limit, HPACK, state
+                            # machines, events), minus the frame buffer and the frame's debug repr.
+                            frame = hyperframe.frame.HeadersFrame(sid, buf[pos + 9 : nxt])
+                            frame.flags.add("END_HEADERS")
+                            if flags & _END_STREAM:
+                                frame.flags.add("END_STREAM")
+                            try:
+                                frames, new_events = conn._receive_headers_frame(frame)  # noqa: SLF001
+                            except h2.exceptions.ProtocolError as err:
+                                conn._terminate_connection(err.error_code)  # noqa: SLF001
+                                raise
+                            conn._prepare_for_sending(frames)  # noqa: SLF001
+                            events.extend(new_events)
+                            slow = nxt
                 self._in_header_block = not (flags & _END_HEADERS)
                 if ftype == 1:
                     if fresh is None:
@@ -302,6 +554,27 @@ class H2Side(asyncio.Protocol, abc.ABC):
             events.extend(conn.receive_data(buf[slow:pos]))
         self._inbuf = buf[pos:]
         return events
+
+    def send_whole(self, sid: int, headers: list[Any], body: bytes) -> bool:
+        """A whole response on stream `sid` at once (HEADERS with `headers`, then `body` in one DATA frame
+        with END_STREAM, or END_STREAM on the HEADERS when `body` is empty), written straight into h2's
+        output buffer: h2's own stream state machine takes the three steps and both flow-control windows
+        are charged, so h2 is left exactly as `send_headers` + `send_data` would leave it. True if sent;
+        False (nothing changed) unless the connection is open, the stream is half-closed by the client
+        with no response yet, and the body fits one frame and both windows; the caller then sends it
+        through h2. `headers` must be a final (not 1xx) response head.
+
+        Measured here (200 small answers on one connection, the same encoder): 2 µs per answer this way,
+        33 µs through h2's send_headers + send_data (frame objects and their serialisation, header
+        re-encoding to bytes, validation flags, debug calls)."""
+        conn = self.conn
+        if not _WHOLE or conn.state_machine.state not in _CONN_OPEN:
+            return False
+        stream = conn.streams.get(sid)
+        if (stream is None or stream.state_machine.state is not _HALF_CLOSED_REMOTE
+                or stream.state_machine.headers_sent):
+            return False
+        return _write_whole(conn, stream, sid, headers, body)
 
     def mark(self) -> None:
         self.flusher.mark(self)
@@ -329,3 +602,47 @@ class H2Side(asyncio.Protocol, abc.ABC):
     @abc.abstractmethod
     def flush_call(self, call: Any) -> None:
         """Send what `call` has queued for this connection, as far as the windows allow."""
+
+
+_WHOLE = _probe_whole_answer()
+
+
+def _probe_fast_headers() -> bool:
+    """`H2Side.receive` hands a client's new-stream HEADERS frame to h2's `_receive_headers_frame` itself;
+    check once that this h2 takes it so (the same events as through `receive_data`), else leave them to h2."""
+    try:
+        def server_and_request() -> tuple[Any, bytes]:
+            client = h2.connection.H2Connection(config=h2_config(client_side=True))
+            server = _ProbeSide(client_side=False)
+            client.initiate_connection()
+            server.conn.initiate_connection()
+            server.receive(client.data_to_send())
+            client.receive_data(server.conn.data_to_send())
+            client.send_headers(1, [(b":method", b"POST"), (b":path", b"/"), (b":scheme", b"http"),
+                                    (b":authority", b"x")], end_stream=False)
+            client.send_data(1, b"abc", end_stream=True)
+            return server, client.data_to_send()
+
+        fast, data = server_and_request()
+        if not fast.fast_headers:
+            return False
+        got = [(type(ev).__name__, getattr(ev, "headers", None) or getattr(ev, "data", None)) for ev in fast.receive(data)]
+        plain, data = server_and_request()
+        want = [(type(ev).__name__, getattr(ev, "headers", None) or getattr(ev, "data", None))
+                for ev in plain.conn.receive_data(data)]
+        return (got == want and fast.conn.highest_inbound_stream_id == 1
+                and fast.conn.streams[1].state_machine.state is h2.stream.StreamState.HALF_CLOSED_REMOTE)
+    except Exception:  # any shape we do not recognise: use h2 as it is
+        return False
+
+
+class _ProbeSide(H2Side):
+    def __init__(self, client_side: bool) -> None:
+        super().__init__(flusher=None, client_side=client_side)  # type: ignore[arg-type]  # never writes
+        self.fast_headers = _FAST_PATH and not client_side
+
+    def flush_call(self, call: Any) -> None:
+        raise AssertionError("not used")
+
+
+_FAST_HEADERS = _probe_fast_headers()

@@ -19,7 +19,7 @@ import hyperframe.frame
 
 from proxy.grpc.bridge import HttpBridgeCall
 from proxy.grpc.call import Call
-from proxy.grpc.connection import FastData, FastWindow, H2Side
+from proxy.grpc.connection import FastData, FastWindow, H2Side, RepeatDecoder, ResponseEncoder
 from proxy.grpc.context import RelayContext
 from proxy.wire.grpc import CANCELLED, UNAVAILABLE
 
@@ -36,6 +36,12 @@ class Downstream(H2Side):
 
     def __init__(self, ctx: RelayContext) -> None:
         super().__init__(ctx.flusher, client_side=False)
+        # Nothing was encoded or decoded yet: the same state as h2's own coders.
+        self.conn.encoder = ResponseEncoder()
+        decoder = RepeatDecoder()
+        decoder.max_header_list_size = self.conn.decoder.max_header_list_size
+        decoder.max_allowed_table_size = self.conn.decoder.max_allowed_table_size
+        self.conn.decoder = decoder
         self.ctx = ctx
         self.calls: dict[int, Call] = {}
         self.others: dict[int, HttpBridgeCall] = {}  # non-gRPC requests (HTTP bridge), by stream id
@@ -48,6 +54,7 @@ class Downstream(H2Side):
         self.now = time.monotonic()
         self.last_read = self.now
         self.prefaced = False
+        self._peer: tuple[str | None] | None = None
         self._bridge_touched: dict[int, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -106,7 +113,7 @@ class Downstream(H2Side):
             for sid in [s for s, t in self._bridge_touched.items() if now - t > stream_idle]:
                 self._bridge_touched.pop(sid, None)
                 other = self.others.get(sid)
-                if other is None or other.body_done.is_set():
+                if other is None or other.body_complete:
                     continue
                 del self.others[sid]
                 log.info("client %s: HTTP/2 request on stream %d sent no body for %g s: reset", self.peer(), sid,
@@ -128,8 +135,10 @@ class Downstream(H2Side):
         self._arm_sweep()
 
     def peer(self) -> str | None:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        return peer[0] if peer else None
+        if self._peer is None and self.transport is not None:  # asked for every request; it never changes
+            peer = self.transport.get_extra_info("peername")
+            self._peer = (peer[0] if peer else None,)
+        return self._peer[0] if self._peer is not None else None
 
     def ack(self, n: int, sid: int) -> None:
         try:

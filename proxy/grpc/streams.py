@@ -56,12 +56,15 @@ class ClientConnection(Protocol):
     """The client connection as its streams write to it."""
 
     conn: h2.connection.H2Connection
+    now: float  # when the current read came in (time.monotonic)
     paused: bool
     blocked: dict[Any, None]
     calls: dict[int, Any]
     others: dict[int, Any]
 
     def mark(self) -> None: ...
+
+    def send_whole(self, sid: int, headers: list[Any], body: bytes) -> bool: ...
 
     def ack(self, n: int, sid: int) -> None: ...
 
