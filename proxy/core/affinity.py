@@ -88,11 +88,12 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
+from proxy.core.inflight import SharedInflight
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
@@ -102,7 +103,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
-from proxy.core.work_ledger import WorkLedger
+from proxy.core.work_ledger import RecentEntry, WorkLedger
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -113,8 +114,12 @@ _NO_INFLIGHT = Inflight()
 # What the engines' KV events say about a request (None: no answer, e.g. not tokenised yet).
 PreciseLookup = Callable[[RequestSummary], Optional[PreciseMatch]]
 # The other proxy replicas' load as they last published it (an optional shared ledger): per backend, their
-# in-flight requests, in-flight tokens and queued uncached prefill tokens. Empty or None: not known now.
-PeerLoad = Callable[[], Optional[Mapping[str, tuple[int, int, float]]]]
+# in-flight requests, in-flight tokens and queued uncached prefill tokens, and optionally (a 4th element)
+# their newest work-ledger entries as (age in refresh epochs, tokens), newest first per replica, from which
+# the fleet's queued prefill is estimated as one process would (`WorkLedger.fleet_pending`). Empty or
+# None: not known now.
+PeerEntry = Union[tuple[int, int, float], tuple[int, int, float, Sequence[RecentEntry]]]
+PeerLoad = Callable[[], Optional[Mapping[str, PeerEntry]]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -499,7 +504,7 @@ class AffinityPolicy:
         pending: Callable[[str, Inflight | None], float] = self._work.pending
         peer_view = self._peers() if self._peers is not None else None
         if peer_view:
-            inflight, pending = self._with_peers(peer_view, inflight, pending)
+            inflight, pending = self._with_peers(peer_view, inflight, self._work)
         elif self._shared_backends and ring.queued:
             inflight = self._engine_load(ring, inflight)
         get = inflight.get
@@ -648,16 +653,21 @@ class AffinityPolicy:
 
     @staticmethod
     def _with_peers(
-        view: Mapping[str, tuple[int, int, float]],
+        view: Mapping[str, PeerEntry],
         inflight: Mapping[str, Inflight],
-        own_pending: Callable[[str, Inflight | None], float],
+        work: WorkLedger,
     ) -> tuple[dict[str, Inflight], Callable[[str, Inflight | None], float]]:
         """The load of the other replicas, as they last published it (`peer_load`: per backend, their
-        in-flight requests, in-flight tokens and queued uncached prefill): added to this process's own,
-        so the bound and the cost check read the fleet's load as one process would. The ledger still
-        reads this process's own entries with its own in-flight count."""
+        in-flight requests, in-flight tokens and queued uncached prefill, and their newest ledger entries):
+        added to this process's own, so the bound and the cost check read the fleet's load as one process
+        would. The queued prefill of a backend whose entry carries the others' newest ledger entries is
+        the fleet's newest K merged by age (`WorkLedger.fleet_pending`: summing each replica's own
+        estimate instead cost R = 4 +11% TTFT mean on the multi-turn Mooncake load,
+        loadtest/results/scaleout.md Round 4); without them (an older replica's row, or a --workers
+        host, whose table is shared), this process's own estimate plus their published sum."""
         out = dict(inflight)
-        for name, (requests, tokens, _queued) in view.items():
+        for name, entry in view.items():
+            requests, tokens = entry[0], entry[1]
             own = inflight.get(name)
             if own is None:
                 out[name] = Inflight(requests, tokens)
@@ -667,6 +677,11 @@ class AffinityPolicy:
 
         def pending(name: str, _merged: Inflight | None) -> float:
             peer = view.get(name)
-            return own_pending(name, own_get(name)) + (peer[2] if peer is not None else 0.0)
+            own = own_get(name)
+            if peer is None:
+                return work.pending(name, own)
+            if len(peer) > 3 and not isinstance(own, SharedInflight):
+                return work.fleet_pending(name, own, peer[0], peer[1], peer[3])
+            return work.pending(name, own) + peer[2]
 
         return out, pending
