@@ -159,6 +159,7 @@ class ReplayConfig:
     # load_view "peers": each replica also publishes its newest work-ledger entries with their ages, and
     # the others estimate the fleet's queued prefill from them (the proxy's routing.peer_load); False: the
     # summed per-replica estimates only (round 3's peer load).
+    # (With workers > 1 a replica publishes the sums only, as a --workers host does.)
     peer_recent: bool = True
 
 
@@ -375,16 +376,19 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         also each one's newest ledger entries (as `AffinityProxy._own_load` publishes them: its live
         count plus the others' as it last read them, at most PEER_RECENT_MAX), its epoch ticked first."""
         published = []
+        # A --workers host publishes the sums only (proxy/control/peer_load.py `own_load`: its workers
+        # each hold part of the entries), so its replica's row has no entries with W > 1.
+        recent_rows = cfg.peer_recent and cfg.workers == 1
         for r, loads in enumerate(replica_load):
             mine: dict[str, list[Any]] = {}
             for table, ledger in loads:
-                if cfg.peer_recent:
+                if recent_rows:
                     ledger.tick()
                 for n in names:
                     f = table.get(n)
                     live = f.requests if f is not None else 0
                     recent: tuple[Any, ...] = ()
-                    if cfg.peer_recent:
+                    if recent_rows:
                         seen = peer_views[r].get(n)
                         recent = ledger.recent(n, min(PEER_RECENT_MAX, live + (seen[0] if seen else 0)))
                     if live <= 0 and not recent:
@@ -404,7 +408,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 for n, (q, t, p, recent) in mine.items():
                     v = view.get(n, (0, 0, 0.0, ()))
                     view[n] = (v[0] + int(q), v[1] + int(t), v[2] + p, (*v[3], *recent))
-            if not cfg.peer_recent:
+            if not recent_rows:
                 view = {n: v[:3] for n, v in view.items()}
             peer_views[r] = view
     i = 0

@@ -5,8 +5,9 @@ ledger miss the requests the others just sent to the same backends; what no esti
 counts gives is the size of those newest requests (loadtest/results/scaleout.md). The affinity policy
 takes an optional `peers` input for that (proxy/core/affinity.py `_with_peers`); this component fills it.
 
-What it does, every `refresh_ms` (default 50), in ONE round trip to Redis: publish this process's row
-(per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens) under
+What it does, every `refresh_ms` (default 20), in ONE round trip to Redis: publish this process's row
+(per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens, and its newest
+work-ledger entries with their ages in refreshes, `own_load`) under
 `<key_prefix>:replica:<replica id>` with a TTL of max(3 x refresh, 1 s), so a dead replica's load expires
 by itself, and read every other live replica's row. The round trip is one Lua script (EVALSHA): SET the
 own row with PX ttl, SADD the replica id to `<key_prefix>:replicas`, then GET every other member's row
@@ -17,7 +18,14 @@ clock; the script works on any Redis >= 2.6, keeps the expiry in Redis's own key
 consistent set of rows and costs one network round trip per refresh. (It names the other rows' keys
 itself, so it needs one Redis, or Sentinel, not Redis Cluster.)
 
-The rows are summed into a fresh dict swapped in whole: `peers()` (the policy's input, called on every
+Why the entries: the fleet's queued prefill on a backend is the newest K ledger entries over every replica
+(K its live requests), which the sum of each replica's own estimate is not (requests finish out of order:
+proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one process in the replay, the
+entries at this refresh +0-2% (loadtest/results/scaleout.md, Round 4). Why 20 ms: at 50 ms the entries'
+ages and the others' live counts are too coarse (+7-11%); Redis spends ~1% of a core on 4 replicas x 16
+backends at 20 ms.
+
+The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
 view is used until it is older than the TTL; then `peers()` returns None and the policy falls back to the
 engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures are counted
