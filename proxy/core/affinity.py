@@ -75,8 +75,9 @@ it did not send are taken to be like those it sent there recently). That was the
 measured (R x own, with and without the engines' counts, the engines' KV usage; doing nothing) with
 precise events, and harmful with learned indexes: loadtest/results/scaleout.md. What no estimate from
 the engines' counts gives is the size of the other replicas' newest requests: the optional `peers` input
-(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill) adds them,
-and the engines' counts are its fallback while it is unavailable.
+(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill, and their
+newest ledger entries, from which the fleet's queued prefill is read as one process would: `_with_peers`)
+adds them, and the engines' counts are its fallback while it is unavailable.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
