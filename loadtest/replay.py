@@ -408,7 +408,9 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 for n, (q, t, p, recent) in mine.items():
                     v = view.get(n, (0, 0, 0.0, ()))
                     view[n] = (v[0] + int(q), v[1] + int(t), v[2] + p, (*v[3], *recent))
-            if not recent_rows:
+            if recent_rows:  # as peer_load.merge_rows: the entries sorted by age
+                view = {n: (*v[:3], tuple(sorted(v[3], key=lambda e: e[0]))) for n, v in view.items()}
+            else:
                 view = {n: v[:3] for n, v in view.items()}
             peer_views[r] = view
     i = 0

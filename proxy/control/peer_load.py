@@ -137,7 +137,7 @@ def _recent(raw: Any) -> list[RecentEntry] | None:
 def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
     """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
     tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]]), with the entries of every row
-    put together (each row's newest first); a backend some row published without entries gets the sums
+    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row published without entries gets the sums
     only (the estimate from entries needs every replica's). A malformed row or entry is skipped (raises
     nothing: it comes from the network)."""
     out: dict[str, tuple[int, int, float]] = {}
@@ -173,7 +173,8 @@ def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
     merged: dict[str, PeerEntry] = {}
     for name, sums in out.items():
         entries = recent.get(name)
-        merged[name] = sums if entries is None else (*sums, tuple(entries))
+        # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
+        merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=lambda e: e[0])))
     return merged
 
 

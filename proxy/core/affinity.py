@@ -675,14 +675,21 @@ class AffinityPolicy:
             else:
                 out[name] = Inflight(own.requests + requests, own.tokens + tokens)
         own_get = inflight.get
+        memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
 
         def pending(name: str, _merged: Inflight | None) -> float:
+            got = memo.get(name)
+            if got is not None:
+                return got
             peer = view.get(name)
             own = own_get(name)
             if peer is None:
-                return work.pending(name, own)
-            if len(peer) > 3 and not isinstance(own, SharedInflight):
-                return work.fleet_pending(name, own, peer[0], peer[1], peer[3])
-            return work.pending(name, own) + peer[2]
+                got = work.pending(name, own)
+            elif len(peer) > 3 and not isinstance(own, SharedInflight):
+                got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])
+            else:
+                got = work.pending(name, own) + peer[2]
+            memo[name] = got
+            return got
 
         return out, pending

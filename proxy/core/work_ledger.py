@@ -96,22 +96,29 @@ class WorkLedger:
         """The fleet's queued prefill on `backend`, as one process holding every entry would estimate it:
         the newest K entries of this process's own and the other replicas' published ones merged by age
         (ties: this process's first), K = this process's live requests + the others'; live requests
-        beyond the entries at the per-request average. `peer_recent`: the others' entries, each sorted
-        newest first per replica or all together (they are merged by age)."""
+        beyond the entries at the per-request average. `peer_recent`: the others' entries, best sorted by
+        age (`peer_load.merge_rows` does; otherwise they are sorted here)."""
         live = (own.requests if own is not None else 0) + peer_requests
         if live <= 0:
             return 0.0
         tokens = (own.tokens if own is not None else 0) + peer_tokens
-        now = self._epoch
+        if any(peer_recent[k][0] > peer_recent[k + 1][0] for k in range(len(peer_recent) - 1)):
+            peer_recent = sorted(peer_recent, key=lambda e: e[0])
         entries = self._entries.get(backend)
-        merged: list[tuple[int, int, float]] = []
-        if entries is not None:
-            for t, e in zip(islice(reversed(entries), live), reversed(self._epochs[backend])):
-                merged.append((now - e, 0, t))
-        merged.extend((age, 1, t) for age, t in peer_recent)
-        merged.sort(key=lambda x: (x[0], x[1]))
-        known = min(live, len(merged))
-        return with_unrecorded(sum(x[2] for x in merged[:known]), known, live, tokens)
+        mine = zip(reversed(entries), reversed(self._epochs[backend])) if entries is not None else iter(())
+        now = self._epoch
+        total, known, p, n_peer = 0.0, 0, 0, len(peer_recent)
+        nxt = next(mine, None)
+        while known < live and (nxt is not None or p < n_peer):
+            # The newer of the two heads (own first on a tie): a two-way merge of lists sorted by age.
+            if nxt is not None and (p >= n_peer or now - nxt[1] <= peer_recent[p][0]):
+                total += nxt[0]
+                nxt = next(mine, None)
+            else:
+                total += peer_recent[p][1]
+                p += 1
+            known += 1
+        return with_unrecorded(total, known, live, tokens)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""

@@ -180,16 +180,16 @@ def test_merge_skips_what_is_malformed() -> None:
 
 def test_rows_with_ledger_entries_are_put_together_and_a_row_without_gives_the_sums_only() -> None:
     """Round 4: a row may carry the replica's newest ledger entries ([age, tokens], newest first). Every
-    row's entries for a backend are put together; a backend that some replica published without entries
-    (an older replica, or a --workers host) gets the sums only, since the fleet estimate needs every
-    replica's; a malformed entry list drops that backend's entry of the row."""
+    row's entries for a backend are put together, sorted by age; a backend that some replica published
+    without entries (an older replica, or a --workers host) gets the sums only, since the fleet estimate
+    needs every replica's; a malformed entry list drops that backend's entry of the row."""
     rows = [json.dumps({"a": [1, 100, 40.0, [[0, 40.0], [3, 9.0]]], "b": [1, 10, 5.0, [[1, 5.0]]],
                         "c": [0, 0, 0.0, [[2, 7.0]]]}),
             json.dumps({"a": [2, 200, 60.0, [[1, 30.0], [2, 30.0]]], "b": [1, 10, 6.0]}),
             json.dumps({"a": [1, 1, 1.0, [[-1, 1.0]]], "c": [1, 1, 1.0, [[0, "x"]]],
                         "d": [1, 1, 1.0, [[0, 1.0]] * (PEER_RECENT_MAX + 1)], "e": [1, 1, 1.0, [[True, 1.0]]]})]
     assert merge_rows(rows) == {
-        "a": (3, 300, 100.0, ((0, 40.0), (3, 9.0), (1, 30.0), (2, 30.0))),
+        "a": (3, 300, 100.0, ((0, 40.0), (1, 30.0), (2, 30.0), (3, 9.0))),  # sorted by age
         "b": (2, 20, 11.0),
         "c": (0, 0, 0.0, ((2, 7.0),)),
     }

@@ -73,3 +73,9 @@ def test_the_policy_reads_the_fleet_estimate_when_the_peers_publish_their_entrie
     sums = {n: v[:3] for n, v in entries.items()}
     d2 = AffinityPolicy(RoutingConfig(), work=a2, peers=lambda: sums).pick(p, snap, own)
     assert d2.backend != home and d2.reason is Reason.OVERLOAD_FALLBACK
+
+
+def test_unsorted_peer_entries_give_the_same_estimate() -> None:
+    _one, a, b = _ledgers("gpu")
+    published = b.recent("gpu", 3)
+    assert a.fleet_pending("gpu", Inflight(2, 2000), 1, 1000, tuple(reversed(published))) == 1200.0
