@@ -43,6 +43,7 @@ from sim.metrics import render as render_metrics
 from sim.server import models_listing
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
+from proxy.control.peer_load import PEER_RECENT_MAX
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -154,7 +155,12 @@ class ReplayConfig:
     # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
     load_view: str = "own"
     # load_view "peers": how often each replica publishes its load and reads the others' (a shared ledger).
-    peer_refresh_ms: float = 50.0
+    peer_refresh_ms: float = 20.0  # routing.peer_load.refresh_ms's default
+    # load_view "peers": each replica also publishes its newest work-ledger entries with their ages, and
+    # the others estimate the fleet's queued prefill from them (the proxy's routing.peer_load); False: the
+    # summed per-replica estimates only (round 3's peer load).
+    # (With workers > 1 a replica publishes the sums only, as a --workers host does.)
+    peer_recent: bool = True
 
 
 # The load side under scale-out: what one process's policy reads as a backend's in-flight work.
@@ -238,6 +244,8 @@ def scaleout_label(cfg: ReplayConfig) -> str:
         parts.append(f"load {cfg.load_view}")
     if cfg.load_view == "peers":
         parts.append(f"every {cfg.peer_refresh_ms:g}ms")
+        if not cfg.peer_recent:
+            parts.append("sums only")
     return " " + " ".join(parts)
 
 
@@ -321,7 +329,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         procs.append((policy, InflightTable()))
         waits.append(None)
     # load_view "peers": per replica, the other replicas' load as of the last refresh.
-    peer_views: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(cfg.replicas)]
+    peer_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas)]
     replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
     for r in range(cfg.replicas if policy is None else 0):
         replica_table, replica_ledger = InflightTable(), WorkLedger()
@@ -364,28 +372,46 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     next_peer = 0.0 if cfg.load_view == "peers" and policy is None else float("inf")
 
     def publish_peers() -> None:
-        """Each replica's published load, summed per backend over the OTHER replicas."""
+        """Each replica's published load, summed per backend over the OTHER replicas; with `peer_recent`
+        also each one's newest ledger entries (as `AffinityProxy._own_load` publishes them: its live
+        count plus the others' as it last read them, at most PEER_RECENT_MAX), its epoch ticked first."""
         published = []
-        for loads in replica_load:
-            mine: dict[str, list[float]] = {}
+        # A --workers host publishes the sums only (proxy/control/peer_load.py `own_load`: its workers
+        # each hold part of the entries), so its replica's row has no entries with W > 1.
+        recent_rows = cfg.peer_recent and cfg.workers == 1
+        for r, loads in enumerate(replica_load):
+            mine: dict[str, list[Any]] = {}
             for table, ledger in loads:
+                if recent_rows:
+                    ledger.tick()
                 for n in names:
                     f = table.get(n)
-                    if f is None or f.requests <= 0:
+                    live = f.requests if f is not None else 0
+                    recent: tuple[Any, ...] = ()
+                    if recent_rows:
+                        seen = peer_views[r].get(n)
+                        recent = ledger.recent(n, min(PEER_RECENT_MAX, live + (seen[0] if seen else 0)))
+                    if live <= 0 and not recent:
                         continue
-                    acc = mine.setdefault(n, [0, 0, 0.0])
-                    acc[0] += f.requests
-                    acc[1] += f.tokens
-                    acc[2] += ledger.pending(n, f)
+                    acc = mine.setdefault(n, [0, 0, 0.0, []])
+                    if f is not None and live > 0:
+                        acc[0] += f.requests
+                        acc[1] += f.tokens
+                        acc[2] += ledger.pending(n, f)
+                    acc[3].extend(recent)
             published.append(mine)
         for r in range(len(peer_views)):
-            view: dict[str, tuple[int, int, float]] = {}
+            view: dict[str, Any] = {}
             for o, mine in enumerate(published):
                 if o == r:
                     continue
-                for n, (q, t, p) in mine.items():
-                    v = view.get(n, (0, 0, 0.0))
-                    view[n] = (v[0] + int(q), v[1] + int(t), v[2] + p)
+                for n, (q, t, p, recent) in mine.items():
+                    v = view.get(n, (0, 0, 0.0, ()))
+                    view[n] = (v[0] + int(q), v[1] + int(t), v[2] + p, (*v[3], *recent))
+            if recent_rows:  # as peer_load.merge_rows: the entries sorted by age
+                view = {n: (*v[:3], tuple(sorted(v[3], key=lambda e: e[0]))) for n, v in view.items()}
+            else:
+                view = {n: v[:3] for n, v in view.items()}
             peer_views[r] = view
     i = 0
     end_t = 0.0
@@ -623,7 +649,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="workers of one replica share in-flight counts and the work ledger (the product does)")
     ap.add_argument("--index", default="learned", choices=INDEXES,
                     help="learned: each process's own indexes; precise: also the engines' KV events (proxy/core/kv_index.py)")
-    ap.add_argument("--peer-refresh-ms", type=float, default=50.0,
+    ap.add_argument("--peer-recent", action=argparse.BooleanOptionalAction, default=True,
+                    help="--load-view peers: replicas also publish their newest ledger entries and read the fleet's "
+                         "queued prefill from them (the proxy); --no-peer-recent: the summed estimates only (round 3)")
+    ap.add_argument("--peer-refresh-ms", type=float, default=20.0,
                     help="--load-view peers: how often each replica publishes its load and reads the others'")
     ap.add_argument("--precise-lookup", default="proxy", choices=PRECISE_LOOKUPS,
                     help="proxy: the data plane's PreciseMatcher (a long first sighting waits for its tokenisation "
@@ -658,6 +687,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
             index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
             precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
+            peer_recent=args.peer_recent,
         )
         t0 = time.perf_counter()
         result = asyncio.run(replay(workload, cfg))

@@ -48,7 +48,8 @@ from proxy.config import Config
 from proxy.control.checks import HealthMonitor
 from proxy.control.kv_events import build_precise_routing
 from proxy.control.membership import close_idle_connections
-from proxy.control.peer_load import PeerLoadExchange
+from proxy.control.peer_load import PeerLoadExchange, own_load
+from proxy.core.affinity import PeerEntry
 from proxy.control.lora_pool import LoraPool
 from proxy.control.poller import Poller
 from proxy.control.resilience_metrics import ResilienceMetrics
@@ -177,16 +178,11 @@ class AffinityProxy:
     def policy(self) -> Policy:
         return self.router.policy
 
-    def _own_load(self) -> dict[str, tuple[int, int, float]]:
-        """This process's load per backend, as routing.peer_load publishes it: in-flight requests, in-flight
-        tokens and the work ledger's queued prefill (with --workers, the host's: the table is shared)."""
+    def _own_load(self) -> dict[str, PeerEntry]:
+        """This process's load per backend, as routing.peer_load publishes it (`peer_load.own_load`)."""
         work = self._work if self._work is not None else WorkLedger(1)
-        inflight = self.inflight
-        out: dict[str, tuple[int, int, float]] = {}
-        for b in self.store.current.backends:
-            own = inflight.get(b.name)
-            out[b.name] = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(b.name, own))
-        return out
+        seen = self.peer_load.peers() if self.peer_load is not None else None
+        return own_load(work, self.inflight, [b.name for b in self.store.current.backends], seen)
 
     # ------------------------------------------------------------------------------------------ hooks
 

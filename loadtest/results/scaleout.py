@@ -64,6 +64,10 @@ def flags(cfg: ReplayConfig) -> str:
         out.append(f"--load-view {cfg.load_view}")
     if cfg.load_view == "peers":
         out.append(f"--peer-refresh-ms {cfg.peer_refresh_ms:g}")
+        if not cfg.peer_recent:
+            out.append("--no-peer-recent")
+    if cfg.seed:
+        out.append(f"--seed {cfg.seed}")
     return " ".join(out)
 
 
@@ -94,6 +98,21 @@ def suite(name: str) -> list[ReplayConfig]:
         cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="peers"))
         cfgs.append(ReplayConfig(policy="affinity", workers=2, index="precise"))
         cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise"))
+    elif name == "round4":
+        # Round 4 (the ledger across replicas): the shared ledger with the fleet estimate from the replicas'
+        # entries at the new default refresh (20 ms) and at round 3's 50 ms, next to round 3's sums at 20 ms,
+        # each for three random replica assignments (seeds; R = 1 does not depend on it), at R = 4 and 2,
+        # with W = 2; and the learned index with the shared ledger.
+        for seed in (0, 1, 2):
+            for every in (20.0, 50.0):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                         peer_refresh_ms=every, seed=seed))
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                     peer_recent=False, peer_refresh_ms=20.0, seed=seed))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, index="precise", load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=2, workers=2, index="precise", load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise", load_view="peers"))
+        cfgs.append(ReplayConfig(policy="affinity", replicas=4, load_view="peers"))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -173,7 +192,8 @@ def parse_flags(flags: str) -> dict:
     """The configuration a row's flags name (defaults filled in)."""
     words = flags.split()
     out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
-           "delay": 50.0, "shared": True, "every": 0.0, "lookup": "proxy", "note": flags.partition("@")[2].strip()}
+           "delay": 50.0, "shared": True, "every": 0.0, "lookup": "proxy", "recent": True, "seed": 0,
+           "note": flags.partition("@")[2].strip()}
     for i, w in enumerate(words):
         if w == "--replicas":
             out["replicas"] = int(words[i + 1])
@@ -191,6 +211,10 @@ def parse_flags(flags: str) -> dict:
             out["every"] = float(words[i + 1])
         elif w == "--precise-lookup":
             out["lookup"] = words[i + 1]
+        elif w == "--no-peer-recent":
+            out["recent"] = False
+        elif w == "--seed":
+            out["seed"] = int(words[i + 1])
     if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
         out["load_view"] = "own"  # one load view: routing.replicas = 1, the single-process policy
     return out
@@ -228,10 +252,14 @@ def table() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|")
         order = sorted(sel, key=lambda fr: (fr[0]["policy"] != "round_robin", fr[0]["index"], fr[0]["load_view"] != "own",
                                             fr[0]["load_view"], fr[0]["note"], fr[0]["replicas"], fr[0]["workers"],
-                                            not fr[0]["shared"], fr[0]["delay"], fr[0]["every"], fr[0]["lookup"]))
+                                            not fr[0]["shared"], fr[0]["delay"], not fr[0]["recent"], fr[0]["every"],
+                                            fr[0]["lookup"], fr[0]["seed"]))
         for f, r in order:
             view = {"engines": "engines (routing.shared_backends)",
-                    "peers": f"shared ledger, every {f['every']:g} ms"}.get(f["load_view"], f["load_view"])
+                    "peers": f"shared ledger, every {f['every']:g} ms"
+                             + ("" if f["recent"] else " (sums only: round 3)")}.get(f["load_view"], f["load_view"])
+            if f["seed"]:
+                view += f", seed {f['seed']}"
             extra = []
             if f["workers"] > 1:
                 extra.append("shared load" if f["shared"] else "separate load")
@@ -255,14 +283,18 @@ def plot() -> None:
     fig, axes = plt.subplots(2, len(loads), figsize=(3.6 * len(loads), 6.5), squeeze=False)
     for col, lk in enumerate(loads):
         sel = [(parse_flags(r["flags"]), r) for r in rows if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk]
-        lines = (("learned", "own", "tab:orange", "learned"), ("precise", "engines", "tab:blue", "precise, engines' counts"),
-                 ("precise", "peers", "tab:green", "precise, shared ledger"))
-        for index, view, colour, label in lines:
+        # (index, load view, refresh, ledger entries published, colour, label); R = 1 is one process (own).
+        lines = (("learned", "own", 0.0, True, "tab:orange", "learned"),
+                 ("precise", "engines", 0.0, True, "tab:blue", "precise, engines' counts"),
+                 ("precise", "peers", 50.0, False, "tab:olive", "precise, shared ledger sums 50 ms (round 3)"),
+                 ("precise", "peers", 20.0, True, "tab:green", "precise, shared ledger entries 20 ms"))
+        for index, view, every, recent, colour, label in lines:
             for w, style in ((1, "-"), (2, "--")):
                 pts = sorted(
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
-                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["every"] in (0.0, 50.0)
+                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["seed"] == 0
+                    and (f["replicas"] == 1 or (f["every"] == every and f["recent"] == recent))
                     and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
                 if len(pts) < 2:
@@ -296,7 +328,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     sub.add_parser("table")

@@ -5,8 +5,9 @@ ledger miss the requests the others just sent to the same backends; what no esti
 counts gives is the size of those newest requests (loadtest/results/scaleout.md). The affinity policy
 takes an optional `peers` input for that (proxy/core/affinity.py `_with_peers`); this component fills it.
 
-What it does, every `refresh_ms` (default 50), in ONE round trip to Redis: publish this process's row
-(per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens) under
+What it does, every `refresh_ms` (default 20), in ONE round trip to Redis: publish this process's row
+(per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens, and its newest
+work-ledger entries with their ages in refreshes, `own_load`) under
 `<key_prefix>:replica:<replica id>` with a TTL of max(3 x refresh, 1 s), so a dead replica's load expires
 by itself, and read every other live replica's row. The round trip is one Lua script (EVALSHA): SET the
 own row with PX ttl, SADD the replica id to `<key_prefix>:replicas`, then GET every other member's row
@@ -17,7 +18,14 @@ clock; the script works on any Redis >= 2.6, keeps the expiry in Redis's own key
 consistent set of rows and costs one network round trip per refresh. (It names the other rows' keys
 itself, so it needs one Redis, or Sentinel, not Redis Cluster.)
 
-The rows are summed into a fresh dict swapped in whole: `peers()` (the policy's input, called on every
+Why the entries: the fleet's queued prefill on a backend is the newest K ledger entries over every replica
+(K its live requests), which the sum of each replica's own estimate is not (requests finish out of order:
+proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one process in the replay, the
+entries at this refresh +0-2% (loadtest/results/scaleout.md, Round 4). Why 20 ms: at 50 ms the entries'
+ages and the others' live counts are too coarse (+7-11%); Redis spends ~1% of a core on 4 replicas x 16
+backends at 20 ms.
+
+The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
 view is used until it is older than the TTL; then `peers()` returns None and the policy falls back to the
 engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures are counted
@@ -42,16 +50,23 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from proxy.core.affinity import PeerEntry
+from proxy.core.decision import Inflight
+from proxy.core.inflight import SharedInflightTable
+from proxy.core.work_ledger import RecentEntry, WorkLedger
 from proxy.core.routing_config import PeerLoadConfig
 
 log = logging.getLogger("affinity_proxy.peer_load")
 
-# Per backend: (in-flight requests, in-flight tokens, queued uncached prefill tokens).
-Load = Mapping[str, tuple[int, int, float]]
+# Per backend: (in-flight requests, in-flight tokens, queued uncached prefill tokens), optionally with
+# this replica's newest work-ledger entries as (age in refresh epochs, tokens), newest first.
+Load = Mapping[str, PeerEntry]
+# The most ledger entries per backend a row carries (the fleet's newest K rarely needs more of one replica's).
+PEER_RECENT_MAX = 64
 
 # KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
 # the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
@@ -79,10 +94,54 @@ def default_replica_id(host_shared: bool) -> str:
     return f"{socket.gethostname()}:{pid}"
 
 
-def merge_rows(rows: list[Any]) -> dict[str, tuple[int, int, float]]:
+def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable[str],
+             seen: Load | None) -> dict[str, PeerEntry]:
+    """This process's row, per backend: in-flight requests, in-flight tokens, the work ledger's queued
+    prefill and its newest ledger entries as (age in refresh epochs, tokens), as many as the fleet's newest
+    K could use (its own live count plus the others' as last `seen`, at most PEER_RECENT_MAX); the
+    ledger's epoch is ticked first (one call per refresh). A --workers host (a shared in-flight table,
+    whose workers each hold part of the entries) publishes the sums only."""
+    host = isinstance(inflight, SharedInflightTable)
+    if not host:
+        work.tick()
+    out: dict[str, PeerEntry] = {}
+    for name in names:
+        own = inflight.get(name)
+        row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
+        if host:
+            out[name] = row
+            continue
+        peer = seen.get(name) if seen else None
+        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
+        out[name] = (*row, work.recent(name, n))
+    return out
+
+
+def _recent(raw: Any) -> list[RecentEntry] | None:
+    """A row's published ledger entries ([[age, tokens], ...]), or None if malformed."""
+    if not isinstance(raw, list) or len(raw) > PEER_RECENT_MAX:
+        return None
+    out: list[RecentEntry] = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 2):
+            return None
+        age, tok = item
+        if not (isinstance(age, int) and isinstance(tok, (int, float))) or isinstance(age, bool):
+            return None
+        if age < 0 or not math.isfinite(tok) or tok < 0:
+            return None
+        out.append((age, float(tok)))
+    return out
+
+
+def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
     """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
-    tokens, queued]). A malformed row or entry is skipped (raises nothing: it comes from the network)."""
+    tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]]), with the entries of every row
+    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row published without entries gets the sums
+    only (the estimate from entries needs every replica's). A malformed row or entry is skipped (raises
+    nothing: it comes from the network)."""
     out: dict[str, tuple[int, int, float]] = {}
+    recent: dict[str, list[RecentEntry] | None] = {}
     for raw in rows:
         try:
             row = json.loads(raw)
@@ -91,16 +150,32 @@ def merge_rows(rows: list[Any]) -> dict[str, tuple[int, int, float]]:
         if not isinstance(row, dict):
             continue
         for name, entry in row.items():
-            if not (isinstance(entry, list) and len(entry) == 3):
+            if not (isinstance(entry, list) and len(entry) in (3, 4)):
                 continue
-            req, tok, queued = entry
+            req, tok, queued = entry[:3]
             if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
                 continue
             if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
                 continue
+            entries = _recent(entry[3]) if len(entry) == 4 else None
+            if len(entry) == 4 and entries is None:
+                continue
+            first = name not in out
             r0, t0, q0 = out.get(name, (0, 0, 0.0))
             out[name] = (r0 + req, t0 + tok, q0 + float(queued))
-    return out
+            so_far = recent.get(name)
+            if entries is None:
+                recent[name] = None
+            elif first:
+                recent[name] = entries
+            elif so_far is not None:
+                so_far.extend(entries)
+    merged: dict[str, PeerEntry] = {}
+    for name, sums in out.items():
+        entries = recent.get(name)
+        # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
+        merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=lambda e: e[0])))
+    return merged
 
 
 @dataclass
@@ -222,8 +297,8 @@ class PeerLoadExchange:
             while True:
                 began = self._clock()
                 try:
-                    row = json.dumps({n: [r, t, q] for n, (r, t, q) in self._load().items()},
-                                     separators=(",", ":"))
+                    row = json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
+                                      for n, v in self._load().items()}, separators=(",", ":"))
                     rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
                                                   timeout)
                 except asyncio.CancelledError:

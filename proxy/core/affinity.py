@@ -75,8 +75,9 @@ it did not send are taken to be like those it sent there recently). That was the
 measured (R x own, with and without the engines' counts, the engines' KV usage; doing nothing) with
 precise events, and harmful with learned indexes: loadtest/results/scaleout.md. What no estimate from
 the engines' counts gives is the size of the other replicas' newest requests: the optional `peers` input
-(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill) adds them,
-and the engines' counts are its fallback while it is unavailable.
+(a shared ledger: the other replicas' published in-flight requests, tokens and queued prefill, and their
+newest ledger entries, from which the fleet's queued prefill is read as one process would: `_with_peers`)
+adds them, and the engines' counts are its fallback while it is unavailable.
 Learned state deliberately outlives a change of the backend set: after a backend is added, prompts already
 cached somewhere keep going there (their KV is there) and the newcomer gets its ~1/N share of new prompts;
 a removed backend's entries are dropped at once. The 1/N movement guarantee is a property of the hashing
@@ -88,11 +89,12 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
+from proxy.core.inflight import SharedInflight
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
@@ -102,7 +104,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
-from proxy.core.work_ledger import WorkLedger
+from proxy.core.work_ledger import RecentEntry, WorkLedger
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -113,8 +115,12 @@ _NO_INFLIGHT = Inflight()
 # What the engines' KV events say about a request (None: no answer, e.g. not tokenised yet).
 PreciseLookup = Callable[[RequestSummary], Optional[PreciseMatch]]
 # The other proxy replicas' load as they last published it (an optional shared ledger): per backend, their
-# in-flight requests, in-flight tokens and queued uncached prefill tokens. Empty or None: not known now.
-PeerLoad = Callable[[], Optional[Mapping[str, tuple[int, int, float]]]]
+# in-flight requests, in-flight tokens and queued uncached prefill tokens, and optionally (a 4th element)
+# their newest work-ledger entries as (age in refresh epochs, tokens), newest first per replica, from which
+# the fleet's queued prefill is estimated as one process would (`WorkLedger.fleet_pending`). Empty or
+# None: not known now.
+PeerEntry = Union[tuple[int, int, float], tuple[int, int, float, Sequence[RecentEntry]]]
+PeerLoad = Callable[[], Optional[Mapping[str, PeerEntry]]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -499,7 +505,7 @@ class AffinityPolicy:
         pending: Callable[[str, Inflight | None], float] = self._work.pending
         peer_view = self._peers() if self._peers is not None else None
         if peer_view:
-            inflight, pending = self._with_peers(peer_view, inflight, pending)
+            inflight, pending = self._with_peers(peer_view, inflight, self._work)
         elif self._shared_backends and ring.queued:
             inflight = self._engine_load(ring, inflight)
         get = inflight.get
@@ -648,25 +654,42 @@ class AffinityPolicy:
 
     @staticmethod
     def _with_peers(
-        view: Mapping[str, tuple[int, int, float]],
+        view: Mapping[str, PeerEntry],
         inflight: Mapping[str, Inflight],
-        own_pending: Callable[[str, Inflight | None], float],
+        work: WorkLedger,
     ) -> tuple[dict[str, Inflight], Callable[[str, Inflight | None], float]]:
         """The load of the other replicas, as they last published it (`peer_load`: per backend, their
-        in-flight requests, in-flight tokens and queued uncached prefill): added to this process's own,
-        so the bound and the cost check read the fleet's load as one process would. The ledger still
-        reads this process's own entries with its own in-flight count."""
+        in-flight requests, in-flight tokens and queued uncached prefill, and their newest ledger entries):
+        added to this process's own, so the bound and the cost check read the fleet's load as one process
+        would. The queued prefill of a backend whose entry carries the others' newest ledger entries is
+        the fleet's newest K merged by age (`WorkLedger.fleet_pending`: summing each replica's own
+        estimate instead cost R = 4 +11% TTFT mean on the multi-turn Mooncake load,
+        loadtest/results/scaleout.md Round 4); without them (an older replica's row, or a --workers
+        host, whose table is shared), this process's own estimate plus their published sum."""
         out = dict(inflight)
-        for name, (requests, tokens, _queued) in view.items():
+        for name, entry in view.items():
+            requests, tokens = entry[0], entry[1]
             own = inflight.get(name)
             if own is None:
                 out[name] = Inflight(requests, tokens)
             else:
                 out[name] = Inflight(own.requests + requests, own.tokens + tokens)
         own_get = inflight.get
+        memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
 
         def pending(name: str, _merged: Inflight | None) -> float:
+            got = memo.get(name)
+            if got is not None:
+                return got
             peer = view.get(name)
-            return own_pending(name, own_get(name)) + (peer[2] if peer is not None else 0.0)
+            own = own_get(name)
+            if peer is None:
+                got = work.pending(name, own)
+            elif len(peer) > 3 and not isinstance(own, SharedInflight):
+                got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])
+            else:
+                got = work.pending(name, own) + peer[2]
+            memo[name] = got
+            return got
 
         return out, pending

@@ -13,10 +13,12 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from proxy.config import ConfigError, parse_config
-from proxy.control.peer_load import PeerLoadExchange, default_replica_id, merge_rows
+from proxy.control.peer_load import PEER_RECENT_MAX, PeerLoadExchange, default_replica_id, merge_rows, own_load
 from proxy.core.affinity import AffinityPolicy
-from proxy.core.decision import Reason
+from proxy.core.decision import Inflight, Reason
+from proxy.core.inflight import InflightTable
 from proxy.core.routing_config import PeerLoadConfig, RoutingConfig
+from proxy.core.work_ledger import WorkLedger
 from tests.core.helpers import fleet, home_order, prompt
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401  # the fixture
 from tests.support.wait import until
@@ -174,6 +176,61 @@ def test_merge_skips_what_is_malformed() -> None:
             json.dumps({"a": [1, 2], "c": ["x", 1, 1], "d": [-1, 0, 0.0], "e": [1, 1, 1e400]}),
             json.dumps({"a": [2, 3, 0.5]})]
     assert merge_rows(rows) == {"a": (3, 5, 4.0), "b": (1, 1, 1.0)}
+
+
+def test_rows_with_ledger_entries_are_put_together_and_a_row_without_gives_the_sums_only() -> None:
+    """Round 4: a row may carry the replica's newest ledger entries ([age, tokens], newest first). Every
+    row's entries for a backend are put together, sorted by age; a backend that some replica published
+    without entries (an older replica, or a --workers host) gets the sums only, since the fleet estimate
+    needs every replica's; a malformed entry list drops that backend's entry of the row."""
+    rows = [json.dumps({"a": [1, 100, 40.0, [[0, 40.0], [3, 9.0]]], "b": [1, 10, 5.0, [[1, 5.0]]],
+                        "c": [0, 0, 0.0, [[2, 7.0]]]}),
+            json.dumps({"a": [2, 200, 60.0, [[1, 30.0], [2, 30.0]]], "b": [1, 10, 6.0]}),
+            json.dumps({"a": [1, 1, 1.0, [[-1, 1.0]]], "c": [1, 1, 1.0, [[0, "x"]]],
+                        "d": [1, 1, 1.0, [[0, 1.0]] * (PEER_RECENT_MAX + 1)], "e": [1, 1, 1.0, [[True, 1.0]]]})]
+    assert merge_rows(rows) == {
+        "a": (3, 300, 100.0, ((0, 40.0), (1, 30.0), (2, 30.0), (3, 9.0))),  # sorted by age
+        "b": (2, 20, 11.0),
+        "c": (0, 0, 0.0, ((2, 7.0),)),
+    }
+
+
+def test_a_replica_publishes_its_newest_entries_with_their_ages() -> None:
+    """`own_load` ticks the ledger's epoch once per refresh and publishes, per backend, as many newest
+    entries as the fleet's newest K could use: its own live requests plus the others' as last seen."""
+    work, table = WorkLedger(), InflightTable()
+    for tokens in (500.0, 400.0):
+        work.record("a", tokens)
+        table.acquire("a", 1000)
+    row = own_load(work, table, ["a", "b"], None)
+    assert row == {"a": (2, 2000, 900.0, ((1, 400.0), (1, 500.0))), "b": (0, 0, 0.0, ())}
+    work.record("a", 300.0)
+    table.acquire("a", 1000)
+    table.release("a", 1000)
+    row = own_load(work, table, ["a"], {"a": (1, 10, 1.0)})  # the others hold 1 more: 3 entries
+    assert row["a"] == (2, 2000, 700.0, ((1, 300.0), (2, 400.0), (2, 500.0)))
+    assert own_load(work, table, ["a"], {"a": (10 * PEER_RECENT_MAX, 1, 1.0)})["a"][3][-1] == (3, 500.0)
+
+
+async def test_the_entries_reach_the_other_replica_through_redis(redis_server: RedisServer) -> None:
+    entries = ((0, 300.0), (2, 500.0))
+    a = _exchange(_cfg(redis_server, replica_id="a"), {"gpu-0": (1, 100, 300.0, entries)})  # type: ignore[dict-item]  # a row with entries
+    b = _exchange(_cfg(redis_server, replica_id="b"), {"gpu-0": (2, 200, 900.0, ((1, 900.0),))})  # type: ignore[dict-item]  # a row with entries
+    await a.start()
+    await b.start()
+    try:
+        assert await until(lambda: (b.peers() or {}).get("gpu-0") == (1, 100, 300.0, entries), timeout=5)
+        assert await until(lambda: (a.peers() or {}).get("gpu-0") == (2, 200, 900.0, ((1, 900.0),)), timeout=5)
+        view = b.peers()
+        assert view is not None
+        # B's policy reads the fleet estimate from them: its own 2 live entries and A's, newest 3 of 4.
+        led = WorkLedger()
+        led.record("gpu-0", 900.0)
+        led.record("gpu-0", 50.0)
+        assert led.fleet_pending("gpu-0", Inflight(2, 200), *view["gpu-0"][:2], view["gpu-0"][3]) == 1250.0  # type: ignore[misc]  # the 4-tuple
+    finally:
+        await a.stop()
+        await b.stop()
 
 
 _BACKENDS = 'backends: [{name: a, url: "http://127.0.0.1:1"}]\n'

@@ -74,7 +74,7 @@ async def test_load_held_by_one_replica_moves_the_other_replicas_decisions(
         s = await stack.enter_async_context(aiohttp.ClientSession())
         assert b.peer_load is not None
         # Both replicas publish: B sees A's row (all zeros while A is idle).
-        assert await until(lambda: (b.peer_load.peers() or {}).get(BUSY) == (0, 0, 0.0), timeout=10)
+        assert await until(lambda: (b.peer_load.peers() or {}).get(BUSY, ())[:3] == (0, 0, 0.0), timeout=10)
         # A holds HELD long streams on BUSY (only the first chunk read: they stay in flight).
         streams = []
         for i in range(HELD):
@@ -90,6 +90,7 @@ async def test_load_held_by_one_replica_moves_the_other_replicas_decisions(
         # B's routing inputs now hold A's requests on BUSY (and nothing of its own).
         view = await until(lambda: (v := b.peer_load.peers()) and v.get(BUSY, (0,))[0] == HELD and v, timeout=10)
         assert view[BUSY][1] > 0 and view[BUSY][2] > 0  # tokens and queued prefill travel too
+        assert len(view[BUSY][3]) == HELD  # and A's newest ledger entries, one per request it holds
         assert set(view) == {BUSY}  # A knows only BUSY
         assert b.inflight.get(BUSY) is None or b.inflight[BUSY].requests == 0
         # The control replica, blind to A, sends the prompts whose hash home is BUSY there ...

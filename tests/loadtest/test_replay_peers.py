@@ -68,3 +68,28 @@ async def test_shared_ledger_view_reaches_every_replica() -> None:
     assert [r.backend for r in own.records] != [r.backend for r in peers.records]
     again = await replay(w, replace(base, load_view="peers", peer_refresh_ms=10))
     assert [(r.backend, r.ttft) for r in peers.records] == [(r.backend, r.ttft) for r in again.records]
+
+
+async def test_replicas_that_publish_their_ledger_entries_route_like_one_process() -> None:
+    """Round 4: the fleet's queued prefill is the newest K ledger entries of every replica merged by age.
+    With it (and the 20 ms default refresh), 3 replicas on the Mooncake sample make exactly the decisions
+    of one process; with the sums of each replica's own estimate (round 3's peer load) they do not, and on
+    a busier window the entries keep far more decisions equal to one process's."""
+    base = replace(BASE, backends=4, precise_lookup="inline")
+
+    async def agreement(window: tuple[float, float], speed: float, recent: bool) -> tuple[int, int]:
+        w = load_workload("mooncake", prefer_sample=True).window(window[0], window[1], None)
+        one = [r.backend for r in (await replay(w, replace(base, speed=speed))).records]
+        cfg = replace(base, speed=speed, replicas=3, load_view="peers", peer_recent=recent)
+        assert cfg.peer_refresh_ms == 20.0
+        many = [r.backend for r in (await replay(w, cfg)).records]
+        return sum(a == b for a, b in zip(one, many)), len(one)
+
+    same, n = await agreement((0, 60), 1.0, True)
+    assert same == n > 100
+    same_sums, _ = await agreement((0, 60), 1.0, False)
+    assert same_sums <= n - 10
+    busy, _ = await agreement((0, 60), 2.0, True)
+    busy_sums, _ = await agreement((0, 60), 2.0, False)
+    assert busy >= busy_sums + 30
+    assert scaleout_label(replace(base, load_view="peers", peer_recent=False)).endswith("every 20ms sums only")
