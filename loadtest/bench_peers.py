@@ -561,7 +561,12 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                                                          "127.0.0.1", "--port", str(port), "--prometheus-host",
                                                          "127.0.0.1", "--prometheus-port", str(port + 1000),
                                                          "--worker-urls", *workers, "--policy", "round_robin",
-                                                         "--log-level", "warn"])):
+                                                         "--log-level", "warn"]),
+                             ("sglang-cache", lambda port: [fake_py, "-m", "sglang_router.launch_router", "--host",
+                                                            "127.0.0.1", "--port", str(port), "--prometheus-host",
+                                                            "127.0.0.1", "--prometheus-port", str(port + 1000),
+                                                            "--worker-urls", *workers, "--policy", "cache_aware",
+                                                            "--log-level", "warn"])):
             if name not in names:
                 continue
             p += 10
