@@ -30,7 +30,9 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -186,8 +188,6 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
     """This tree against `baseline`, the two proxies up side by side, wrk runs of 3 s alternating between
     them (ABBA order); CPU µs per request of each proxy's process tree (/proc) and wrk's p50, medians.
     Both share every disturbance of a busy machine, so their ratio is steadier than the full run's."""
-    import signal
-    import subprocess
 
     hz = os.sysconf("SC_CLK_TCK")
     py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
@@ -254,13 +254,7 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
         print(f"| CPU/request, median of the {len(pairs)} per-round ratios (this lower in {lower}) | | | "
               f"{statistics.median(pairs):.2f}× |")
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.wait(timeout=15)
+        stop_groups(procs)
 
 
 NGINX_EXTRA = """daemon off;
@@ -390,8 +384,6 @@ def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, co
     concurrent streams, the `H2_BODY` POST to /v1/completions; CPU µs per request of each proxy's process
     tree (/proc). Printed: the medians and the median of the per-round ratios (the least swayed by a round
     a burst of foreign load hit). Returns the raw rounds."""
-    import signal
-    import subprocess
 
     hz = os.sysconf("SC_CLK_TCK")
     py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
@@ -470,13 +462,26 @@ def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, co
               f"{statistics.median(pairs):.2f}× |")
         return {"policy": policy, "proto": proto, "conns": conns, "streams": streams, "rounds": res}
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            p.wait(timeout=15)
+        stop_groups(procs)
+
+
+
+def stop_groups(procs: list[subprocess.Popen[Any]], paused: bool = False) -> None:
+    """SIGTERM every process group started here (each target runs in its own session, so its children go
+    too), SIGCONT first where arms may be stopped (`ab_c1` pauses idle arms), and SIGKILL the groups that
+    have not exited within 15 s."""
+    for proc in procs:
+        try:
+            if paused:
+                os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
@@ -495,8 +500,6 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
     c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure. `ap-rr-base` and
     `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one."""
     import shutil
-    import signal
-    import subprocess
 
     hz = os.sysconf("SC_CLK_TCK")
     py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
@@ -661,16 +664,7 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                         b.log(f"extra rep{rep} {n} tls: {exc!s:.300}")
         return {"reps": reps, "c1_secs": c1_secs, "load_secs": load_secs, "targets": order, "results": res}
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_groups(procs)
 
 
 def extra_table(raw: dict[str, Any]) -> str:
@@ -733,8 +727,6 @@ def ab_c1(peers_dir: str, ap_bin: str, arms: list[tuple[str, str, dict[str, str]
     median of the per-round ratios and in how many rounds the arm was lower. `nice` (e.g. -10, as root):
     every process of the run, this client included, at that niceness, so that on a machine shared with
     other work a woken proxy is scheduled ahead of it and the tail measured is the proxies' own."""
-    import signal
-    import subprocess
 
     hz = os.sysconf("SC_CLK_TCK")
     py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
@@ -802,17 +794,7 @@ def ab_c1(peers_dir: str, ap_bin: str, arms: list[tuple[str, str, dict[str, str]
         return {"policy": policy, "rounds": rounds, "secs": secs, "nice": nice, "arms": [[n, t, e] for n, t, e in arms],
                 "results": res}
     finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_groups(procs, paused=True)
 
 
 def ab_c1_table(raw: dict[str, Any]) -> str:

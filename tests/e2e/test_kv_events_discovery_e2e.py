@@ -7,7 +7,6 @@ worker of `run --workers 2` (the real resolver, `localhost`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import AsyncIterator
 
 import aiohttp
@@ -19,7 +18,7 @@ from sim.fleet import Fleet, start_fleet
 from sim.kv_events import KVEventsConfig
 from sim.tokenizer import TOKENIZER_DIR, token_ids
 
-from .test_kv_events_e2e import _direct, _until, _words
+from .test_kv_events_e2e import _continuations_reach_holders, _direct, _until, _words
 
 
 @pytest.fixture
@@ -122,7 +121,7 @@ async def test_every_worker_subscribes_to_a_discovered_backend(tmp_path, fleet: 
     """`run --workers 2` with the system resolver (`localhost`): the supervisor's discovery adds the pods,
     each worker follows the snapshots it is sent and subscribes, so a continuation that the kernel hands to
     either worker goes to the engine that computed its prefix."""
-    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
 
     model = fleet.servers[0].backend.engine.model_name
     cfg = tmp_path / "config.yaml"
@@ -143,20 +142,6 @@ async def test_every_worker_subscribes_to_a_discovered_backend(tmp_path, fleet: 
                     prompts[(i, j)] = p = _words(800 + 10 * i + j, 320)
                     await _direct(s, fleet, i, p)
         await asyncio.sleep(1.5)  # every worker has applied the events (or replayed them)
-        served_by: set[int] = set()
-        for (i, j), p in prompts.items():
-            for n in range(4):  # a fresh connection each: the kernel spreads them over both workers
-                owner: list[int | None] = []
-                reply = await post_json(
-                    proxy.port, "/v1/completions",
-                    {"model": model, "prompt": p + " " + _words(9100 + n + 10 * j + 100 * i, 20), "max_tokens": 1},
-                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
-                )
-                assert reply.status == 200, reply.body
-                assert reply.headers["x-affinity-backend"] == names[i], (i, j, n, owner)
-                assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
-                if owner[0] is not None:
-                    served_by.add(owner[0])
-        assert served_by == set(workers)
+        await _continuations_reach_holders(proxy.port, model, prompts, names, workers, 9100)
     finally:
         await proxy.terminate()

@@ -98,6 +98,32 @@ async def _direct(s: aiohttp.ClientSession, fleet: Fleet, i: int, prompt: str) -
         await resp.read()
 
 
+async def _continuations_reach_holders(port: int, model: str, prompts: dict[tuple[int, int], str],
+                                       names: list[str], workers: list[int], seed: int) -> None:
+    """Through a real `run --workers N` on `port`: four continuations of each prompt (i, j), each on a
+    fresh connection (the kernel spreads them over the workers), go to backend `names[i]`, which computed
+    its prefix, with its cached tokens; and every worker served some of them."""
+    import json
+
+    from tests.deploy.procs import owner_of_connection, post_json
+
+    served_by: set[int] = set()
+    for (i, j), p in prompts.items():
+        for n in range(4):
+            owner: list[int | None] = []
+            reply = await post_json(
+                port, "/v1/completions",
+                {"model": model, "prompt": p + " " + _words(seed + n + 10 * j + 100 * i, 20), "max_tokens": 1},
+                lambda r: owner.append(owner_of_connection(r.local_port, port, workers)),
+            )
+            assert reply.status == 200, reply.body
+            assert reply.headers["x-affinity-backend"] == names[i], (i, j, n, owner)
+            assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
+            if owner[0] is not None:
+                served_by.add(owner[0])
+    assert served_by == set(workers)
+
+
 @pytest.fixture(params=["array", "map"])
 async def fleet(request) -> AsyncIterator[Fleet]:
     cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", encoding=request.param)
@@ -182,9 +208,7 @@ async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fl
 async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_path, fleet: Fleet) -> None:
     """`affinity-proxy run --workers 2`: each worker subscribes and holds the index, so a continuation that
     the kernel hands to either worker goes to the engine that computed its prefix."""
-    import json
-
-    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
 
     model = fleet.servers[0].backend.engine.model_name
     lines, kv = [], []
@@ -211,21 +235,7 @@ async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_pat
                     prompts[(i, j)] = p = _words(500 + 10 * i + j, 320)
                     await _direct(s, fleet, i, p)
         await asyncio.sleep(1.5)  # the workers' subscriptions have seen the events (or replayed them)
-        served_by: set[int] = set()
-        for (i, j), p in prompts.items():
-            for n in range(4):  # a fresh connection each: the kernel spreads them over both workers
-                owner: list[int | None] = []
-                reply = await post_json(
-                    proxy.port, "/v1/completions",
-                    {"model": model, "prompt": p + " " + _words(9000 + n + 10 * j + 100 * i, 20), "max_tokens": 1},
-                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
-                )
-                assert reply.status == 200, reply.body
-                assert reply.headers["x-affinity-backend"] == f"sim-{i}", (i, j, n, owner)
-                assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
-                if owner[0] is not None:
-                    served_by.add(owner[0])
-        assert served_by == set(workers)
+        await _continuations_reach_holders(proxy.port, model, prompts, [f"sim-{i}" for i in range(4)], workers, 9000)
     finally:
         await proxy.terminate()
 

@@ -25,7 +25,7 @@ from sim.fleet import Fleet, start_fleet
 from sim.kv_events import KVEventsConfig
 from sim.tokenizer import TOKENIZER_DIR
 
-from .test_kv_events_e2e import _direct, _until, _words
+from .test_kv_events_e2e import _continuations_reach_holders, _direct, _until, _words
 
 
 def reversed_tokenizer(folder: Path) -> Path:
@@ -153,7 +153,7 @@ async def test_a_reload_loads_the_new_tokenizer_and_a_bad_one_is_refused(tmp_pat
 
 async def test_every_worker_loads_the_reloaded_tokenizer(tmp_path: Path, fleet: Fleet) -> None:
     """`run --workers 2`: the supervisor checks the folder (422 for a bad one), each worker loads it."""
-    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
 
     model = fleet.servers[0].backend.engine.model_name
     wrong = reversed_tokenizer(tmp_path / "reversed")
@@ -177,20 +177,6 @@ async def test_every_worker_loads_the_reloaded_tokenizer(tmp_path: Path, fleet: 
                     prompts[(i, j)] = p = _words(900 + 10 * i + j, 320)
                     await _direct(s, fleet, i, p)
         await asyncio.sleep(1.5)  # every worker has applied the events
-        served_by: set[int] = set()
-        for (i, j), p in prompts.items():
-            for n in range(4):  # a fresh connection each: the kernel spreads them over both workers
-                owner: list[int | None] = []
-                reply = await post_json(
-                    proxy.port, "/v1/completions",
-                    {"model": model, "prompt": p + " " + _words(9300 + n + 10 * j + 100 * i, 20), "max_tokens": 1},
-                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)),
-                )
-                assert reply.status == 200, reply.body
-                assert reply.headers["x-affinity-backend"] == f"sim-{i}", (i, j, n, owner)
-                assert json.loads(reply.body)["usage"]["prompt_tokens_details"]["cached_tokens"] >= 304
-                if owner[0] is not None:
-                    served_by.add(owner[0])
-        assert served_by == set(workers)
+        await _continuations_reach_holders(proxy.port, model, prompts, ["sim-0", "sim-1"], workers, 9300)
     finally:
         await proxy.terminate()
