@@ -32,12 +32,17 @@ engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures
 (affinity_proxy_peer_load_errors), the state is a gauge (affinity_proxy_peer_load_up) and logged once
 per change of state and at most every 30 s while it lasts.
 
-With --workers N, the workers of one host already share their load through shared memory
-(proxy/multiproc/shared_load.py): each worker's in-flight table reads the sum over every worker. So they
-all publish that same host-wide row under ONE replica id (the supervisor's pid by default) and exclude it
-when reading: the host is counted once, the other hosts and replicas once each. (Each worker publishing its
-own per-worker row would need a per-worker view of the shared table; a per-worker id with host-wide values
-would count the host N times.)
+With --workers N, the workers of one host already share their in-flight counts and queued prefill through
+shared memory (proxy/multiproc/shared_load.py): each worker's in-flight table reads the sum over every
+worker. But each worker's work ledger holds only the entries of the requests IT routed, and the fleet's
+newest K needs every entry. So each worker publishes its OWN part under its own id,
+`<host id>/<worker index>` (the host id: replica_id, or hostname:<supervisor pid>): its own row of the
+shared table (requests, tokens), its own estimate and its own newest entries. Another host sums a host's
+worker rows into the host's load, once. A worker reads every other row, its host-mates' included, and
+`merge_rows` takes from its host-mates' rows the entries only: their counts are already in its own,
+host-wide and instant, table, so nothing is counted twice. Measured in the replay (loadtest/results/
+scaleout.md, Round 4b): the host-wide sums cost R = 4 x W = 2 +11% TTFT mean against one process on the
+multi-turn Mooncake load; the workers' entries close it as for W = 1.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ Load = Mapping[str, PeerEntry]
 PEER_RECENT_MAX = 64
 
 # KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
-# the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
+# the TTL in ms, the prefix of a row's key. Returns the other live replicas' ids and rows, alternately.
 _EXCHANGE = """
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -78,7 +83,7 @@ local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if id ~= ARGV[1] then
     local row = redis.call('GET', ARGV[4] .. id)
-    if row then out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
+    if row then out[#out + 1] = id; out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
   end
 end
 return out
@@ -89,9 +94,14 @@ _LOG_EVERY_S = 30.0
 
 def default_replica_id(host_shared: bool) -> str:
     """hostname:pid; a --workers worker (`host_shared`: its table is the host's shared one) names its
-    supervisor, so every worker of the host writes the same host-wide row."""
+    supervisor: the host's id, which its worker index follows (`PeerLoadExchange.replica_id`)."""
     pid = os.getppid() if host_shared else os.getpid()
     return f"{socket.gethostname()}:{pid}"
+
+
+def worker_replica_id(host: str, worker: int | None) -> str:
+    """The id a process publishes under: the host's id, and for a --workers worker `/<its index>`."""
+    return host if worker is None else f"{host}/{worker}"
 
 
 def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable[str],
@@ -99,22 +109,28 @@ def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable
     """This process's row, per backend: in-flight requests, in-flight tokens, the work ledger's queued
     prefill and its newest ledger entries as (age in refresh epochs, tokens), as many as the fleet's newest
     K could use (its own live count plus the others' as last `seen`, at most PEER_RECENT_MAX); the
-    ledger's epoch is ticked first (one call per refresh). A --workers host (a shared in-flight table,
-    whose workers each hold part of the entries) publishes the sums only."""
-    host = isinstance(inflight, SharedInflightTable)
-    if not host:
-        work.tick()
+    ledger's epoch is ticked first (one call per refresh). A --workers worker (a shared in-flight table)
+    publishes its own part of the host: its own row's requests and tokens, its own ledger's estimate for
+    them and its own entries, as many as the fleet's newest K could use (the host-wide live count, which
+    its table reads, plus the other hosts' as last `seen`, whose view holds no host-mate's counts)."""
+    work.tick()
+    host = inflight if isinstance(inflight, SharedInflightTable) else None
     out: dict[str, PeerEntry] = {}
     for name in names:
-        own = inflight.get(name)
+        live = inflight.get(name)
+        own = host.own(name) if host is not None else live
         row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
-        if host:
-            out[name] = row
-            continue
         peer = seen.get(name) if seen else None
-        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
+        k = live.requests if live is not None else 0
+        n = min(PEER_RECENT_MAX, k + (peer[0] if peer is not None else 0))
         out[name] = (*row, work.recent(name, n))
     return out
+
+
+def encode_row(load: Load) -> str:
+    """A row as published (JSON: backend -> [requests, tokens, queued] or [..., [[age, tokens], ...]])."""
+    return json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
+                       for n, v in load.items()}, separators=(",", ":"))
 
 
 def _recent(raw: Any) -> list[RecentEntry] | None:
@@ -134,15 +150,17 @@ def _recent(raw: Any) -> list[RecentEntry] | None:
     return out
 
 
-def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
+def merge_rows(rows: list[Any], mates: Iterable[Any] = ()) -> dict[str, PeerEntry]:
     """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
     tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]]), with the entries of every row
-    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row published without entries gets the sums
-    only (the estimate from entries needs every replica's). A malformed row or entry is skipped (raises
-    nothing: it comes from the network)."""
+    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row
+    published without entries gets the sums only (the estimate from entries needs every replica's).
+    `mates`: the rows of this --workers host's other workers, whose entries count but whose requests,
+    tokens and queued prefill do not (the host-wide shared table already holds them). A malformed row or
+    entry is skipped (raises nothing: it comes from the network)."""
     out: dict[str, tuple[int, int, float]] = {}
     recent: dict[str, list[RecentEntry] | None] = {}
-    for raw in rows:
+    for mate, raw in [*((False, r) for r in rows), *((True, r) for r in mates)]:
         try:
             row = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -162,7 +180,7 @@ def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
                 continue
             first = name not in out
             r0, t0, q0 = out.get(name, (0, 0, 0.0))
-            out[name] = (r0 + req, t0 + tok, q0 + float(queued))
+            out[name] = (r0, t0, q0) if mate else (r0 + req, t0 + tok, q0 + float(queued))
             so_far = recent.get(name)
             if entries is None:
                 recent[name] = None
@@ -204,11 +222,11 @@ class PeerLoadExchange:
     `load()`: this process's per-backend (requests, tokens, queued prefill), read on the event loop once
     per refresh. `peers()`: the others' summed load, or None when off or not fresh (the policy's `peers`)."""
 
-    def __init__(self, cfg: PeerLoadConfig, load: Callable[[], Load], *, host_shared: bool = False,
+    def __init__(self, cfg: PeerLoadConfig, load: Callable[[], Load], *, worker: int | None = None,
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
         self._load = load
-        self._host_shared = host_shared
+        self._worker = worker  # a --workers worker's index (its row of the host's shared table), else None
         self._clock = clock
         self._metrics = _Metrics.build(registry)
         self._view: Load | None = None
@@ -221,7 +239,12 @@ class PeerLoadExchange:
         self.replica_id = self._replica_id(cfg)
 
     def _replica_id(self, cfg: PeerLoadConfig) -> str:
-        return cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._host_shared)
+        host = cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._worker is not None)
+        return worker_replica_id(host, self._worker)
+
+    def _host_prefix(self, replica_id: str) -> str | None:
+        """The ids of this worker's host-mates start with this (None: not a --workers worker)."""
+        return None if self._worker is None else replica_id[:replica_id.rindex("/") + 1]
 
     @property
     def config(self) -> PeerLoadConfig:
@@ -293,12 +316,12 @@ class PeerLoadExchange:
         row_prefix = f"{cfg.key_prefix}:replica:"
         keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
         period = cfg.refresh_ms / 1000.0
+        mates_of = self._host_prefix(replica_id)
         try:
             while True:
                 began = self._clock()
                 try:
-                    row = json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
-                                      for n, v in self._load().items()}, separators=(",", ":"))
+                    row = encode_row(self._load())
                     rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
                                                   timeout)
                 except asyncio.CancelledError:
@@ -306,13 +329,18 @@ class PeerLoadExchange:
                 except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
                     self._failed(cfg, exc)
                 else:
-                    self._view = merge_rows(list(rows))
+                    others: list[Any] = []
+                    mates: list[Any] = []
+                    for i in range(0, len(rows) - 1, 2):
+                        rid = rows[i].decode() if isinstance(rows[i], bytes) else str(rows[i])
+                        (mates if mates_of is not None and rid.startswith(mates_of) else others).append(rows[i + 1])
+                    self._view = merge_rows(others, mates)
                     self._fresh_until = self._clock() + timeout
-                    self._metrics.peers.set(len(rows))
+                    self._metrics.peers.set(len(others) + len(mates))
                     self._succeeded(cfg)
                 await asyncio.sleep(max(0.0, period - (self._clock() - began)))
         finally:
-            try:  # leave at once rather than after the TTL (a --workers peer of this host re-adds the row)
+            try:  # leave at once rather than after the TTL
                 await asyncio.wait_for(client.delete(keys[1]), timeout)
             except BaseException:  # noqa: BLE001 - best effort while stopping; the TTL removes it anyway
                 pass

@@ -94,7 +94,6 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
-from proxy.core.inflight import SharedInflight
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
@@ -664,8 +663,10 @@ class AffinityPolicy:
         would. The queued prefill of a backend whose entry carries the others' newest ledger entries is
         the fleet's newest K merged by age (`WorkLedger.fleet_pending`: summing each replica's own
         estimate instead cost R = 4 +11% TTFT mean on the multi-turn Mooncake load,
-        loadtest/results/scaleout.md Round 4); without them (an older replica's row, or a --workers
-        host, whose table is shared), this process's own estimate plus their published sum."""
+        loadtest/results/scaleout.md Round 4); without them (an older replica's row), this process's own
+        estimate plus their published sum. A --workers worker's own `inflight` is the host-wide shared
+        table and its view holds its host-mates' entries without their counts (`peer_load.merge_rows`), so
+        K is the fleet's live count and the entries are every worker's, each counted once."""
         out = dict(inflight)
         for name, entry in view.items():
             requests, tokens = entry[0], entry[1]
@@ -685,7 +686,7 @@ class AffinityPolicy:
             own = own_get(name)
             if peer is None:
                 got = work.pending(name, own)
-            elif len(peer) > 3 and not isinstance(own, SharedInflight):
+            elif len(peer) > 3:
                 got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])
             else:
                 got = work.pending(name, own) + peer[2]
