@@ -150,50 +150,66 @@ def _recent(raw: Any) -> list[RecentEntry] | None:
     return out
 
 
-def merge_rows(rows: list[Any], mates: Iterable[Any] = ()) -> dict[str, PeerEntry]:
-    """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
-    tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]]), with the entries of every row
-    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row
+def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
+    """One published row (JSON: backend -> [requests, tokens, queued] or [requests, tokens, queued,
+    [[age, tokens], ...]]) as load, or None if it is not a JSON object; a malformed backend entry is
+    dropped (raises nothing: it comes from the network)."""
+    try:
+        row = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(row, dict):
+        return None
+    out: dict[str, PeerEntry] = {}
+    for name, entry in row.items():
+        if not (isinstance(entry, list) and len(entry) in (3, 4)):
+            continue
+        req, tok, queued = entry[:3]
+        if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
+            continue
+        if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
+            continue
+        if len(entry) == 3:
+            out[name] = (req, tok, float(queued))
+            continue
+        entries = _recent(entry[3])
+        if entries is not None:
+            out[name] = (req, tok, float(queued), entries)
+    return out
+
+
+def merge_loads(loads: Iterable[Load], mates: Iterable[Load] = ()) -> dict[str, PeerEntry]:
+    """The sum, per backend, of the loads other replicas published, with the entries of every one put
+    together, sorted by age (stable: each load's order kept among equal ages); a backend some load
     published without entries gets the sums only (the estimate from entries needs every replica's).
-    `mates`: the rows of this --workers host's other workers, whose entries count but whose requests,
-    tokens and queued prefill do not (the host-wide shared table already holds them). A malformed row or
-    entry is skipped (raises nothing: it comes from the network)."""
+    `mates`: the loads of this --workers host's other workers, whose entries count but whose requests,
+    tokens and queued prefill do not (the host-wide shared table already holds them)."""
     out: dict[str, tuple[int, int, float]] = {}
     recent: dict[str, list[RecentEntry] | None] = {}
-    for mate, raw in [*((False, r) for r in rows), *((True, r) for r in mates)]:
-        try:
-            row = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if not isinstance(row, dict):
-            continue
-        for name, entry in row.items():
-            if not (isinstance(entry, list) and len(entry) in (3, 4)):
-                continue
-            req, tok, queued = entry[:3]
-            if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
-                continue
-            if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
-                continue
-            entries = _recent(entry[3]) if len(entry) == 4 else None
-            if len(entry) == 4 and entries is None:
-                continue
+    for mate, load in [*((False, x) for x in loads), *((True, x) for x in mates)]:
+        for name, entry in load.items():
             first = name not in out
             r0, t0, q0 = out.get(name, (0, 0, 0.0))
-            out[name] = (r0, t0, q0) if mate else (r0 + req, t0 + tok, q0 + float(queued))
+            out[name] = (r0, t0, q0) if mate else (r0 + entry[0], t0 + entry[1], q0 + entry[2])
             so_far = recent.get(name)
-            if entries is None:
+            if len(entry) < 4:
                 recent[name] = None
             elif first:
-                recent[name] = entries
+                recent[name] = list(entry[3])
             elif so_far is not None:
-                so_far.extend(entries)
+                so_far.extend(entry[3])
     merged: dict[str, PeerEntry] = {}
     for name, sums in out.items():
         entries = recent.get(name)
         # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
         merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=lambda e: e[0])))
     return merged
+
+
+def merge_rows(rows: Iterable[Any], mates: Iterable[Any] = ()) -> dict[str, PeerEntry]:
+    """`merge_loads` of published rows (JSON, `parse_row`): a malformed row or entry is skipped."""
+    return merge_loads([x for r in rows if (x := parse_row(r)) is not None],
+                       [x for r in mates if (x := parse_row(r)) is not None])
 
 
 @dataclass

@@ -291,8 +291,9 @@ async def test_workers_of_a_host_publish_their_own_parts_under_the_supervisors_i
         # Each worker reads its mate's entry, and none of its counts (they are in its own, shared, table).
         def mates_seen() -> bool:
             views = [w.peer_load.peers() for w in workers]  # type: ignore[union-attr]
-            return all(v is not None and v["a"][:3] == (0, 0, 0.0) and [e[1] for e in v["a"][3]] == [tok]  # type: ignore[misc]  # rows with entries
-                       for v, tok in zip(views, (300.0, 100.0)))
+            got = [(v or {}).get("a") for v in views]
+            return all(a is not None and a[:3] == (0, 0, 0.0) and [e[1] for e in a[3]] == [tok]  # type: ignore[misc]  # rows with entries
+                       for a, tok in zip(got, (300.0, 100.0)))
         assert await until(mates_seen, timeout=5)
     finally:
         await viewer.stop()
