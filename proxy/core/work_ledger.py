@@ -30,6 +30,11 @@ entry's *epoch*: `tick()` is called once per peer-load refresh (a count, not a c
 time), `recent()` gives the newest entries as (age in epochs, tokens) for the published row, and
 `fleet_pending()` merges the other replicas' published entries with this process's own by age and sums
 the fleet's newest K, as one process holding every entry would.
+
+The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
+summed). With `routing.peer_load` each worker also publishes its own entries and reads its host-mates'
+(proxy/control/peer_load.py), so `fleet_pending` is called with the host-wide `SharedInflight` as `own`
+(K: the host's live requests plus the other hosts') and every worker's entries, each once.
 """
 
 from __future__ import annotations
