@@ -412,8 +412,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         also each one's newest ledger entries (as `AffinityProxy._own_load` publishes them: its live
         count plus the others' as it last read them, at most PEER_RECENT_MAX), its epoch ticked first."""
         published = []
-        # A --workers host publishes the sums only (proxy/control/peer_load.py `own_load`: its workers
-        # each hold part of the entries), so its replica's row has no entries with W > 1.
+        # (W > 1 with shared load is `publish_hosts`; here W > 1 only with separate loads, which no
+        # proxy runs: such a replica publishes its sums only.)
         recent_rows = cfg.peer_recent and cfg.workers == 1
         for r, loads in enumerate(replica_load):
             mine: dict[str, list[Any]] = {}

@@ -228,7 +228,7 @@ class _Metrics:
                      "1 while the other replicas' load from Redis is fresh (routing.peer_load), else 0.",
                      registry=reg),
             peers=Gauge("affinity_proxy_peer_load_replicas",
-                        "Other proxy replicas whose load the last exchange with Redis returned.", registry=reg),
+                        "Other proxy replicas (or --workers workers) whose rows the last exchange with Redis returned.", registry=reg),
         )
 
 
