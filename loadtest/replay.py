@@ -161,9 +161,9 @@ class ReplayConfig:
     # summed per-replica estimates only (round 3's peer load).
     # With workers > 1 (shared load) and load_view "peers", a replica is a --workers host as the proxy runs
     # it: the workers share a SharedInflightTable (counts and the host-wide queued prefill), each has its
-    # own work ledger; with peer_recent each worker publishes its own part under its own id and reads its
-    # host-mates' entries without their counts (proxy/control/peer_load.py); without, the host publishes
-    # its sums once (round 4's --workers host).
+    # own work ledger; with peer_recent each worker publishes its own part under its own id and reads
+    # every other worker's, its host-mates' included (proxy/control/peer_load.py); without, the same
+    # rows without their entries.
     peer_recent: bool = True
 
 
@@ -391,21 +391,14 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     def publish_hosts() -> None:
         """--workers hosts (with `peer_recent`): each worker publishes its own part (`peer_load.own_load`,
         the proxy's own code: its epoch ticked, its row of the host's table, its own entries) and reads
-        the others' merged (`peer_load.merge_loads`: its host-mates' entries without their counts).
-        Without: each host publishes its sums once (its table's host-wide counts and queued prefill, as
-        round 4's --workers host did) and its workers read the other hosts'."""
-        if cfg.peer_recent:
-            rows = [own_load(ledger, table, names, proc_views[p]) for p, (_r, table, ledger) in enumerate(host_procs)]
-            for p, (r, _t, _l) in enumerate(host_procs):
-                proc_views[p] = merge_loads([row for q, row in enumerate(rows) if host_procs[q][0] != r],
-                                            [row for q, row in enumerate(rows) if q != p and host_procs[q][0] == r])
-            return
-        sums: list[dict[str, Any]] = []
-        for r in range(cfg.replicas):
-            table = next(t for rr, t, _l in host_procs if rr == r)
-            sums.append({n: (f.requests, f.tokens, f.queued) for n in names if (f := table.get(n)) is not None})
-        for r in range(cfg.replicas):
-            peer_views[r] = merge_loads([row for o, row in enumerate(sums) if o != r])
+        every other worker's merged, its host-mates' included (`peer_load.merge_loads`); without
+        `peer_recent`, the same rows without their entries (round 3's sums). (Round 4's --workers host,
+        which published its host-wide sums once, was replayed at commit 70dd986: scaleout.md Round 4b.)"""
+        rows = [own_load(ledger, table, names, proc_views[p]) for p, (_r, table, ledger) in enumerate(host_procs)]
+        if not cfg.peer_recent:  # rows without entries (round 3's sums, per worker)
+            rows = [{n: v[:3] for n, v in row.items()} for row in rows]
+        for p in range(len(host_procs)):
+            proc_views[p] = merge_loads([row for q, row in enumerate(rows) if q != p])
 
     def publish_peers() -> None:
         """Each replica's published load, summed per backend over the OTHER replicas; with `peer_recent`

@@ -37,12 +37,14 @@ shared memory (proxy/multiproc/shared_load.py): each worker's in-flight table re
 worker. But each worker's work ledger holds only the entries of the requests IT routed, and the fleet's
 newest K needs every entry. So each worker publishes its OWN part under its own id,
 `<host id>/<worker index>` (the host id: replica_id, or hostname:<supervisor pid>): its own row of the
-shared table (requests, tokens), its own estimate and its own newest entries. Another host sums a host's
-worker rows into the host's load, once. A worker reads every other row, its host-mates' included, and
-`merge_rows` takes from its host-mates' rows the entries only: their counts are already in its own,
-host-wide and instant, table, so nothing is counted twice. Measured in the replay (loadtest/results/
-scaleout.md, Round 4b): the host-wide sums cost R = 4 x W = 2 +11% TTFT mean against one process on the
-multi-turn Mooncake load; the workers' entries close it as for W = 1.
+shared table (requests, tokens), its own estimate and its own newest entries, and reads every other
+row, its host-mates' included, as another replica's: with routing.peer_load on, a host of W workers is W
+replicas to the fleet-wide merge (the policy then counts a worker's own row of the shared table only,
+proxy/core/affinity.py `_with_peers`), each request counted once, by the worker that routed it. The
+host-wide table stays what the workers route on while Redis is not answering. Why not the host-wide
+instant counts with the mates' published entries: K then counts a mate's newest request whose entry is
+not published yet and reaches one entry further back (measured: R = 2 x W = 2 +19% TTFT mean against one
+process on one seed). Measured in the replay (loadtest/results/scaleout.md, Round 4b).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ Load = Mapping[str, PeerEntry]
 PEER_RECENT_MAX = 64
 
 # KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
-# the TTL in ms, the prefix of a row's key. Returns the other live replicas' ids and rows, alternately.
+# the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
 _EXCHANGE = """
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -83,7 +85,7 @@ local out = {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   if id ~= ARGV[1] then
     local row = redis.call('GET', ARGV[4] .. id)
-    if row then out[#out + 1] = id; out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
+    if row then out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
   end
 end
 return out
@@ -111,18 +113,15 @@ def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable
     K could use (its own live count plus the others' as last `seen`, at most PEER_RECENT_MAX); the
     ledger's epoch is ticked first (one call per refresh). A --workers worker (a shared in-flight table)
     publishes its own part of the host: its own row's requests and tokens, its own ledger's estimate for
-    them and its own entries, as many as the fleet's newest K could use (the host-wide live count, which
-    its table reads, plus the other hosts' as last `seen`, whose view holds no host-mate's counts)."""
+    them and its own entries, as a replica of its own would."""
     work.tick()
     host = inflight if isinstance(inflight, SharedInflightTable) else None
     out: dict[str, PeerEntry] = {}
     for name in names:
-        live = inflight.get(name)
-        own = host.own(name) if host is not None else live
+        own = host.own(name) if host is not None else inflight.get(name)
         row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
         peer = seen.get(name) if seen else None
-        k = live.requests if live is not None else 0
-        n = min(PEER_RECENT_MAX, k + (peer[0] if peer is not None else 0))
+        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
         out[name] = (*row, work.recent(name, n))
     return out
 
@@ -178,19 +177,17 @@ def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
     return out
 
 
-def merge_loads(loads: Iterable[Load], mates: Iterable[Load] = ()) -> dict[str, PeerEntry]:
+def merge_loads(loads: Iterable[Load]) -> dict[str, PeerEntry]:
     """The sum, per backend, of the loads other replicas published, with the entries of every one put
     together, sorted by age (stable: each load's order kept among equal ages); a backend some load
-    published without entries gets the sums only (the estimate from entries needs every replica's).
-    `mates`: the loads of this --workers host's other workers, whose entries count but whose requests,
-    tokens and queued prefill do not (the host-wide shared table already holds them)."""
+    published without entries gets the sums only (the estimate from entries needs every replica's)."""
     out: dict[str, tuple[int, int, float]] = {}
     recent: dict[str, list[RecentEntry] | None] = {}
-    for mate, load in [*((False, x) for x in loads), *((True, x) for x in mates)]:
+    for load in loads:
         for name, entry in load.items():
             first = name not in out
             r0, t0, q0 = out.get(name, (0, 0, 0.0))
-            out[name] = (r0, t0, q0) if mate else (r0 + entry[0], t0 + entry[1], q0 + entry[2])
+            out[name] = (r0 + entry[0], t0 + entry[1], q0 + entry[2])
             so_far = recent.get(name)
             if len(entry) < 4:
                 recent[name] = None
@@ -206,10 +203,9 @@ def merge_loads(loads: Iterable[Load], mates: Iterable[Load] = ()) -> dict[str, 
     return merged
 
 
-def merge_rows(rows: Iterable[Any], mates: Iterable[Any] = ()) -> dict[str, PeerEntry]:
+def merge_rows(rows: Iterable[Any]) -> dict[str, PeerEntry]:
     """`merge_loads` of published rows (JSON, `parse_row`): a malformed row or entry is skipped."""
-    return merge_loads([x for r in rows if (x := parse_row(r)) is not None],
-                       [x for r in mates if (x := parse_row(r)) is not None])
+    return merge_loads([x for r in rows if (x := parse_row(r)) is not None])
 
 
 @dataclass
@@ -258,9 +254,6 @@ class PeerLoadExchange:
         host = cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._worker is not None)
         return worker_replica_id(host, self._worker)
 
-    def _host_prefix(self, replica_id: str) -> str | None:
-        """The ids of this worker's host-mates start with this (None: not a --workers worker)."""
-        return None if self._worker is None else replica_id[:replica_id.rindex("/") + 1]
 
     @property
     def config(self) -> PeerLoadConfig:
@@ -332,7 +325,6 @@ class PeerLoadExchange:
         row_prefix = f"{cfg.key_prefix}:replica:"
         keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
         period = cfg.refresh_ms / 1000.0
-        mates_of = self._host_prefix(replica_id)
         try:
             while True:
                 began = self._clock()
@@ -345,14 +337,9 @@ class PeerLoadExchange:
                 except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
                     self._failed(cfg, exc)
                 else:
-                    others: list[Any] = []
-                    mates: list[Any] = []
-                    for i in range(0, len(rows) - 1, 2):
-                        rid = rows[i].decode() if isinstance(rows[i], bytes) else str(rows[i])
-                        (mates if mates_of is not None and rid.startswith(mates_of) else others).append(rows[i + 1])
-                    self._view = merge_rows(others, mates)
+                    self._view = merge_rows(list(rows))
                     self._fresh_until = self._clock() + timeout
-                    self._metrics.peers.set(len(others) + len(mates))
+                    self._metrics.peers.set(len(rows))
                     self._succeeded(cfg)
                 await asyncio.sleep(max(0.0, period - (self._clock() - began)))
         finally:

@@ -115,24 +115,23 @@ async def test_redis_down_makes_peers_none_and_the_policy_still_routes(redis_ser
         await other.stop()
 
 
-async def test_workers_of_one_host_read_their_mates_entries_and_not_their_counts(redis_server: RedisServer) -> None:
-    """With --workers every worker's table reads the host-wide counts (shared memory), but each worker's
-    ledger holds only its own entries: so each worker publishes its own part under `<host>/<index>`;
-    another replica sums the host's worker rows (the host once), and a worker takes from its host-mates'
-    rows their entries only (their counts are already in its own table)."""
+async def test_workers_of_one_host_publish_their_own_parts_and_read_each_other(redis_server: RedisServer) -> None:
+    """With --workers each worker's ledger holds only its own entries: so each worker publishes its own
+    part under `<host>/<index>` (`own_load`), and reads every other row, its host-mate's included, as
+    another replica's; another replica sums the host's worker rows (the host once)."""
     w1_load: Load = {"gpu-0": (2, 200, 20.0, ((0, 700.0), (1, 100.0)))}  # type: ignore[dict-item]  # a row with entries
     w2_load: Load = {"gpu-0": (4, 400, 40.0, ((2, 300.0),))}  # type: ignore[dict-item]  # a row with entries
     w1 = _exchange(_cfg(redis_server, replica_id="host-a"), w1_load, worker=0)
     w2 = _exchange(_cfg(redis_server, replica_id="host-a"), w2_load, worker=1)
-    other = _exchange(_cfg(redis_server, replica_id="host-b"), {"gpu-0": (1, 10, 1.0, ((0, 5.0),))})  # type: ignore[dict-item]  # a row with entries
+    other = _exchange(_cfg(redis_server, replica_id="host-b"), {"gpu-0": (1, 10, 1.0, ((3, 5.0),))})  # type: ignore[dict-item]  # a row with entries
     assert (w1.replica_id, w2.replica_id, other.replica_id) == ("host-a/0", "host-a/1", "host-b")
     for e in (w1, w2, other):
         await e.start()
     try:
         assert await until(lambda: other.peers() == {"gpu-0": (6, 600, 60.0, ((0, 700.0), (1, 100.0), (2, 300.0)))},
                            timeout=5)
-        assert await until(lambda: w1.peers() == {"gpu-0": (1, 10, 1.0, ((0, 5.0), (2, 300.0)))}, timeout=5)
-        assert await until(lambda: w2.peers() == {"gpu-0": (1, 10, 1.0, ((0, 5.0), (0, 700.0), (1, 100.0)))},
+        assert await until(lambda: w1.peers() == {"gpu-0": (5, 410, 41.0, ((2, 300.0), (3, 5.0)))}, timeout=5)
+        assert await until(lambda: w2.peers() == {"gpu-0": (3, 210, 21.0, ((0, 700.0), (1, 100.0), (3, 5.0)))},
                            timeout=5)
     finally:
         for e in (w1, w2, other):
@@ -261,7 +260,7 @@ async def test_workers_of_a_host_publish_their_own_parts_under_the_supervisors_i
     """The app's wiring for --workers: each worker (role "data", its row of the shared load block)
     publishes under `<hostname:supervisor pid>/<its index>` its own row of the shared table and its own
     ledger entries; another replica sums the rows (the host's load once, whichever worker routed it), and
-    each worker reads its mate's entries without its counts."""
+    each worker reads its mate's row as another replica's."""
     from proxy.app import AffinityProxy
     from proxy.multiproc.shared_load import SharedLoad
 
@@ -288,11 +287,11 @@ async def test_workers_of_a_host_publish_their_own_parts_under_the_supervisors_i
             await w.peer_load.start()  # type: ignore[union-attr]  # the exchange alone: no listeners needed
         await viewer.start()
         assert await until(lambda: (viewer.peers() or {}).get("a", (0, 0))[:2] == (2, 400), timeout=5)
-        # Each worker reads its mate's entry, and none of its counts (they are in its own, shared, table).
+        # Each worker reads its mate's part: its request, its estimate and its entry.
         def mates_seen() -> bool:
             views = [w.peer_load.peers() for w in workers]  # type: ignore[union-attr]
             got = [(v or {}).get("a") for v in views]
-            return all(a is not None and a[:3] == (0, 0, 0.0) and [e[1] for e in a[3]] == [tok]  # type: ignore[misc]  # rows with entries
+            return all(a is not None and a[:3] == (1, int(tok), tok) and [e[1] for e in a[3]] == [tok]  # type: ignore[misc]  # rows with entries
                        for a, tok in zip(got, (300.0, 100.0)))
         assert await until(mates_seen, timeout=5)
     finally:

@@ -1,10 +1,10 @@
 """The shared ledger (routing.peer_load) with a `--workers 2` host (issue 13, round 4b): each worker
 publishes its own part of the host (its own row of the shared table, its own ledger entries) under its
-own id; a worker takes its host-mates' entries but not their counts (those are in its host-wide shared
-table already), another replica sums the host's worker rows. Then every process's estimate of a backend's
-queued prefill is the one a single process holding every ledger entry reads, and its in-flight count is
-the fleet's, each request counted once. (Before: a --workers host published its sums only, and its own
-workers read the sum of each one's newest k_w: not additive, loadtest/results/scaleout.md.)"""
+own id and reads every other row, its host-mate's included, counting its own row of the shared table
+only. Then every process's estimate of a backend's queued prefill is the one a single process holding
+every ledger entry reads, and its in-flight count is the fleet's, each request counted once. (Before: a
+--workers host published its sums only, and its own workers read the sum of each one's newest k_w: not
+additive, loadtest/results/scaleout.md.)"""
 
 from __future__ import annotations
 
@@ -65,12 +65,8 @@ class _World:
 
 
 def views(rows: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """What each process reads from the others' rows (as `PeerLoadExchange` splits them by id)."""
-    return {
-        "w0": merge_rows([rows["B"]], [rows["w1"]]),
-        "w1": merge_rows([rows["B"]], [rows["w0"]]),
-        "B": merge_rows([rows["w0"], rows["w1"]]),
-    }
+    """What each process reads: every other process's row."""
+    return {w: merge_rows([row for o, row in rows.items() if o != w]) for w in rows}
 
 
 def test_each_process_reads_the_one_ledger_estimate_and_counts_each_request_once() -> None:
@@ -82,12 +78,7 @@ def test_each_process_reads_the_one_ledger_estimate_and_counts_each_request_once
     assert world.one_table["gpu"].requests == 4 and one == 1400.0
     # A worker publishes its own part: its own row of the shared table, not the host's sum.
     assert w0["gpu"].requests == 3 and w0.own("gpu") == Inflight(2, 2 * TOKENS)
-    views = {
-        "w0": merge_rows([rows["B"]], [rows["w1"]]),
-        "w1": merge_rows([rows["B"]], [rows["w0"]]),
-        "B": merge_rows([rows["w0"], rows["w1"]]),
-    }
-    for who, view in views.items():
+    for who, view in views(rows).items():
         merged, pending = AffinityPolicy._with_peers(view, world.tables[who], world.ledgers[who])
         assert merged["gpu"].requests == 4 and merged["gpu"].tokens == 4 * TOKENS, who  # no double count
         assert pending("gpu", merged["gpu"]) == one, who
@@ -97,8 +88,8 @@ def test_each_process_reads_the_one_ledger_estimate_and_counts_each_request_once
 
 
 def test_a_host_alone_reads_its_workers_entries_as_one_process() -> None:
-    """R = 1 x W = 2 with routing.peer_load on: the host-mates' entries make the workers' estimate the
-    single process's (their counts come from the shared table only)."""
+    """R = 1 x W = 2 with routing.peer_load on: the host-mate's row makes the workers' estimate the
+    single process's."""
     world = _World("gpu", ["gpu"])
     rows = world.rows()
     # Without B: drop its request from the reference by reading the host's own entries only.
@@ -106,7 +97,7 @@ def test_a_host_alone_reads_its_workers_entries_as_one_process() -> None:
     for _at, who, tokens, _live in SENDS:
         if who != "B":
             host_only.record("gpu", tokens)
-    view = merge_rows([], [rows["w1"]])
+    view = merge_rows([rows["w1"]])
     merged, pending = AffinityPolicy._with_peers(view, world.tables["w0"], world.ledgers["w0"])
     assert merged["gpu"].requests == 3
     assert pending("gpu", merged["gpu"]) == host_only.pending("gpu", Inflight(3, 3 * TOKENS)) == 1200.0
@@ -120,14 +111,14 @@ def test_the_workers_policy_keeps_a_new_prompt_home_where_the_host_sums_move_it(
     rows = world.rows()
     # The other backends busy elsewhere (so that the request bound lets the home take one more).
     others = {n: (3, 300, 0.0, ((0, 0.0), (0, 0.0), (0, 0.0))) for n in snap.names if n != home}
-    view = {**merge_rows([rows["B"]], [rows["w1"]]), **others}
+    view = {**merge_rows([rows["B"], rows["w1"]]), **others}
     pol = AffinityPolicy(RoutingConfig(), work=world.ledgers["w0"], peers=lambda: view)
     d = pol.pick(p, snap, world.tables["w0"])
     assert d.backend == home and d.reason is Reason.HASH
-    # The old rows: the host's sums under one id (its workers read none of each other's entries).
+    # Rows without entries (the sums only: an older replica's, or round 4's --workers host's).
     world = _World(home, list(snap.names))  # afresh: the pick above recorded its request
     rows = world.rows()
-    sums = {n: v[:3] for n, v in {**merge_rows([rows["B"]]), **others}.items()}
+    sums = {n: v[:3] for n, v in {**merge_rows([rows["B"], rows["w1"]]), **others}.items()}
     old = AffinityPolicy(RoutingConfig(), work=world.ledgers["w0"], peers=lambda: sums)
     d2 = old.pick(p, snap, world.tables["w0"])
     assert d2.backend != home and d2.reason is Reason.OVERLOAD_FALLBACK
