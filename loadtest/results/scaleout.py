@@ -198,7 +198,7 @@ def _rows() -> list[dict]:
 
 def parse_flags(flags: str) -> dict:
     """The configuration a row's flags name (defaults filled in)."""
-    words = flags.split()
+    words = flags.partition("@")[0].split()  # the note after "@" is words, not flags
     out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
            "delay": 50.0, "shared": True, "every": 0.0, "lookup": "proxy", "recent": True, "seed": 0,
            "note": flags.partition("@")[2].strip()}
