@@ -43,7 +43,7 @@ from sim.metrics import render as render_metrics
 from sim.server import models_listing
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
-from proxy.control.peer_load import PEER_RECENT_MAX
+from proxy.control.peer_load import PEER_RECENT_MAX, merge_loads, own_load
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -57,7 +57,7 @@ from proxy.core.request import summary_from_openai
 from proxy.core.routing_config import AffinityConfig, LoadConfig, RoutingConfig
 from proxy.core.score import ScoreConfig
 from proxy.core.snapshot import BackendSpec, Snapshot
-from proxy.core.inflight import InflightTable
+from proxy.core.inflight import InflightTable, SharedInflightTable, SharedLayout
 from proxy.core.decision import NoBackendAvailable
 from proxy.dataplane.router import Router, UnknownModel
 from proxy.metrics import ProxyMetrics
@@ -159,7 +159,11 @@ class ReplayConfig:
     # load_view "peers": each replica also publishes its newest work-ledger entries with their ages, and
     # the others estimate the fleet's queued prefill from them (the proxy's routing.peer_load); False: the
     # summed per-replica estimates only (round 3's peer load).
-    # (With workers > 1 a replica publishes the sums only, as a --workers host does.)
+    # With workers > 1 (shared load) and load_view "peers", a replica is a --workers host as the proxy runs
+    # it: the workers share a SharedInflightTable (counts and the host-wide queued prefill), each has its
+    # own work ledger; with peer_recent each worker publishes its own part under its own id and reads
+    # every other worker's, its host-mates' included (proxy/control/peer_load.py); without, the same
+    # rows without their entries.
     peer_recent: bool = True
 
 
@@ -331,12 +335,25 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     # load_view "peers": per replica, the other replicas' load as of the last refresh.
     peer_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas)]
     replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
+    # --workers hosts (see ReplayConfig.peer_recent): per process (its replica, its table, its ledger), and
+    # what it last read from the others.
+    hosts = cfg.workers > 1 and cfg.shared_worker_load and cfg.load_view == "peers" and policy is None
+    host_procs: list[tuple[int, SharedInflightTable, WorkLedger]] = []
+    proc_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas * cfg.workers)]
     for r in range(cfg.replicas if policy is None else 0):
         replica_table, replica_ledger = InflightTable(), WorkLedger()
         peers = (lambda r=r: peer_views[r]) if cfg.load_view == "peers" else None
+        layout = SharedLayout(rows=cfg.workers, slots=max(1, len(names)))
+        host_buf = memoryview(bytearray(layout.size)) if hosts else None
         for w in range(cfg.workers):
             table = replica_table if cfg.shared_worker_load else InflightTable()
             ledger = replica_ledger if cfg.shared_worker_load else WorkLedger()
+            if host_buf is not None:
+                table, ledger = SharedInflightTable(host_buf, layout, w), WorkLedger()
+                table.assign({n: k for k, n in enumerate(names)})
+                host_procs.append((r, table, ledger))
+                if cfg.peer_recent:
+                    peers = (lambda p=len(host_procs) - 1: proc_views[p])
             view = None
             if cfg.policy == "affinity":
                 view = process_view()
@@ -371,13 +388,25 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     next_sample = 0.0
     next_peer = 0.0 if cfg.load_view == "peers" and policy is None else float("inf")
 
+    def publish_hosts() -> None:
+        """--workers hosts (with `peer_recent`): each worker publishes its own part (`peer_load.own_load`,
+        the proxy's own code: its epoch ticked, its row of the host's table, its own entries) and reads
+        every other worker's merged, its host-mates' included (`peer_load.merge_loads`); without
+        `peer_recent`, the same rows without their entries (round 3's sums). (Round 4's --workers host,
+        which published its host-wide sums once, was replayed at commit 70dd986: scaleout.md Round 4b.)"""
+        rows = [own_load(ledger, table, names, proc_views[p]) for p, (_r, table, ledger) in enumerate(host_procs)]
+        if not cfg.peer_recent:  # rows without entries (round 3's sums, per worker)
+            rows = [{n: v[:3] for n, v in row.items()} for row in rows]
+        for p in range(len(host_procs)):
+            proc_views[p] = merge_loads([row for q, row in enumerate(rows) if q != p])
+
     def publish_peers() -> None:
         """Each replica's published load, summed per backend over the OTHER replicas; with `peer_recent`
         also each one's newest ledger entries (as `AffinityProxy._own_load` publishes them: its live
         count plus the others' as it last read them, at most PEER_RECENT_MAX), its epoch ticked first."""
         published = []
-        # A --workers host publishes the sums only (proxy/control/peer_load.py `own_load`: its workers
-        # each hold part of the entries), so its replica's row has no entries with W > 1.
+        # (W > 1 with shared load is `publish_hosts`; here W > 1 only with separate loads, which no
+        # proxy runs: such a replica publishes its sums only.)
         recent_rows = cfg.peer_recent and cfg.workers == 1
         for r, loads in enumerate(replica_load):
             mine: dict[str, list[Any]] = {}
@@ -493,7 +522,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             deliver(t_del, outputs, name)
             continue
         if t_next == next_peer:
-            publish_peers()
+            publish_hosts() if hosts else publish_peers()
             next_peer += cfg.peer_refresh_ms / 1000.0
             continue
         if t_next == next_sample:

@@ -252,8 +252,8 @@ class AffinityProxy:
         self.peer_load: PeerLoadExchange | None = None
         self._work: WorkLedger | None = None  # the current affinity policy's work ledger, which it publishes
         if data:
-            shared = isinstance(self.inflight, SharedInflightTable) and self.inflight.row is not None
-            self.peer_load = PeerLoadExchange(config.routing.peer_load, self._own_load, host_shared=shared,
+            worker = self.inflight.row if isinstance(self.inflight, SharedInflightTable) else None
+            self.peer_load = PeerLoadExchange(config.routing.peer_load, self._own_load, worker=worker,
                                               registry=self.metrics.registry)
             self.add_service(self.peer_load, data_plane=True)
 

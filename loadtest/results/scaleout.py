@@ -113,6 +113,14 @@ def suite(name: str) -> list[ReplayConfig]:
         cfgs.append(ReplayConfig(policy="affinity", replicas=2, workers=2, index="precise", load_view="peers"))
         cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise", load_view="peers"))
         cfgs.append(ReplayConfig(policy="affinity", replicas=4, load_view="peers"))
+    elif name == "round4b":
+        # Round 4b (a --workers 2 host's ledger entries): R = 2 and 4 hosts of W = 2 workers with the shared
+        # ledger at 20 ms, each worker publishing its own part with its entries, three seeds. (The rows
+        # before, round 4's --workers host, and the design tried first are in scaleout.jsonl with notes.)
+        for seed in (0, 1, 2):
+            for r in (4, 2):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=2, index="precise",
+                                         load_view="peers", seed=seed))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -152,7 +160,7 @@ def key_of(load: tuple, cfg: ReplayConfig) -> str:
     return f"{name} {window[0]:g}:{window[1]:g} x{speed:g} | {flags(cfg)}"
 
 
-def run(suite_name: str, only: str | None, load_filter: str | None = None) -> None:
+def run(suite_name: str, only: str | None, load_filter: str | None = None, seed: int | None = None) -> None:
     done = set()
     if OUT.exists():
         done = {json.loads(line)["key"] for line in OUT.read_text().splitlines() if line.strip()}
@@ -164,7 +172,7 @@ def run(suite_name: str, only: str | None, load_filter: str | None = None) -> No
             continue
         for base in suite(suite_name):
             key = key_of(load, base)
-            if key in done:
+            if key in done or (seed is not None and base.seed != seed):
                 continue
             name, trace, window, speed, busy = load
             wl = workloads.get((trace, window))
@@ -190,7 +198,7 @@ def _rows() -> list[dict]:
 
 def parse_flags(flags: str) -> dict:
     """The configuration a row's flags name (defaults filled in)."""
-    words = flags.split()
+    words = flags.partition("@")[0].split()  # the note after "@" is words, not flags
     out = {"policy": words[1], "replicas": 1, "workers": 1, "index": "learned", "load_view": "own",
            "delay": 50.0, "shared": True, "every": 0.0, "lookup": "proxy", "recent": True, "seed": 0,
            "note": flags.partition("@")[2].strip()}
@@ -260,6 +268,8 @@ def table() -> None:
                              + ("" if f["recent"] else " (sums only: round 3)")}.get(f["load_view"], f["load_view"])
             if f["seed"]:
                 view += f", seed {f['seed']}"
+            if f["note"]:
+                view += f" ({f['note']})"
             extra = []
             if f["workers"] > 1:
                 extra.append("shared load" if f["shared"] else "separate load")
@@ -293,7 +303,7 @@ def plot() -> None:
                 pts = sorted(
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
-                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["seed"] == 0
+                    and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["seed"] == 0 and not f["note"]
                     and (f["replicas"] == 1 or (f["every"] == every and f["recent"] == recent))
                     and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
@@ -328,14 +338,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
+    r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
     sub.add_parser("table")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
-        run(args.suite, args.only, args.load)
+        run(args.suite, args.only, args.load, args.seed)
     elif args.cmd == "table":
         table()
     else:

@@ -32,12 +32,19 @@ engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures
 (affinity_proxy_peer_load_errors), the state is a gauge (affinity_proxy_peer_load_up) and logged once
 per change of state and at most every 30 s while it lasts.
 
-With --workers N, the workers of one host already share their load through shared memory
-(proxy/multiproc/shared_load.py): each worker's in-flight table reads the sum over every worker. So they
-all publish that same host-wide row under ONE replica id (the supervisor's pid by default) and exclude it
-when reading: the host is counted once, the other hosts and replicas once each. (Each worker publishing its
-own per-worker row would need a per-worker view of the shared table; a per-worker id with host-wide values
-would count the host N times.)
+With --workers N, the workers of one host already share their in-flight counts and queued prefill through
+shared memory (proxy/multiproc/shared_load.py): each worker's in-flight table reads the sum over every
+worker. But each worker's work ledger holds only the entries of the requests IT routed, and the fleet's
+newest K needs every entry. So each worker publishes its OWN part under its own id,
+`<host id>/<worker index>` (the host id: replica_id, or hostname:<supervisor pid>): its own row of the
+shared table (requests, tokens), its own estimate and its own newest entries, and reads every other
+row, its host-mates' included, as another replica's: with routing.peer_load on, a host of W workers is W
+replicas to the fleet-wide merge (the policy then counts a worker's own row of the shared table only,
+proxy/core/affinity.py `_with_peers`), each request counted once, by the worker that routed it. The
+host-wide table stays what the workers route on while Redis is not answering. Why not the host-wide
+instant counts with the mates' published entries: K then counts a mate's newest request whose entry is
+not published yet and reaches one entry further back (measured: R = 2 x W = 2 +19% TTFT mean against one
+process on one seed). Measured in the replay (loadtest/results/scaleout.md, Round 4b).
 """
 
 from __future__ import annotations
@@ -89,9 +96,14 @@ _LOG_EVERY_S = 30.0
 
 def default_replica_id(host_shared: bool) -> str:
     """hostname:pid; a --workers worker (`host_shared`: its table is the host's shared one) names its
-    supervisor, so every worker of the host writes the same host-wide row."""
+    supervisor: the host's id, which its worker index follows (`PeerLoadExchange.replica_id`)."""
     pid = os.getppid() if host_shared else os.getpid()
     return f"{socket.gethostname()}:{pid}"
+
+
+def worker_replica_id(host: str, worker: int | None) -> str:
+    """The id a process publishes under: the host's id, and for a --workers worker `/<its index>`."""
+    return host if worker is None else f"{host}/{worker}"
 
 
 def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable[str],
@@ -99,22 +111,25 @@ def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable
     """This process's row, per backend: in-flight requests, in-flight tokens, the work ledger's queued
     prefill and its newest ledger entries as (age in refresh epochs, tokens), as many as the fleet's newest
     K could use (its own live count plus the others' as last `seen`, at most PEER_RECENT_MAX); the
-    ledger's epoch is ticked first (one call per refresh). A --workers host (a shared in-flight table,
-    whose workers each hold part of the entries) publishes the sums only."""
-    host = isinstance(inflight, SharedInflightTable)
-    if not host:
-        work.tick()
+    ledger's epoch is ticked first (one call per refresh). A --workers worker (a shared in-flight table)
+    publishes its own part of the host: its own row's requests and tokens, its own ledger's estimate for
+    them and its own entries, as a replica of its own would."""
+    work.tick()
+    host = inflight if isinstance(inflight, SharedInflightTable) else None
     out: dict[str, PeerEntry] = {}
     for name in names:
-        own = inflight.get(name)
+        own = host.own(name) if host is not None else inflight.get(name)
         row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
-        if host:
-            out[name] = row
-            continue
         peer = seen.get(name) if seen else None
         n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
         out[name] = (*row, work.recent(name, n))
     return out
+
+
+def encode_row(load: Load) -> str:
+    """A row as published (JSON: backend -> [requests, tokens, queued] or [..., [[age, tokens], ...]])."""
+    return json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
+                       for n, v in load.items()}, separators=(",", ":"))
 
 
 def _recent(raw: Any) -> list[RecentEntry] | None:
@@ -134,48 +149,63 @@ def _recent(raw: Any) -> list[RecentEntry] | None:
     return out
 
 
-def merge_rows(rows: list[Any]) -> dict[str, PeerEntry]:
-    """The sum, per backend, of the rows other replicas published (JSON objects: backend -> [requests,
-    tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]]), with the entries of every row
-    put together, sorted by age (stable: each row's order kept among equal ages); a backend some row published without entries gets the sums
-    only (the estimate from entries needs every replica's). A malformed row or entry is skipped (raises
-    nothing: it comes from the network)."""
+def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
+    """One published row (JSON: backend -> [requests, tokens, queued] or [requests, tokens, queued,
+    [[age, tokens], ...]]) as load, or None if it is not a JSON object; a malformed backend entry is
+    dropped (raises nothing: it comes from the network)."""
+    try:
+        row = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(row, dict):
+        return None
+    out: dict[str, PeerEntry] = {}
+    for name, entry in row.items():
+        if not (isinstance(entry, list) and len(entry) in (3, 4)):
+            continue
+        req, tok, queued = entry[:3]
+        if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
+            continue
+        if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
+            continue
+        if len(entry) == 3:
+            out[name] = (req, tok, float(queued))
+            continue
+        entries = _recent(entry[3])
+        if entries is not None:
+            out[name] = (req, tok, float(queued), entries)
+    return out
+
+
+def merge_loads(loads: Iterable[Load]) -> dict[str, PeerEntry]:
+    """The sum, per backend, of the loads other replicas published, with the entries of every one put
+    together, sorted by age (stable: each load's order kept among equal ages); a backend some load
+    published without entries gets the sums only (the estimate from entries needs every replica's)."""
     out: dict[str, tuple[int, int, float]] = {}
     recent: dict[str, list[RecentEntry] | None] = {}
-    for raw in rows:
-        try:
-            row = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            continue
-        if not isinstance(row, dict):
-            continue
-        for name, entry in row.items():
-            if not (isinstance(entry, list) and len(entry) in (3, 4)):
-                continue
-            req, tok, queued = entry[:3]
-            if not (isinstance(req, int) and isinstance(tok, int) and isinstance(queued, (int, float))):
-                continue
-            if req < 0 or tok < 0 or not math.isfinite(queued) or queued < 0:
-                continue
-            entries = _recent(entry[3]) if len(entry) == 4 else None
-            if len(entry) == 4 and entries is None:
-                continue
+    for load in loads:
+        for name, entry in load.items():
             first = name not in out
             r0, t0, q0 = out.get(name, (0, 0, 0.0))
-            out[name] = (r0 + req, t0 + tok, q0 + float(queued))
+            out[name] = (r0 + entry[0], t0 + entry[1], q0 + entry[2])
             so_far = recent.get(name)
-            if entries is None:
+            if len(entry) < 4:
                 recent[name] = None
             elif first:
-                recent[name] = entries
+                recent[name] = list(entry[3])
             elif so_far is not None:
-                so_far.extend(entries)
+                so_far.extend(entry[3])
     merged: dict[str, PeerEntry] = {}
     for name, sums in out.items():
         entries = recent.get(name)
         # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
         merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=lambda e: e[0])))
     return merged
+
+
+def merge_rows(rows: Iterable[Any]) -> dict[str, PeerEntry]:
+    """`merge_loads` of published rows (JSON, `parse_row`): a malformed row or entry is skipped."""
+    return merge_loads([x for r in rows if (x := parse_row(r)) is not None])
 
 
 @dataclass
@@ -194,7 +224,7 @@ class _Metrics:
                      "1 while the other replicas' load from Redis is fresh (routing.peer_load), else 0.",
                      registry=reg),
             peers=Gauge("affinity_proxy_peer_load_replicas",
-                        "Other proxy replicas whose load the last exchange with Redis returned.", registry=reg),
+                        "Other proxy replicas (or --workers workers) whose rows the last exchange with Redis returned.", registry=reg),
         )
 
 
@@ -204,11 +234,11 @@ class PeerLoadExchange:
     `load()`: this process's per-backend (requests, tokens, queued prefill), read on the event loop once
     per refresh. `peers()`: the others' summed load, or None when off or not fresh (the policy's `peers`)."""
 
-    def __init__(self, cfg: PeerLoadConfig, load: Callable[[], Load], *, host_shared: bool = False,
+    def __init__(self, cfg: PeerLoadConfig, load: Callable[[], Load], *, worker: int | None = None,
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
         self._load = load
-        self._host_shared = host_shared
+        self._worker = worker  # a --workers worker's index (its row of the host's shared table), else None
         self._clock = clock
         self._metrics = _Metrics.build(registry)
         self._view: Load | None = None
@@ -221,7 +251,9 @@ class PeerLoadExchange:
         self.replica_id = self._replica_id(cfg)
 
     def _replica_id(self, cfg: PeerLoadConfig) -> str:
-        return cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._host_shared)
+        host = cfg.replica_id if cfg.replica_id is not None else default_replica_id(self._worker is not None)
+        return worker_replica_id(host, self._worker)
+
 
     @property
     def config(self) -> PeerLoadConfig:
@@ -297,8 +329,7 @@ class PeerLoadExchange:
             while True:
                 began = self._clock()
                 try:
-                    row = json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
-                                      for n, v in self._load().items()}, separators=(",", ":"))
+                    row = encode_row(self._load())
                     rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
                                                   timeout)
                 except asyncio.CancelledError:
@@ -312,7 +343,7 @@ class PeerLoadExchange:
                     self._succeeded(cfg)
                 await asyncio.sleep(max(0.0, period - (self._clock() - began)))
         finally:
-            try:  # leave at once rather than after the TTL (a --workers peer of this host re-adds the row)
+            try:  # leave at once rather than after the TTL
                 await asyncio.wait_for(client.delete(keys[1]), timeout)
             except BaseException:  # noqa: BLE001 - best effort while stopping; the TTL removes it anyway
                 pass

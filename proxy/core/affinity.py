@@ -94,8 +94,8 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
-from proxy.core.inflight import SharedInflight
 from proxy.core.fingerprint import Fingerprinter
+from proxy.core.inflight import SharedInflightTable
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.eligibility import eligible
@@ -664,8 +664,18 @@ class AffinityPolicy:
         would. The queued prefill of a backend whose entry carries the others' newest ledger entries is
         the fleet's newest K merged by age (`WorkLedger.fleet_pending`: summing each replica's own
         estimate instead cost R = 4 +11% TTFT mean on the multi-turn Mooncake load,
-        loadtest/results/scaleout.md Round 4); without them (an older replica's row, or a --workers
-        host, whose table is shared), this process's own estimate plus their published sum."""
+        loadtest/results/scaleout.md Round 4); without them (an older replica's row), this process's own
+        estimate plus their published sum. A --workers worker (`inflight` the host-wide shared table)
+        counts its own row of it only: each worker publishes its own part (`peer_load.own_load`), so its
+        host-mates' requests and entries are in the view like another replica's, each counted once, the
+        counts as old as the entries (the host-wide instant counts with the mates' published entries,
+        tried first, cost R = 2 x W = 2 +19% TTFT mean on one seed: K then counts a mate's newest
+        request whose entry is not published yet, and reaches one entry further back)."""
+        if isinstance(inflight, SharedInflightTable):
+            # A --workers worker: its own requests only; its host-mates' come with their rows (the
+            # host-wide table's instant counts would be newer than the mates' entries: measured worse).
+            host = inflight
+            inflight = {n: o for n in host if (o := host.own(n)) is not None}
         out = dict(inflight)
         for name, entry in view.items():
             requests, tokens = entry[0], entry[1]
@@ -685,7 +695,7 @@ class AffinityPolicy:
             own = own_get(name)
             if peer is None:
                 got = work.pending(name, own)
-            elif len(peer) > 3 and not isinstance(own, SharedInflight):
+            elif len(peer) > 3:
                 got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])
             else:
                 got = work.pending(name, own) + peer[2]

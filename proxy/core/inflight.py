@@ -307,6 +307,12 @@ class SharedInflightTable(InflightTable):
         if held is not None and held[0] >= 0:
             self._floats[held[0]] = recent.estimate(held[1].requests, held[1].tokens)
 
+    def own(self, backend: str) -> Inflight | None:
+        """This worker's own requests and tokens in flight on `backend` (its row only; None if none): what
+        it publishes as its own part of the host's load (proxy/control/peer_load.py `own_load`)."""
+        held = self._own.get(backend)
+        return None if held is None else held[1]
+
     def queued_local(self, backend: str) -> float:
         """The queued prefill of a backend counted in this worker only (no slot): the ledger's estimate."""
         held = self._own.get(backend)

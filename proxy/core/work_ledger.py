@@ -30,6 +30,11 @@ entry's *epoch*: `tick()` is called once per peer-load refresh (a count, not a c
 time), `recent()` gives the newest entries as (age in epochs, tokens) for the published row, and
 `fleet_pending()` merges the other replicas' published entries with this process's own by age and sums
 the fleet's newest K, as one process holding every entry would.
+
+The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
+summed). With `routing.peer_load` each worker publishes its own part and reads its host-mates' rows as
+another replica's (proxy/control/peer_load.py), so `fleet_pending` is called with the worker's own row
+of the shared table as `own` and every other worker's entries, its host-mates' included, each once.
 """
 
 from __future__ import annotations

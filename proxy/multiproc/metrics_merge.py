@@ -53,8 +53,8 @@ SUMMED_GAUGES = frozenset(
     }
 )
 # Gauges that say whether something holds in every worker: the proxy's value is the lowest worker's. Every
-# worker runs its own routing.peer_load exchange (they publish one host-wide row under one id, and each
-# reads the other replicas' rows for its own policy), so the host routes on the peers' load only while
+# worker runs its own routing.peer_load exchange (each publishes its own part of the host under its own id,
+# and reads the other rows for its own policy), so the host routes on the peers' load only while
 # every worker's view is fresh: one worker cut off from Redis routes its share of the traffic blind, which
 # the highest value would hide.
 MIN_GAUGES = frozenset({"affinity_proxy_peer_load_up"})

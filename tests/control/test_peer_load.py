@@ -32,7 +32,7 @@ def _cfg(server: RedisServer, **kw: object) -> PeerLoadConfig:
 
 
 def _exchange(cfg: PeerLoadConfig, load: Load, **kw: object) -> PeerLoadExchange:
-    return PeerLoadExchange(cfg, lambda: load, registry=CollectorRegistry(), **kw)  # type: ignore[arg-type]  # host_shared only
+    return PeerLoadExchange(cfg, lambda: load, registry=CollectorRegistry(), **kw)  # type: ignore[arg-type]  # worker only
 
 
 async def test_two_replicas_see_each_others_load_and_not_their_own(redis_server: RedisServer) -> None:
@@ -115,20 +115,24 @@ async def test_redis_down_makes_peers_none_and_the_policy_still_routes(redis_ser
         await other.stop()
 
 
-async def test_workers_of_one_host_publish_one_row_and_count_it_once(redis_server: RedisServer) -> None:
-    """With --workers every worker's table reads the host-wide sum (shared memory): the workers share one
-    replica id, so they never read each other (their load is already in their own table) and another
-    replica counts the host once, not once per worker."""
-    host_load: Load = {"gpu-0": (6, 600, 60.0)}
-    w1 = _exchange(_cfg(redis_server, replica_id="host-a"), host_load)
-    w2 = _exchange(_cfg(redis_server, replica_id="host-a"), host_load)
-    other = _exchange(_cfg(redis_server, replica_id="host-b"), {"gpu-0": (1, 10, 1.0)})
+async def test_workers_of_one_host_publish_their_own_parts_and_read_each_other(redis_server: RedisServer) -> None:
+    """With --workers each worker's ledger holds only its own entries: so each worker publishes its own
+    part under `<host>/<index>` (`own_load`), and reads every other row, its host-mate's included, as
+    another replica's; another replica sums the host's worker rows (the host once)."""
+    w1_load: Load = {"gpu-0": (2, 200, 20.0, ((0, 700.0), (1, 100.0)))}  # type: ignore[dict-item]  # a row with entries
+    w2_load: Load = {"gpu-0": (4, 400, 40.0, ((2, 300.0),))}  # type: ignore[dict-item]  # a row with entries
+    w1 = _exchange(_cfg(redis_server, replica_id="host-a"), w1_load, worker=0)
+    w2 = _exchange(_cfg(redis_server, replica_id="host-a"), w2_load, worker=1)
+    other = _exchange(_cfg(redis_server, replica_id="host-b"), {"gpu-0": (1, 10, 1.0, ((3, 5.0),))})  # type: ignore[dict-item]  # a row with entries
+    assert (w1.replica_id, w2.replica_id, other.replica_id) == ("host-a/0", "host-a/1", "host-b")
     for e in (w1, w2, other):
         await e.start()
     try:
-        assert await until(lambda: other.peers() == host_load, timeout=5)
-        assert await until(lambda: w1.peers() == {"gpu-0": (1, 10, 1.0)}, timeout=5)
-        assert await until(lambda: w2.peers() == {"gpu-0": (1, 10, 1.0)}, timeout=5)
+        assert await until(lambda: other.peers() == {"gpu-0": (6, 600, 60.0, ((0, 700.0), (1, 100.0), (2, 300.0)))},
+                           timeout=5)
+        assert await until(lambda: w1.peers() == {"gpu-0": (5, 410, 41.0, ((2, 300.0), (3, 5.0)))}, timeout=5)
+        assert await until(lambda: w2.peers() == {"gpu-0": (3, 210, 21.0, ((0, 700.0), (1, 100.0), (3, 5.0)))},
+                           timeout=5)
     finally:
         for e in (w1, w2, other):
             await e.stop()
@@ -137,7 +141,7 @@ async def test_workers_of_one_host_publish_one_row_and_count_it_once(redis_serve
 def test_default_replica_id_names_the_host_and_the_process_owning_the_load() -> None:
     host = socket.gethostname()
     assert default_replica_id(False) == f"{host}:{os.getpid()}"
-    assert default_replica_id(True) == f"{host}:{os.getppid()}"  # a worker: its supervisor's host row
+    assert default_replica_id(True) == f"{host}:{os.getppid()}"  # a worker: its supervisor's, the host's id
 
 
 async def test_reload_keeps_an_unchanged_exchange_and_restarts_a_changed_one(redis_server: RedisServer) -> None:
@@ -251,17 +255,18 @@ def test_the_config_section_is_parsed_and_bounded() -> None:
         PeerLoadConfig(redis_url="redis://r", refresh_ms=0)
 
 
-async def test_workers_of_a_host_publish_the_host_wide_row_under_the_supervisors_id(
+async def test_workers_of_a_host_publish_their_own_parts_under_the_supervisors_id(
         redis_server: RedisServer) -> None:
-    """The app's wiring for --workers: each worker (role "data", its row of the shared load block) names
-    the supervisor in its replica id and publishes what its table reads, the host-wide sum; so another
-    replica sees the host's load once, whichever worker routed it."""
+    """The app's wiring for --workers: each worker (role "data", its row of the shared load block)
+    publishes under `<hostname:supervisor pid>/<its index>` its own row of the shared table and its own
+    ledger entries; another replica sums the rows (the host's load once, whichever worker routed it), and
+    each worker reads its mate's row as another replica's."""
     from proxy.app import AffinityProxy
     from proxy.multiproc.shared_load import SharedLoad
 
     shared = SharedLoad.create(2, slots=8)
     text = (f"{_BACKENDS}telemetry: {{enabled: false}}\nhealth_checks: {{enabled: false}}\n"
-            f"routing:\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: k}}\n")
+            f"routing:\n  policy: affinity\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: k}}\n")
     tables = [shared.table(0), shared.table(1)]
     for t in tables:
         t.assign({"a": 0})
@@ -269,17 +274,26 @@ async def test_workers_of_a_host_publish_the_host_wide_row_under_the_supervisors
     viewer = _exchange(PeerLoadConfig(redis_url=redis_server.url, refresh_ms=20, key_prefix="k",
                                       replica_id="elsewhere"), {})
     try:
-        ids = {w.peer_load.replica_id for w in workers}  # type: ignore[union-attr]  # built for data roles
-        assert ids == {f"{socket.gethostname()}:{os.getppid()}"}
-        tables[1].acquire("a", 300)  # a request routed by the second worker
-        tables[0].acquire("a", 100)  # and one by the first
-        assert workers[0]._own_load()["a"][:2] == (2, 400) == workers[1]._own_load()["a"][:2]
+        ids = [w.peer_load.replica_id for w in workers]  # type: ignore[union-attr]  # built for data roles
+        assert ids == [f"{socket.gethostname()}:{os.getppid()}/{i}" for i in (0, 1)]
+        for w, t, tokens in ((workers[1], tables[1], 300), (workers[0], tables[0], 100)):
+            assert w._work is not None  # the affinity policy's ledger, which the worker publishes
+            w._work.record("a", float(tokens), t)  # a request routed by this worker
+            t.acquire("a", tokens)
+        own = [w._own_load()["a"] for w in workers]
+        assert [o[:2] for o in own] == [(1, 100), (1, 300)]  # each its own part of the host's 2
+        assert [[tok for _age, tok in o[3]] for o in own] == [[100.0], [300.0]]  # type: ignore[misc]  # rows with entries
         for w in workers:
             await w.peer_load.start()  # type: ignore[union-attr]  # the exchange alone: no listeners needed
         await viewer.start()
         assert await until(lambda: (viewer.peers() or {}).get("a", (0, 0))[:2] == (2, 400), timeout=5)
-        # The workers read no row of their own host (its load is already in their table).
-        assert await until(lambda: all(w.peer_load.peers() == {} for w in workers), timeout=5)  # type: ignore[union-attr]
+        # Each worker reads its mate's part: its request, its estimate and its entry.
+        def mates_seen() -> bool:
+            views = [w.peer_load.peers() for w in workers]  # type: ignore[union-attr]
+            got = [(v or {}).get("a") for v in views]
+            return all(a is not None and a[:3] == (1, int(tok), tok) and [e[1] for e in a[3]] == [tok]  # type: ignore[misc]  # rows with entries
+                       for a, tok in zip(got, (300.0, 100.0)))
+        assert await until(mates_seen, timeout=5)
     finally:
         await viewer.stop()
         for w in workers:

@@ -109,15 +109,17 @@ async def test_load_held_by_one_replica_moves_the_other_replicas_decisions(
         assert [await _complete(s, b, model, p) for p in homes] == [BUSY] * len(homes)
 
 
-async def test_workers_of_one_proxy_publish_one_host_row(tmp_path, redis_server: RedisServer) -> None:
-    """`run --workers 2` with routing.peer_load: streams held through both workers appear in ONE row, named
-    after the supervisor, holding their sum (the shared in-memory load), so another replica counts the host
-    once; no per-worker row exists to count it twice."""
+async def test_each_worker_of_one_proxy_publishes_its_own_part_of_the_host(tmp_path, redis_server: RedisServer) -> None:
+    """`run --workers 2` with routing.peer_load and the affinity policy: each worker publishes its own
+    row, `<hostname>:<supervisor pid>/<worker index>`, holding its own requests and its own newest
+    ledger entries (a --workers host's entries reach the fleet-wide merge), so another replica sums the
+    host's load once over the two rows and merges every worker's entries."""
     import json
     import socket
 
     import redis.asyncio as aioredis
 
+    from proxy.control.peer_load import merge_rows
     from tests.deploy.procs import AFFINITY_PROXY, start_proxy
     from tests.deploy.test_workers_shared_load import _connection_to, _open_stream
     from tests.support import FakeBackend
@@ -131,7 +133,7 @@ async def test_workers_of_one_proxy_publish_one_host_row(tmp_path, redis_server:
     cfg.write_text(
         "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\ndebug_headers: true\n"
         "telemetry: {enabled: false}\ntimeouts: {drain_s: 2}\n"
-        f"routing:\n  policy: least_request\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: w}}\n"
+        f"routing:\n  policy: affinity\n  peer_load: {{redis_url: '{redis_server.url}', refresh_ms: 20, key_prefix: w}}\n"
         f"backends:\n{lines}\n")
     proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
     client = aioredis.from_url(redis_server.url)
@@ -142,18 +144,28 @@ async def test_workers_of_one_proxy_publish_one_host_row(tmp_path, redis_server:
         for i in range(4):
             reader, writer = await _connection_to(proxy, workers[i % 2])
             held.append(writer)
-            await _open_stream(reader, writer, proxy.port, f"prompt {i}")
-        host_row = f"w:replica:{socket.gethostname()}:{proxy.pid}"
+            await _open_stream(reader, writer, proxy.port, f"prompt {i} " + "words " * (40 + i))
+        host = f"{socket.gethostname()}:{proxy.pid}"
+        worker_rows = [f"w:replica:{host}/0", f"w:replica:{host}/1"]
 
-        async def host_load() -> int | None:
+        async def rows() -> list[bytes] | None:
             keys = sorted(k.decode() for k in await client.keys("w:replica:*"))
-            if keys != [host_row]:
+            if keys != worker_rows:
                 return None
-            row = json.loads(await client.get(host_row) or b"{}")
-            total = sum(v[0] for v in row.values())
-            return total if total == 4 else None
+            raw = [await client.get(k) or b"{}" for k in worker_rows]
+            parsed = [json.loads(r) for r in raw]
+            # Each worker: its own 2 streams and its own 2 newest ledger entries (over both backends).
+            if [sum(v[0] for v in row.values()) for row in parsed] != [2, 2]:
+                return None
+            if [sum(len(v[3]) for v in row.values()) for row in parsed] != [2, 2]:
+                return None
+            return raw
 
-        assert await until(host_load, timeout=20) == 4
+        raw = await until(rows, timeout=20)
+        # Another replica's view of the host: its 4 requests once, and its 4 entries.
+        view = merge_rows(raw)
+        assert sum(v[0] for v in view.values()) == 4
+        assert sum(len(v[3]) for v in view.values()) == 4  # type: ignore[misc]  # rows with entries
     finally:
         for writer in held:
             writer.close()

@@ -93,3 +93,20 @@ async def test_replicas_that_publish_their_ledger_entries_route_like_one_process
     busy_sums, _ = await agreement((0, 60), 2.0, False)
     assert busy >= busy_sums + 30
     assert scaleout_label(replace(base, load_view="peers", peer_recent=False)).endswith("every 20ms sums only")
+
+
+async def test_workers_hosts_whose_workers_publish_their_entries_route_like_one_process() -> None:
+    """Round 4b: 2 hosts of `--workers 2` as the proxy runs them (a SharedInflightTable per host, a work
+    ledger per worker), each worker publishing its own part with its ledger entries and reading every
+    other worker's, its host-mate's included: on the Mooncake sample they make exactly one process's
+    decisions; with the same rows without the entries they do not (round 4's --workers host published
+    its sums only, and its workers' estimate was the sum of each one's newest k_w)."""
+    base = replace(BASE, backends=4, precise_lookup="inline")
+    w = load_workload("mooncake", prefer_sample=True).window(0, 60, None)
+    one = [r.backend for r in (await replay(w, base)).records]
+    hosts = replace(base, replicas=2, workers=2, load_view="peers")
+    assert hosts.shared_worker_load and hosts.peer_refresh_ms == 20.0
+    many = [r.backend for r in (await replay(w, hosts)).records]
+    assert sum(a == b for a, b in zip(one, many)) == len(one) > 100
+    sums = [r.backend for r in (await replay(w, replace(hosts, peer_recent=False))).records]
+    assert sum(a == b for a, b in zip(one, sums)) <= len(one) - 30
