@@ -184,6 +184,33 @@ def ratios(rows: dict[str, dict[str, float | None]]) -> str:
     return "\n".join(lines)
 
 
+
+def ab_arms_up(start: Callable[..., int], peers_dir: str, py: str, fake_py: str, tokdir: str, run_dir: str,
+               base_port: int, baseline: str, policy: str, *, chunks: int,
+               listen_extra: str = "") -> tuple[dict[str, int], dict[str, int]]:
+    """The two arms of an A/B: two fake backends on core 1 (`chunks` SSE chunks each), and the baseline
+    tree's and this tree's proxy (`run --workers 1`, `policy`, `listen_extra` appended to the listen
+    section, e.g. its TLS files) on core 0. Returns each arm's port and pid."""
+    trees = {"base": os.path.abspath(baseline), "this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    backends = [base_port + 1, base_port + 2]
+    ports = {"base": base_port + 11, "this": base_port + 12}
+    for port in backends:
+        start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", str(chunks),
+               "--model-path", tokdir], "1")
+    pids = {}
+    for name, tree in trees.items():
+        cfg = os.path.join(run_dir, f"{name}.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}{listen_extra}}}\n"
+                    f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
+                    + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
+                    + f"routing: {{policy: {policy}}}\n")
+        pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
+                           dict(os.environ, PYTHONPATH=tree))
+    time.sleep(6)
+    return ports, pids
+
+
 def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, conns: int, base_port: int) -> None:
     """This tree against `baseline`, the two proxies up side by side, wrk runs of 3 s alternating between
     them (ABBA order); CPU µs per request of each proxy's process tree (/proc) and wrk's p50, medians.
@@ -207,24 +234,8 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
         procs.append(p)
         return p.pid
 
-    trees = {"base": os.path.abspath(baseline), "this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    backends = [base_port + 1, base_port + 2]
-    ports = {"base": base_port + 11, "this": base_port + 12}
     try:
-        for port in backends:
-            start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "200",
-                   "--model-path", tok], "1")
-        pids = {}
-        for name, tree in trees.items():
-            cfg = os.path.join(run_dir, f"{name}.yaml")
-            with open(cfg, "w") as f:
-                f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}}}\n"
-                        f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
-                        + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
-                        + f"routing: {{policy: {policy}}}\n")
-            pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
-                               dict(os.environ, PYTHONPATH=tree))
-        time.sleep(6)
+        ports, pids = ab_arms_up(start, peers_dir, py, fake_py, tok, run_dir, base_port, baseline, policy, chunks=200)
 
         def wrk(port: int, secs: int) -> dict[str, float]:
             out = subprocess.run(["taskset", "-c", "1", "wrk", "-t1" if conns == 1 else "-t2", f"-c{conns}",
@@ -232,11 +243,11 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
                                  capture_output=True, text=True).stdout
             return b.parse_result(out)  # type: ignore[no-any-return]  # the harness is untyped
 
-        for name in trees:
+        for name in ports:
             wrk(ports[name], 2)  # warm-up
-        res: dict[str, list[tuple[float, float]]] = {n: [] for n in trees}
+        res: dict[str, list[tuple[float, float]]] = {n: [] for n in ports}
         for rep in range(reps):
-            for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+            for name in (list(ports) if rep % 2 == 0 else list(ports)[::-1]):
                 t0 = b.cpu_ticks(b.tree(pids[name]))
                 r = wrk(ports[name], 3)
                 t1 = b.cpu_ticks(b.tree(pids[name]))
@@ -409,27 +420,12 @@ def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, co
         procs.append(p)
         return p.pid
 
-    trees = {"base": os.path.abspath(baseline), "this": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    backends = [base_port + 1, base_port + 2]
-    ports = {"base": base_port + 11, "this": base_port + 12}
     scheme = "https" if tls else "http"
     proto = "h2 (TLS)" if tls else "h2c"
     try:
-        for port in backends:
-            start([fake_py, os.path.join(peers_dir, "fake_backend.py"), "--port", str(port), "--chunks", "16",
-                   "--model-path", b.TOKDIR], "1")
-        pids = {}
         tls_line = f", tls: {{cert_file: '{cert}', key_file: '{key}'}}" if tls else ""
-        for name, tree in trees.items():
-            cfg = os.path.join(run_dir, f"{name}.yaml")
-            with open(cfg, "w") as f:
-                f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}{tls_line}}}\n"
-                        f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
-                        + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
-                        + f"routing: {{policy: {policy}}}\n")
-            pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
-                               dict(os.environ, PYTHONPATH=tree))
-        time.sleep(6)
+        ports, pids = ab_arms_up(start, peers_dir, py, fake_py, b.TOKDIR, run_dir, base_port, baseline, policy,
+                                 chunks=16, listen_extra=tls_line)
 
         def h2load(port: int, duration: int) -> dict[str, float]:
             out = subprocess.run(["taskset", "-c", "1", "h2load", "-t1", f"-c{conns}", f"-m{streams}", "-D",
@@ -440,11 +436,11 @@ def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, co
                 raise RuntimeError(f"no request succeeded on port {port}:\n" + out[-1500:])
             return r
 
-        for name in trees:
+        for name in ports:
             h2load(ports[name], 2)  # warm-up
-        res: dict[str, list[float]] = {n: [] for n in trees}
+        res: dict[str, list[float]] = {n: [] for n in ports}
         for rep in range(reps):
-            for name in (list(trees) if rep % 2 == 0 else list(trees)[::-1]):
+            for name in (list(ports) if rep % 2 == 0 else list(ports)[::-1]):
                 pids_now = b.tree(pids[name])
                 t0 = b.cpu_ticks(pids_now)
                 r = h2load(ports[name], secs)
