@@ -56,8 +56,9 @@ SUMMED_GAUGES = frozenset(
 # worker runs its own routing.peer_load exchange (each publishes its own part of the host under its own id,
 # and reads the other rows for its own policy), so the host routes on the peers' load only while
 # every worker's view is fresh: one worker cut off from Redis routes its share of the traffic blind, which
-# the highest value would hide.
-MIN_GAUGES = frozenset({"affinity_proxy_peer_load_up"})
+# the highest value would hide. The same for a backend's KV-event view: every worker subscribes to every
+# engine on its own, and a worker whose feed went stale routes that backend on its learned index.
+MIN_GAUGES = frozenset({"affinity_proxy_peer_load_up", "affinity_proxy_kv_index_fresh"})
 # Gauges that count up (exposed as gauges because they are read from plain integers at scrape time): like
 # counters, a dead worker's last value is carried forward.
 MONOTONIC_GAUGES = frozenset({"affinity_proxy_upstream_requests", "affinity_proxy_upstream_connections_opened"})

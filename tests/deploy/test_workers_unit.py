@@ -215,6 +215,14 @@ def test_peer_load_up_is_up_only_while_every_workers_view_is_fresh() -> None:
     assert _values(render(merge_families([], [fam(up, 0.0), fam(up, 1.0)])))[(up, ())] == 0.0
     assert _values(render(merge_families([], [fam(up, 1.0), fam(up, 1.0)])))[(up, ())] == 1.0
     assert _values(render(merge_families([], [fam(up, 1.0)])))[(up, ())] == 1.0
+    # A backend's KV-event view is fresh for the proxy only while it is in every worker (each subscribes).
+    fresh = "affinity_proxy_kv_index_fresh"
+
+    def per_backend(v0: float, v1: float) -> list[FamilyData]:
+        return [FamilyData(fresh, "gauge", "", "", ((fresh, (("backend", "b0"),), v0), (fresh, (("backend", "b1"),), v1)))]
+
+    merged = _values(render(merge_families([], [per_backend(1.0, 1.0), per_backend(0.0, 1.0)])))
+    assert merged[(fresh, (("backend", "b0"),))] == 0.0 and merged[(fresh, (("backend", "b1"),))] == 1.0
     # Other gauges keep the highest worker's value.
     replicas = "affinity_proxy_peer_load_replicas"
     assert _values(render(merge_families([], [fam(replicas, 2.0), fam(replicas, 1.0)])))[(replicas, ())] == 2.0
