@@ -43,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from proxy.aio import cancel_and_wait
 from proxy.admin import build_admin_app, snapshot_json
 from proxy.config import Config
 from proxy.control.checks import HealthMonitor
@@ -463,10 +464,8 @@ class AffinityProxy:
                     await service.stop()
                 except Exception:
                     log.exception("error stopping %r", service)
-        if self._observer_task is not None:
-            self._observer_task.cancel()
-            await asyncio.gather(self._observer_task, return_exceptions=True)
-            self._observer_task = None
+        await cancel_and_wait(self._observer_task)
+        self._observer_task = None
         self.observer.close()
         if self.tracing is not None:
             # Exports what is still queued; off the loop, which may serve the collector itself (tests).

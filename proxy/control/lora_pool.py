@@ -36,6 +36,7 @@ from typing import Callable
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter
 
+from proxy.aio import cancel_and_wait
 from proxy.control.store import SnapshotStore
 from proxy.core.bounds import check_config
 from proxy.core.inflight import InflightTable
@@ -87,13 +88,8 @@ class LoraPool:
         self._task = asyncio.create_task(self.run(), name="lora-pool")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from proxy.aio import cancel_and_wait
 from proxy.control.adapters import MetricsReader, Reading, compile_metric_map
 from proxy.control.httpget import HttpStatusError, MetricsHttpClient, ProtocolError
 from proxy.tls import ClientTls
@@ -200,13 +201,8 @@ class Poller:
             )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._orca_handle is not None:
             self._orca_handle.cancel()
             self._orca_handle = None

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from proxy.aio import cancel_and_wait
 from proxy.core.decision import Outcome, Policy
 from proxy.core.experiments import (
     Action, ArmConfig, ArmWindow, ExperimentConfig, ExperimentsConfig, ExperimentState, assign, assignment_key,
@@ -228,9 +229,7 @@ class ExperimentRuntime:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
         if self._session is not None:
             await self._session.close()
             self._session = None
