@@ -36,7 +36,7 @@ from proxy.core.decision import Outcome
 from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.errors import error_body, sse_error_event
 from proxy.dataplane.response_homes import RESPONSES_PATH, CreatedSniffer, ResponseHomes, response_id_from_json
-from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.retry import Attempts, RetryController, RetryableFailure
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
 from proxy.metrics import ProxyMetrics
 from proxy.observability.lifecycle import Observability, RequestObservation, strip_trace_headers
@@ -369,10 +369,37 @@ class OpenAIPipeline(Generic[T]):
             return await responder.send(error_answer(refused[0], refused[1], "invalid_request_error",
                                                      "arm_pin_refused", request_id=request_id))
         try:
-            result: Answer | T = await run_with_retries(
-                self.retries, self.router, summary, lambda lease: self._exchange(req, lease, responder),
-                received_at=req.received_at,
-            )
+            # `run_with_retries` spelled out (proxy/dataplane/retry.py: the same loop, the same `Attempts`
+            # bookkeeping): no coroutine and closure for the loop, one for the attempt, per request.
+            router = self.router
+            attempts = Attempts(self.retries)
+            while True:
+                try:
+                    lease = router.route(summary, attempts.exclude, received_at=req.received_at)
+                    waiting = lease.enter()
+                    if waiting is not None:
+                        await waiting
+                    try:
+                        result: Answer | T = await self._exchange(req, lease, responder)
+                        break
+                    except RetryableFailure as failure:
+                        last: RetryableFailure[Answer] = failure
+                        tried = lease.tried
+                    finally:
+                        lease.finish()
+                except NoBackendAvailable:
+                    if attempts.count == 1:
+                        raise
+                    attempts.no_backend_left()
+                    result = last.response  # no other backend left: the client gets the failure it would have got
+                    break
+                # The lease above is finished: the failed attempt is accounted to its backend before the next pick.
+                delay = attempts.retry(last, tried)
+                if delay is None:
+                    result = last.response
+                    break
+                if delay > 0:
+                    await asyncio.sleep(delay)
         except UnknownModel as exc:
             error = "model_not_found"
             result = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
@@ -419,8 +446,13 @@ class OpenAIPipeline(Generic[T]):
         )
         self.counters.requests += 1
         up: Exchange | None = None
+        pool = self.pool
         try:
-            up = await self.pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            up = pool.send(url, head, req.body, head_only=req.method == "HEAD")  # an idle connection: no coroutine
+            if up is None:
+                up = await pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            else:
+                await up.head
             if ob is not None:
                 ob.first_byte()
             if lease.arm is not None:
@@ -447,7 +479,7 @@ class OpenAIPipeline(Generic[T]):
                 raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
-                body = await up.read()
+                body = up.body() if up.complete else await up.read()  # the usual JSON answer came with its head
                 if up.status == 200 and req.path == RESPONSES_PATH:
                     rid = response_id_from_json(body)
                     if rid is not None:

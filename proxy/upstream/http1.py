@@ -282,6 +282,16 @@ class Exchange:
     async def wait_head(self) -> None:
         await self._head_fut
 
+    @property
+    def head(self) -> asyncio.Future[None]:
+        """Done when the response head arrived (awaiting it raises what failed the exchange before)."""
+        return self._head_fut
+
+    def body(self) -> bytes:
+        """The whole (de-chunked) body of a `complete` exchange: `read()` without a coroutine."""
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     async def read(self) -> bytes:
         """The whole (de-chunked) body."""
         if not self._complete:
@@ -574,6 +584,27 @@ class UpstreamPool:
         conn = self._idle_connection(b)  # the usual case: no coroutine for the checkout
         if conn is None:
             conn = await self._acquire(b)
+        ex = self._start(conn, head, body, head_only)
+        try:
+            await ex._head_fut
+        except BaseException:
+            ex.release()
+            raise
+        return ex
+
+    def send(self, url: str, head: bytes, body: bytes, *, head_only: bool = False) -> Exchange | None:
+        """`request` without a coroutine, for the usual case: with an idle connection to `url`, send on it
+        and return the exchange at once (await `ex.head` for the response head; `release()` it always);
+        None when no connection is idle (then `await request(...)`, which may connect or wait)."""
+        b = self._backends.get(url)
+        if b is None:
+            b = self.backend(url)
+        conn = self._idle_connection(b)
+        if conn is None:
+            return None
+        return self._start(conn, head, body, head_only)
+
+    def _start(self, conn: _Connection, head: bytes, body: bytes, head_only: bool) -> Exchange:
         loop = self._loop
         if loop is None:  # known from the first request: get_running_loop costs a getpid() on 3.11
             loop = self._loop = asyncio.get_running_loop()
@@ -585,9 +616,4 @@ class UpstreamPool:
             self._deadline_check = loop.call_later(self._tick, self._check_deadlines)
         assert conn.transport is not None
         conn.transport.write(head + body if body else head)
-        try:
-            await ex._head_fut
-        except BaseException:
-            ex.release()
-            raise
         return ex
