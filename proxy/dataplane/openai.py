@@ -97,6 +97,10 @@ def _raw_header(raw: tuple[tuple[bytes, bytes], ...], name: str) -> str | None:
     return None
 
 
+def _no_header(name: str) -> str | None:
+    return None
+
+
 class Answer:
     """A complete answer not sent yet: the backend's (JSON, or held back for a retry) or the proxy's own."""
 
@@ -308,8 +312,10 @@ class OpenAIPipeline(Generic[T]):
         observability = self.observability
         if observability is not None:
             raw = req.raw_headers
+            # The header lookup is for the trace context only: no closure per request with tracing off.
             ob = req.observation = observability.begin(
-                req.request_id, req.protocol, req.method, req.path, req.peer, lambda name: _raw_header(raw, name),
+                req.request_id, req.protocol, req.method, req.path, req.peer,
+                _no_header if observability.tracing is None else lambda name: _raw_header(raw, name),
                 req.received_at, len(req.body), req.session_key)
         task: asyncio.Task[Any] | None = None  # set while routed: what `expire` may end
         try:

@@ -205,6 +205,20 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------------------------ requests
 
     def _on_events(self, events: list[Any]) -> None:
+        n = len(events)
+        if n <= 3 and type(events[0]) is Request and type(events[-1]) is EndOfMessage:
+            # The usual case: a whole request in one read (head, the body if any, the end).
+            if not self._begin(events[0]):
+                return
+            if n == 3:
+                data = events[1].data
+                if len(data) > self.plane.max_body:
+                    self._reject(self.plane.pipeline.too_large(self._request_id()))
+                    return
+                self._dispatch(data)
+            else:
+                self._dispatch(b"")
+            return
         for ev in events:
             kind = type(ev)
             if kind is Data:
@@ -217,7 +231,9 @@ class HttpConnection(asyncio.Protocol):
                 if not self._begin(ev):
                     return
             elif kind is EndOfMessage:
-                self._dispatch()
+                body = self.body
+                self.body = []
+                self._dispatch(body[0] if len(body) == 1 else b"".join(body))
                 return
         if self.phase == _BODY:
             self._body_progress()
@@ -264,7 +280,7 @@ class HttpConnection(asyncio.Protocol):
                     return value.decode("latin-1")
         return new_request_id()
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, body: bytes) -> None:
         request = self.request
         assert request is not None
         self.phase = _BUSY
@@ -295,13 +311,11 @@ class HttpConnection(asyncio.Protocol):
             path = path[:q]
         if "%" in path:
             path = unquote(path)
-        body = self.body
         req = InboundRequest(
             request.method, raw_path, path, "http", tuple(request.headers), self.peer,
-            request_id or new_request_id(), body[0] if len(body) == 1 else b"".join(body),
+            request_id or new_request_id(), body,
             asked_orca=asked_orca, session_key=session_key, received_at=self.received_at,
         )
-        self.body = []
         self.task = self.loop.create_task(self._run(req))
 
     async def _run(self, req: InboundRequest) -> None:
@@ -429,7 +443,8 @@ class HttpConnection(asyncio.Protocol):
         status = answer.status
         headers = answer.headers
         body = answer.body
-        parts = _head(status, answer.reason, headers)
+        parts = [f"HTTP/1.1 {status} {answer.reason or _REASONS.get(status, '')}\r\n"]
+        parts += [f"{name}: {value}\r\n" for name, value in headers.items()]
         if "Date" not in headers:
             parts.append(_date())
         no_body = status < 200 or status == 204 or status == 304

@@ -181,7 +181,8 @@ class Exchange:
             self._on_events(exc.events)  # what came before the bad bytes still counts (e.g. earlier chunks)
             self._fail(UpstreamProtocolError(f"malformed response: {exc}"))
             return
-        if len(events) == 1:  # the usual read in a stream: one run of chunks, or one piece of body
+        n = len(events)
+        if n == 1:  # the usual read in a stream: one run of chunks, or one piece of body
             ev = events[0]
             kind = type(ev)
             if kind is RawChunks:
@@ -190,6 +191,16 @@ class Exchange:
             if kind is Data:
                 self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
                 return
+        elif n == 3 and type(events[0]) is Response and type(events[1]) is Data and self._pieces is None:
+            # The usual JSON answer: head, the whole body and the end in one read.
+            self._parts.append(events[1].data)
+            self._on_head(events[0])
+            if type(events[2]) is EndOfMessage:
+                self.keep_alive = self.keep_alive and self._parser.reusable  # nothing may follow the end
+                self._finish()
+                return
+            self._on_events(events[2:])
+            return
         self._on_events(events)
 
     def _on_events(self, events: list[Event]) -> None:
