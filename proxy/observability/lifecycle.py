@@ -98,7 +98,7 @@ class RequestObservation:
         name = decision.backend
         r.backend = name
         r.policy = decision.policy
-        r.reason = decision.reason.value
+        r.reason = decision.reason._value_  # the Enum's plain attribute: `.value` is a slow descriptor on 3.11
         r.load_score = backend.load_score
         r.inflight = lease.router.inflight.requests(name)
         r.attempts += 1
