@@ -427,8 +427,7 @@ class OpenAIPipeline(Generic[T]):
                 self._active.discard(task)
                 self._expired.discard(task)
         if ob is not None:
-            r = ob.record
-            ob.finish(r.status, error=r.error, bytes_out=r.bytes_out)
+            ob.finish_as_recorded()
         return result
 
     # ------------------------------------------------------------------------------------------ attempt

@@ -66,6 +66,33 @@ _REQUEST_LINE_ALLOWANCE = 8192  # the head limit is the fields' limit plus this 
 _PIPELINE_HIGH_WATER = 256 * 1024  # stop reading while this much of a pipelined next request is buffered
 _LINGER_S = 2.0  # after an error answer with close: how long unread input is still drained (no RST)
 _ORCA_NAME = ORCA_FORMAT_HEADER.lower().encode()
+_ORCA_LEN = len(_ORCA_NAME)
+
+# A memo of request targets -> (raw path, path): clients of an LLM API send a handful of them. A pure function
+# of the target, so nothing leaks between connections; short targets only, at most _TARGETS_MAX of them.
+_TARGETS: dict[bytes, tuple[str, str]] = {}
+_TARGETS_MAX = 1024
+_TARGET_MEMO_BYTES = 256
+
+
+def _paths(target: bytes) -> tuple[str, str]:
+    """The target as forwarded (origin form; an absolute form's authority removed) and the path the proxy
+    routes on (no query, percent-decoded)."""
+    raw_path = target.decode("utf-8", "surrogateescape")
+    path = raw_path
+    if target[:1] != b"/" and b"://" in target[:16]:  # absolute form: the path is what follows the authority
+        rest = raw_path.split("://", 1)[1]
+        slash = rest.find("/")
+        path = raw_path = rest[slash:] if slash >= 0 else "/"
+    q = path.find("?")
+    if q >= 0:
+        path = path[:q]
+    if "%" in path:
+        path = unquote(path)
+    known = (raw_path, path)
+    if len(target) <= _TARGET_MEMO_BYTES and len(_TARGETS) < _TARGETS_MAX:
+        _TARGETS[target] = known
+    return known
 
 # Connection phases: which deadline applies.
 _IDLE, _HEAD, _BODY, _BUSY, _LINGER = range(5)
@@ -294,23 +321,16 @@ class HttpConnection(asyncio.Protocol):
             n = len(name)
             if n == 12 and request_id is None and name.lower() == b"x-request-id":
                 request_id = value.decode("latin-1") or None
-            elif n == len(_ORCA_NAME) and name.lower() == _ORCA_NAME:
+            elif n == _ORCA_LEN and name.lower() == _ORCA_NAME:
                 asked_orca = True
             elif session_name is not None and n == len(session_name) and session_name == name.lower() \
                     and session_key is None:
                 session_key = value.decode("latin-1")
         target = request.target
-        raw_path = target.decode("utf-8", "surrogateescape")
-        path = raw_path
-        if target[:1] != b"/" and b"://" in target[:16]:  # absolute form: the path is what follows the authority
-            rest = raw_path.split("://", 1)[1]
-            slash = rest.find("/")
-            path = raw_path = rest[slash:] if slash >= 0 else "/"
-        q = path.find("?")
-        if q >= 0:
-            path = path[:q]
-        if "%" in path:
-            path = unquote(path)
+        known = _TARGETS.get(target)
+        if known is None:
+            known = _paths(target)
+        raw_path, path = known
         req = InboundRequest(
             request.method, raw_path, path, "http", tuple(request.headers), self.peer,
             request_id or new_request_id(), body,

@@ -350,3 +350,45 @@ async def test_head_request_has_no_body_whatever_the_length_says() -> None:
             ex.release()
         assert counters.new_connections == 1
         await pool.close()
+
+
+async def test_send_on_an_idle_connection_and_a_head_with_two_chunks_in_one_read() -> None:
+    """`send`: None while no connection is idle (then `request` connects); afterwards the exchange at once,
+    its `head` awaited, its `body()` taken without a coroutine. A head that arrives with two chunks and
+    without the end (the one-read fast path of `Exchange.feed`) keeps both pieces in order."""
+    first = asyncio.Event()
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(json_answer(b'{"n": 1}'))
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n3\r\ntwo\r\n")
+        await w.drain()
+        await first.wait()
+        w.write(b"0\r\n\r\n")
+        await read_request(r)
+        w.write(json_answer(b'{"n": 3}'))
+
+    async with RawBackend(script) as url:
+        pool, counters = make_pool()
+        assert pool.send(url, HEAD, b"{}") is None  # nothing idle yet
+        ex = await pool.request(url, HEAD, b"{}")
+        assert await ex.read() == b'{"n": 1}'
+        ex.release()
+        ex2 = pool.send(url, HEAD, b"{}")
+        assert ex2 is not None
+        await ex2.head
+        assert ex2.chunked and not ex2.complete
+        pieces = ex2.stream()
+        assert [await pieces.__anext__(), await pieces.__anext__()] == [b"one", b"two"]
+        first.set()
+        assert [p async for p in pieces] == []
+        ex2.release()
+        ex3 = pool.send(url, HEAD, b"{}")
+        assert ex3 is not None
+        await ex3.head
+        await until(lambda: ex3.complete)
+        assert ex3.body() == b'{"n": 3}' and ex3.status == 200
+        ex3.release()
+        assert counters.new_connections == 1
+        await pool.close()
