@@ -12,7 +12,9 @@ when the machine is busy, where the socket benchmark (`bench_peers.py --ab`) nee
 
 runs this tree and the baseline tree in alternating subprocesses (ABAB...) and prints the median of the
 per-round ratios (this / baseline) and how many rounds were lower. `--profile FILE` writes a cProfile of
-one run; `--count` prints loop turns (epoll-less: callbacks scheduled), tasks and futures per request.
+one run; `--count` prints loop turns (epoll-less: callbacks scheduled), tasks and futures per request;
+`--without PIECE` (repeatable) runs without one piece (observability, the access log, the hot-spot windows,
+the summary, the outlier report, the retry controller): what it costs where it runs, not timed alone.
 It is a guide, not the contract: a change is kept on `bench_peers.py --ab` (real sockets, wrk).
 """
 
@@ -126,8 +128,48 @@ class _UpstreamTransport(asyncio.Transport):
         pass
 
 
+# `--without PIECE`: what one piece costs where it runs (in situ), by running without it. Each takes the piece
+# off the serving proxy's own objects after start-up; answers stay 200 (the piece's output is what is lost).
+WITHOUT = ("observability", "access_log", "hotspot_windows", "summary", "outcome_report", "retries")
+
+
+def _take_off(plane: Any, piece: str) -> None:
+    pipeline = plane.pipeline
+    if piece == "observability":  # access log, hot-spot windows, traces: every RequestObservation call
+        pipeline.observability = None
+    elif piece == "access_log":
+        pipeline.observability.observer.access_log = None
+    elif piece == "hotspot_windows":  # Observer.on_finish without the windows: the access-log line only
+        observer = pipeline.observability.observer
+        log = observer.access_log
+
+        def on_finish(record: Any) -> None:
+            now = observer._clock()
+            if record.time is None:
+                record.time = now
+            observer._pending.pop(id(record), None)
+            if log is not None:
+                log.write(record, now)
+        observer.on_finish = on_finish
+    elif piece == "summary":  # parse_json + summary_from_openai: the first request's summary, reused
+        first: list[Any] = []
+        summarise = pipeline.summarise
+
+        def reuse(req: Any) -> Any:
+            if not first:
+                first.append(summarise(req))
+            return first[0]
+        pipeline.summarise = reuse
+    elif piece == "outcome_report":  # passive outlier detection's report after every attempt
+        pipeline.router.on_outcome = None
+    elif piece == "retries":  # the retry controller: budget accounting per request, status check per answer
+        pipeline.retries = None
+    else:
+        raise SystemExit(f"--without: one of {', '.join(WITHOUT)}")
+
+
 async def _run(policy: str, requests: int, conns: int, profile: str | None, count: bool,
-               parts: bool = False) -> dict[str, float]:
+               parts: bool = False, without: tuple[str, ...] = ()) -> dict[str, float]:
     from proxy.app import AffinityProxy
     from proxy.config import parse_config
     from proxy.upstream import http1 as up
@@ -141,6 +183,8 @@ async def _run(policy: str, requests: int, conns: int, profile: str | None, coun
     loop = asyncio.get_running_loop()
     plane = proxy.http
     assert plane is not None
+    for piece in without:
+        _take_off(plane, piece)
     pool = plane.pipeline.pool
     for url in urls:  # pre-made upstream connections, one per client connection and backend
         b = pool.backend(url)
@@ -291,6 +335,8 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="µs per call of each step (see _parts)")
     ap.add_argument("--ab", default=None, help="a baseline source tree: alternate rounds, this tree vs it")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--without", action="append", default=[], choices=WITHOUT,
+                    help="run without this piece (repeatable): what it costs in situ")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ab is None:
@@ -298,7 +344,8 @@ def main() -> None:
         out = os.dup(1)
         os.dup2(fd, 1)  # the access log goes to stdout
         import uvloop
-        res = uvloop.run(_run(args.policy, args.requests, args.conns, args.profile, args.count, args.parts))
+        res = uvloop.run(_run(args.policy, args.requests, args.conns, args.profile, args.count, args.parts,
+                              tuple(args.without)))
         os.dup2(out, 1)
         print(json.dumps(res) if args.json else res)
         return
@@ -309,7 +356,8 @@ def main() -> None:
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
             out = subprocess.run(
                 [sys.executable, "-P", os.path.abspath(__file__), "--policy", args.policy, "--requests",
-                 str(args.requests), "--conns", str(args.conns), "--json"],
+                 str(args.requests), "--conns", str(args.conns), "--json",
+                 *(f"--without={w}" for w in args.without)],
                 env=dict(os.environ, PYTHONPATH=trees[name]), capture_output=True, text=True, check=True).stdout
             res[name].append(json.loads(out.strip().splitlines()[-1])["us_per_request"])
             print(f"round {r} {name}: {res[name][-1]:.2f} µs/request", file=sys.stderr)

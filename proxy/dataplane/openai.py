@@ -36,7 +36,7 @@ from proxy.core.decision import Outcome
 from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
 from proxy.dataplane.errors import error_body, sse_error_event
 from proxy.dataplane.response_homes import RESPONSES_PATH, CreatedSniffer, ResponseHomes, response_id_from_json
-from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.retry import Attempts, RetryController, RetryableFailure
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
 from proxy.metrics import ProxyMetrics
 from proxy.observability.lifecycle import Observability, RequestObservation, strip_trace_headers
@@ -94,6 +94,10 @@ def _raw_header(raw: tuple[tuple[bytes, bytes], ...], name: str) -> str | None:
     for n, v in raw:
         if n.lower() == key:
             return v.decode("latin-1")
+    return None
+
+
+def _no_header(name: str) -> str | None:
     return None
 
 
@@ -302,14 +306,17 @@ class OpenAIPipeline(Generic[T]):
     async def handle(self, req: InboundRequest, responder: Responder[T]) -> T:
         """The whole request: summarise, route and exchange (retried per policy), answer, record.
 
-        One coroutine for what used to be four nested ones (handle -> _handle -> proxy -> _proxy): each
-        level was a coroutine object made and resumed at every suspension of every request (issue 19)."""
+        One coroutine for what used to be five nested ones (handle -> _handle -> proxy -> _proxy ->
+        run_with_retries): each level was a coroutine object made and resumed at every suspension of every
+        request (issue 19). Only the attempt (`_exchange`) is a coroutine of its own."""
         ob: RequestObservation | None = None
         observability = self.observability
         if observability is not None:
             raw = req.raw_headers
+            # The header lookup is for the trace context only: no closure per request with tracing off.
             ob = req.observation = observability.begin(
-                req.request_id, req.protocol, req.method, req.path, req.peer, lambda name: _raw_header(raw, name),
+                req.request_id, req.protocol, req.method, req.path, req.peer,
+                _no_header if observability.tracing is None else lambda name: _raw_header(raw, name),
                 req.received_at, len(req.body), req.session_key)
         task: asyncio.Task[Any] | None = None  # set while routed: what `expire` may end
         try:
@@ -327,7 +334,70 @@ class OpenAIPipeline(Generic[T]):
                 task = asyncio.current_task(loop)  # given the loop: no get_running_loop, a getpid() on 3.11
                 if task is not None:
                     self._active.add(task)
-                result = await self._proxy(req, summary, responder)
+                request_id = req.request_id
+                router = self.router
+                experiments = router.experiments
+                if experiments is not None and (refused := experiments.pin_request(req.raw_headers)) is not None:
+                    result = await responder.send(error_answer(refused[0], refused[1], "invalid_request_error",
+                                                               "arm_pin_refused", request_id=request_id))
+                else:
+                    error = None
+                    try:
+                        # `run_with_retries` spelled out (proxy/dataplane/retry.py: the same loop, the same
+                        # `Attempts` bookkeeping): no coroutine and closure for the loop per request.
+                        attempts = Attempts(self.retries)
+                        while True:
+                            try:
+                                lease = router.route(summary, attempts.exclude, received_at=req.received_at)
+                                waiting = lease.enter()
+                                if waiting is not None:
+                                    await waiting
+                                try:
+                                    outcome: Answer | T = await self._exchange(req, lease, responder)
+                                    break
+                                except RetryableFailure as failure:
+                                    last: RetryableFailure[Answer] = failure
+                                    tried = lease.tried
+                                finally:
+                                    lease.finish()
+                            except NoBackendAvailable:
+                                if attempts.count == 1:
+                                    raise
+                                attempts.no_backend_left()
+                                outcome = last.response  # no other backend left: the failure it would have got
+                                break
+                            # The lease above is finished: the failed attempt is accounted to its backend
+                            # before the next pick.
+                            delay = attempts.retry(last, tried)
+                            if delay is None:
+                                outcome = last.response
+                                break
+                            if delay > 0:
+                                await asyncio.sleep(delay)
+                    except UnknownModel as exc:
+                        error = "model_not_found"
+                        outcome = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
+                                               request_id=request_id)
+                    except Overloaded as exc:
+                        error = "overloaded"
+                        outcome = error_answer(exc.status, str(exc), "server_error", "overloaded",
+                                               request_id=request_id, retry_after=str(exc.retry_after_s))
+                    except NoBackendAvailable as exc:
+                        error = "no_backend"
+                        outcome = error_answer(503, str(exc) or "No backend is available", "server_error",
+                                               "no_backend", request_id=request_id, retry_after=RETRY_AFTER_S)
+                    except Exception as exc:  # a fault in the proxy (a bug, a policy that raised): this request alone fails
+                        error = "internal_error"
+                        log.error("internal error on request %s: %s: %s", request_id, type(exc).__name__, exc)
+                        self.metrics.error("internal_error")
+                        outcome = error_answer(500, "Internal proxy error", "server_error", "internal_error",
+                                               request_id=request_id)
+                    if isinstance(outcome, Answer):
+                        if ob is not None:
+                            ob.answered(outcome, error)
+                        result = await responder.send(outcome)
+                    else:
+                        result = outcome  # what the responder returned after streaming
         except asyncio.CancelledError:
             if task is None or task not in self._expired:
                 if ob is not None:
@@ -357,44 +427,7 @@ class OpenAIPipeline(Generic[T]):
                 self._active.discard(task)
                 self._expired.discard(task)
         if ob is not None:
-            r = ob.record
-            ob.finish(r.status, error=r.error, bytes_out=r.bytes_out)
-        return result
-
-    async def _proxy(self, req: InboundRequest, summary: RequestSummary, responder: Responder[T]) -> T:
-        request_id = req.request_id
-        error = None
-        experiments = self.router.experiments
-        if experiments is not None and (refused := experiments.pin_request(req.raw_headers)) is not None:
-            return await responder.send(error_answer(refused[0], refused[1], "invalid_request_error",
-                                                     "arm_pin_refused", request_id=request_id))
-        try:
-            result: Answer | T = await run_with_retries(
-                self.retries, self.router, summary, lambda lease: self._exchange(req, lease, responder),
-                received_at=req.received_at,
-            )
-        except UnknownModel as exc:
-            error = "model_not_found"
-            result = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
-                                  request_id=request_id)
-        except Overloaded as exc:
-            error = "overloaded"
-            result = error_answer(exc.status, str(exc), "server_error", "overloaded", request_id=request_id,
-                                  retry_after=str(exc.retry_after_s))
-        except NoBackendAvailable as exc:
-            error = "no_backend"
-            result = error_answer(503, str(exc) or "No backend is available", "server_error", "no_backend",
-                                  request_id=request_id, retry_after=RETRY_AFTER_S)
-        except Exception as exc:  # a fault in the proxy (a bug, a policy that raised): this request alone fails
-            error = "internal_error"
-            log.error("internal error on request %s: %s: %s", request_id, type(exc).__name__, exc)
-            self.metrics.error("internal_error")
-            result = error_answer(500, "Internal proxy error", "server_error", "internal_error",
-                                  request_id=request_id)
-        if isinstance(result, Answer):
-            if req.observation is not None:
-                req.observation.answered(result, error)
-            return await responder.send(result)
+            ob.finish_as_recorded()
         return result
 
     # ------------------------------------------------------------------------------------------ attempt
@@ -419,8 +452,13 @@ class OpenAIPipeline(Generic[T]):
         )
         self.counters.requests += 1
         up: Exchange | None = None
+        pool = self.pool
         try:
-            up = await self.pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            up = pool.send(url, head, req.body, head_only=req.method == "HEAD")  # an idle connection: no coroutine
+            if up is None:
+                up = await pool.request(url, head, req.body, head_only=req.method == "HEAD")
+            else:
+                await up.head
             if ob is not None:
                 ob.first_byte()
             if lease.arm is not None:
@@ -447,7 +485,7 @@ class OpenAIPipeline(Generic[T]):
                 raise RetryableFailure(Outcome.STATUS_5XX if up.status >= 500 else Outcome.SUCCESS, held, up.status)
             sse = headers.get("Content-Type", "").startswith("text/event-stream")
             if not up.chunked and not sse and (up.content_length is not None or up.complete):
-                body = await up.read()
+                body = up.body() if up.complete else await up.read()  # the usual JSON answer came with its head
                 if up.status == 200 and req.path == RESPONSES_PATH:
                     rid = response_id_from_json(body)
                     if rid is not None:

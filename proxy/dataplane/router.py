@@ -110,7 +110,7 @@ class Lease:
         self.outcome: Outcome | None = None
         # The client chose this ending (its own deadline ran out): it says nothing about the backend.
         self.client_chosen = False
-        self.tokens = tokens_of(summary)
+        self.tokens = summary.prompt_tokens_est + (summary.max_tokens or 0)  # tokens_of(summary), inlined
         self.received_at = time.monotonic() if received_at is None else received_at
         self._open = False
         # Experiments (proxy/experiments): the request's arm, and what its measurement needs from the data
@@ -184,15 +184,24 @@ class Lease:
         """Pick, holding the slot: None when that is done already (the usual case: no coroutine made, no
         await), else an awaitable that does it (a prompt to prepare first, the overload queue). Raises what
         `try_pick` raises."""
-        prepare = self.router.prepare
+        router = self.router
+        prepare = router.prepare
         if prepare is not None:
             ready = prepare(self.summary)
             if ready is not None:  # short and cached prompts take no extra await
                 return self._enter_after(ready)
         try:
-            self.try_pick()
+            # try_pick(), spelled out for the usual attempt (no experiment arm, not gRPC)
+            if self.arm is None and not self.grpc:
+                decision, backend = router.pick(self.summary, self.exclude)
+            else:
+                decision, backend = self._pick()
         except Overloaded as exc:
             return self.wait_in_queue(exc)
+        self.decision = decision
+        self.backend = backend
+        router.inflight.acquire(decision.backend, self.tokens)
+        self._open = True
         return None
 
     async def _enter_after(self, ready: Awaitable[None]) -> None:

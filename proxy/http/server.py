@@ -66,6 +66,33 @@ _REQUEST_LINE_ALLOWANCE = 8192  # the head limit is the fields' limit plus this 
 _PIPELINE_HIGH_WATER = 256 * 1024  # stop reading while this much of a pipelined next request is buffered
 _LINGER_S = 2.0  # after an error answer with close: how long unread input is still drained (no RST)
 _ORCA_NAME = ORCA_FORMAT_HEADER.lower().encode()
+_ORCA_LEN = len(_ORCA_NAME)
+
+# A memo of request targets -> (raw path, path): clients of an LLM API send a handful of them. A pure function
+# of the target, so nothing leaks between connections; short targets only, at most _TARGETS_MAX of them.
+_TARGETS: dict[bytes, tuple[str, str]] = {}
+_TARGETS_MAX = 1024
+_TARGET_MEMO_BYTES = 256
+
+
+def _paths(target: bytes) -> tuple[str, str]:
+    """The target as forwarded (origin form; an absolute form's authority removed) and the path the proxy
+    routes on (no query, percent-decoded)."""
+    raw_path = target.decode("utf-8", "surrogateescape")
+    path = raw_path
+    if target[:1] != b"/" and b"://" in target[:16]:  # absolute form: the path is what follows the authority
+        rest = raw_path.split("://", 1)[1]
+        slash = rest.find("/")
+        path = raw_path = rest[slash:] if slash >= 0 else "/"
+    q = path.find("?")
+    if q >= 0:
+        path = path[:q]
+    if "%" in path:
+        path = unquote(path)
+    known = (raw_path, path)
+    if len(target) <= _TARGET_MEMO_BYTES and len(_TARGETS) < _TARGETS_MAX:
+        _TARGETS[target] = known
+    return known
 
 # Connection phases: which deadline applies.
 _IDLE, _HEAD, _BODY, _BUSY, _LINGER = range(5)
@@ -205,6 +232,20 @@ class HttpConnection(asyncio.Protocol):
     # ------------------------------------------------------------------------------ requests
 
     def _on_events(self, events: list[Any]) -> None:
+        n = len(events)
+        if n <= 3 and type(events[0]) is Request and type(events[-1]) is EndOfMessage:
+            # The usual case: a whole request in one read (head, the body if any, the end).
+            if not self._begin(events[0]):
+                return
+            if n == 3:
+                data = events[1].data
+                if len(data) > self.plane.max_body:
+                    self._reject(self.plane.pipeline.too_large(self._request_id()))
+                    return
+                self._dispatch(data)
+            else:
+                self._dispatch(b"")
+            return
         for ev in events:
             kind = type(ev)
             if kind is Data:
@@ -217,7 +258,9 @@ class HttpConnection(asyncio.Protocol):
                 if not self._begin(ev):
                     return
             elif kind is EndOfMessage:
-                self._dispatch()
+                body = self.body
+                self.body = []
+                self._dispatch(body[0] if len(body) == 1 else b"".join(body))
                 return
         if self.phase == _BODY:
             self._body_progress()
@@ -264,7 +307,7 @@ class HttpConnection(asyncio.Protocol):
                     return value.decode("latin-1")
         return new_request_id()
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, body: bytes) -> None:
         request = self.request
         assert request is not None
         self.phase = _BUSY
@@ -278,30 +321,21 @@ class HttpConnection(asyncio.Protocol):
             n = len(name)
             if n == 12 and request_id is None and name.lower() == b"x-request-id":
                 request_id = value.decode("latin-1") or None
-            elif n == len(_ORCA_NAME) and name.lower() == _ORCA_NAME:
+            elif n == _ORCA_LEN and name.lower() == _ORCA_NAME:
                 asked_orca = True
             elif session_name is not None and n == len(session_name) and session_name == name.lower() \
                     and session_key is None:
                 session_key = value.decode("latin-1")
         target = request.target
-        raw_path = target.decode("utf-8", "surrogateescape")
-        path = raw_path
-        if target[:1] != b"/" and b"://" in target[:16]:  # absolute form: the path is what follows the authority
-            rest = raw_path.split("://", 1)[1]
-            slash = rest.find("/")
-            path = raw_path = rest[slash:] if slash >= 0 else "/"
-        q = path.find("?")
-        if q >= 0:
-            path = path[:q]
-        if "%" in path:
-            path = unquote(path)
-        body = self.body
+        known = _TARGETS.get(target)
+        if known is None:
+            known = _paths(target)
+        raw_path, path = known
         req = InboundRequest(
             request.method, raw_path, path, "http", tuple(request.headers), self.peer,
-            request_id or new_request_id(), body[0] if len(body) == 1 else b"".join(body),
+            request_id or new_request_id(), body,
             asked_orca=asked_orca, session_key=session_key, received_at=self.received_at,
         )
-        self.body = []
         self.task = self.loop.create_task(self._run(req))
 
     async def _run(self, req: InboundRequest) -> None:
@@ -429,7 +463,8 @@ class HttpConnection(asyncio.Protocol):
         status = answer.status
         headers = answer.headers
         body = answer.body
-        parts = _head(status, answer.reason, headers)
+        parts = [f"HTTP/1.1 {status} {answer.reason or _REASONS.get(status, '')}\r\n"]
+        parts += [f"{name}: {value}\r\n" for name, value in headers.items()]
         if "Date" not in headers:
             parts.append(_date())
         no_body = status < 200 or status == 204 or status == 304

@@ -162,21 +162,24 @@ class AccessLog:
         self.rate_limited = 0
 
     def write(self, record: RequestRecord, now: float) -> None:
-        forced = self._always_errors and record.failed
-        if self._ratio < 1.0 and not forced:
-            # Evenly spaced deterministic sampling: a credit that earns `ratio` per request.
-            self._credit += self._ratio
-            if self._credit < 1.0:
-                self.sampled_out += 1
-                return
-            self._credit -= 1.0
+        forced: bool | None = None  # an error that is always logged; found out only where a line may be dropped
+        if self._ratio < 1.0:
+            forced = self._always_errors and record.failed
+            if not forced:
+                # Evenly spaced deterministic sampling: a credit that earns `ratio` per request.
+                self._credit += self._ratio
+                if self._credit < 1.0:
+                    self.sampled_out += 1
+                    return
+                self._credit -= 1.0
         if self._limit is not None:
             second = int(now)
             if second != self._second:
                 if self._suppressed:
                     self._summary(now)
                 self._second, self._in_second = second, 0
-            if self._in_second >= self._limit and not forced:
+            if self._in_second >= self._limit and not (
+                    forced if forced is not None else self._always_errors and record.failed):
                 self._suppressed += 1
                 self.rate_limited += 1
                 return

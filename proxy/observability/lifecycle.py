@@ -10,6 +10,7 @@ proxy/grpc/call.py for gRPC):
     ob.first_byte()                           # the backend's first response byte
     ob.attempt_failed(...)                    # an attempt that is retried elsewhere
     ob.finish(status, grpc_status, error, bytes_out=..., body=...)   # once: access log, windows, span end
+    ob.finish_as_recorded()                   # or: once, with what the record holds already
 
 A data plane built without observability (access log, hot spots and tracing all off) holds None and makes
 none of these calls. With tracing off (`tracing` None) no span code runs at all: only the record is filled.
@@ -98,7 +99,7 @@ class RequestObservation:
         name = decision.backend
         r.backend = name
         r.policy = decision.policy
-        r.reason = decision.reason.value
+        r.reason = decision.reason._value_  # the Enum's plain attribute: `.value` is a slow descriptor on 3.11
         r.load_score = backend.load_score
         r.inflight = lease.router.inflight.requests(name)
         r.attempts += 1
@@ -157,9 +158,7 @@ class RequestObservation:
         """Once per request (later calls are ignored): the record goes to the observer, the spans end."""
         if self._finished:
             return
-        self._finished = True
         r = self.record
-        r.duration_s = time.monotonic() - self.received_at
         r.status = status
         r.grpc_status = grpc_status
         r.error = error
@@ -167,8 +166,19 @@ class RequestObservation:
             r.bytes_out = bytes_out
         if body:
             r.prompt_tokens, r.cached_tokens = usage_of(body)
+        self.finish_as_recorded()
+
+    def finish_as_recorded(self) -> None:
+        """`finish` with the status, gRPC status, error and bytes the record holds already (the usual HTTP
+        end: a whole answer, or a stream, filled them in as it went); later calls are ignored."""
+        if self._finished:
+            return
+        self._finished = True
+        r = self.record
+        r.duration_s = time.monotonic() - self.received_at
         trace = self.trace
         if trace is not None:
+            status, grpc_status, error = r.status, r.grpc_status, r.error
             attempt = self.attempt
             if attempt is not None:
                 self.attempt = None

@@ -181,7 +181,8 @@ class Exchange:
             self._on_events(exc.events)  # what came before the bad bytes still counts (e.g. earlier chunks)
             self._fail(UpstreamProtocolError(f"malformed response: {exc}"))
             return
-        if len(events) == 1:  # the usual read in a stream: one run of chunks, or one piece of body
+        n = len(events)
+        if n == 1:  # the usual read in a stream: one run of chunks, or one piece of body
             ev = events[0]
             kind = type(ev)
             if kind is RawChunks:
@@ -190,6 +191,16 @@ class Exchange:
             if kind is Data:
                 self._emit(ev.data)  # type: ignore[union-attr]  # kind says which event it is
                 return
+        elif n == 3 and type(events[0]) is Response and type(events[1]) is Data and self._pieces is None:
+            # The usual JSON answer: head, the whole body and the end in one read.
+            self._parts.append(events[1].data)
+            self._on_head(events[0])
+            if type(events[2]) is EndOfMessage:
+                self.keep_alive = self.keep_alive and self._parser.reusable  # nothing may follow the end
+                self._finish()
+                return
+            self._on_events(events[2:])
+            return
         self._on_events(events)
 
     def _on_events(self, events: list[Event]) -> None:
@@ -281,6 +292,16 @@ class Exchange:
 
     async def wait_head(self) -> None:
         await self._head_fut
+
+    @property
+    def head(self) -> asyncio.Future[None]:
+        """Done when the response head arrived (awaiting it raises what failed the exchange before)."""
+        return self._head_fut
+
+    def body(self) -> bytes:
+        """The whole (de-chunked) body of a `complete` exchange: `read()` without a coroutine."""
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def read(self) -> bytes:
         """The whole (de-chunked) body."""
@@ -574,6 +595,27 @@ class UpstreamPool:
         conn = self._idle_connection(b)  # the usual case: no coroutine for the checkout
         if conn is None:
             conn = await self._acquire(b)
+        ex = self._start(conn, head, body, head_only)
+        try:
+            await ex._head_fut
+        except BaseException:
+            ex.release()
+            raise
+        return ex
+
+    def send(self, url: str, head: bytes, body: bytes, *, head_only: bool = False) -> Exchange | None:
+        """`request` without a coroutine, for the usual case: with an idle connection to `url`, send on it
+        and return the exchange at once (await `ex.head` for the response head; `release()` it always);
+        None when no connection is idle (then `await request(...)`, which may connect or wait)."""
+        b = self._backends.get(url)
+        if b is None:
+            b = self.backend(url)
+        conn = self._idle_connection(b)
+        if conn is None:
+            return None
+        return self._start(conn, head, body, head_only)
+
+    def _start(self, conn: _Connection, head: bytes, body: bytes, head_only: bool) -> Exchange:
         loop = self._loop
         if loop is None:  # known from the first request: get_running_loop costs a getpid() on 3.11
             loop = self._loop = asyncio.get_running_loop()
@@ -585,9 +627,4 @@ class UpstreamPool:
             self._deadline_check = loop.call_later(self._tick, self._check_deadlines)
         assert conn.transport is not None
         conn.transport.write(head + body if body else head)
-        try:
-            await ex._head_fut
-        except BaseException:
-            ex.release()
-            raise
         return ex

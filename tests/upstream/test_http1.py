@@ -350,3 +350,85 @@ async def test_head_request_has_no_body_whatever_the_length_says() -> None:
             ex.release()
         assert counters.new_connections == 1
         await pool.close()
+
+
+async def test_send_on_an_idle_connection_and_a_head_with_two_chunks_in_one_read() -> None:
+    """`send`: None while no connection is idle (then `request` connects); afterwards the exchange at once,
+    its `head` awaited, its `body()` taken without a coroutine. A head that arrives with two chunks and
+    without the end (the one-read fast path of `Exchange.feed`) keeps both pieces in order."""
+    first = asyncio.Event()
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        w.write(json_answer(b'{"n": 1}'))
+        await read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n3\r\ntwo\r\n")
+        await w.drain()
+        await first.wait()
+        w.write(b"0\r\n\r\n")
+        await read_request(r)
+        w.write(json_answer(b'{"n": 3}'))
+
+    async with RawBackend(script) as url:
+        pool, counters = make_pool()
+        assert pool.send(url, HEAD, b"{}") is None  # nothing idle yet
+        ex = await pool.request(url, HEAD, b"{}")
+        assert await ex.read() == b'{"n": 1}'
+        ex.release()
+        ex2 = pool.send(url, HEAD, b"{}")
+        assert ex2 is not None
+        await ex2.head
+        assert ex2.chunked and not ex2.complete
+        pieces = ex2.stream()
+        assert [await pieces.__anext__(), await pieces.__anext__()] == [b"one", b"two"]
+        first.set()
+        assert [p async for p in pieces] == []
+        ex2.release()
+        ex3 = pool.send(url, HEAD, b"{}")
+        assert ex3 is not None
+        await ex3.head
+        await until(lambda: ex3.complete)
+        assert ex3.body() == b'{"n": 3}' and ex3.status == 200
+        ex3.release()
+        assert counters.new_connections == 1
+        await pool.close()
+
+
+@pytest.mark.parametrize("head_only", [False, True])
+async def test_one_read_and_byte_by_byte_feed_agree(head_only: bool) -> None:
+    """Differential: an answer fed to an Exchange in one read (its fast paths) ends in the same state as the
+    same bytes fed one at a time (the general event loop)."""
+    from proxy.upstream.http1 import Exchange
+
+    class Conn:
+        transport = None
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    answers = [
+        json_answer(b'{"ok": true}'),
+        json_answer(b""),
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n3\r\none\r\n3\r\ntwo\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n3\r\ntwo\r\n0\r\nT: x\r\n\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n" + json_answer(b'{"a": 1}'),
+        b"HTTP/1.1 503 Busy\r\nConnection: close, X-Hop\r\nX-Hop: 1\r\nRetry-After: 1\r\nContent-Length: 2\r\n\r\nno",
+        json_answer(b'{"a": 1}') + b"HTTP/1.1 200 OK\r\n",  # bytes after the end: not reusable
+        b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil close",
+        b"HTTP/1.1 204 No Content\r\nX-B: 2\r\n\r\n",
+    ]
+    loop = asyncio.get_running_loop()
+
+    def state(ex: Exchange) -> tuple[object, ...]:
+        return (ex.status, ex.reason, list(ex.headers.items()), ex.raw_headers, ex.chunked, ex.content_length,
+                ex.keep_alive, ex.complete, ex.error is not None, b"".join(ex._parts), ex.head.done())
+
+    for raw in answers:
+        whole = Exchange(Conn(), head_only, loop)  # type: ignore[arg-type]  # a stand-in connection
+        whole.feed(raw)
+        split = Exchange(Conn(), head_only, loop)  # type: ignore[arg-type]
+        for i in range(len(raw)):
+            split.feed(raw[i:i + 1])
+        assert state(whole) == state(split), raw
