@@ -1,6 +1,7 @@
 """Safe retries for every data plane: another backend, only while the client has received nothing.
 
-The data plane runs each attempt inside `run_with_retries`. An attempt that fails before a single byte went
+The data plane (OpenAIPipeline.handle for HTTP/1.1 and the HTTP/2 bridge; proxy/grpc/call.py for gRPC)
+keeps one `Attempts` per request. An attempt that fails before a single byte went
 to the client raises `RetryableFailure` carrying the answer the client would get if no retry happens (the
 proxy's own 502, or the backend's 429/503 read in full but not forwarded). The loop then asks the
 `RetryController` whether this failure kind is retryable, whether attempts are left and whether the retry
@@ -15,16 +16,13 @@ its own lease, so a retried request is accounted to each backend it touched.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
-from typing import Any, Awaitable, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from proxy.control.resilience_metrics import ResilienceMetrics
-from proxy.core.decision import NoBackendAvailable, Outcome
+from proxy.core.decision import Outcome
 from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
-from proxy.core.request import RequestSummary
-from proxy.dataplane.router import Lease, Router
 
 T = TypeVar("T")
 
@@ -89,8 +87,9 @@ class RetryController:
 class Attempts:
     """The retry bookkeeping of one request: attempts made, backends to exclude, the shared budget.
 
-    `run_with_retries` drives it for the coroutine data planes; gRPC's callback-driven calls
-    (proxy/grpc/call.py) drive the same object step by step, so both follow one policy.
+    The OpenAI pipeline's loop (proxy/dataplane/openai.py `handle`) drives it for HTTP/1.1 and the HTTP/2
+    bridge; gRPC's callback-driven calls (proxy/grpc/call.py) drive the same object step by step, so both
+    follow one policy.
     """
 
     __slots__ = ("controller", "count", "exclude")
@@ -121,50 +120,4 @@ class Attempts:
             self.controller.metrics.retries_denied.labels("no_backend").inc()
 
 
-async def run_with_retries(
-    controller: RetryController | None,
-    router: Router,
-    summary: RequestSummary,
-    attempt: Callable[[Lease], Awaitable[T]],
-    *,
-    received_at: float | None = None,
-) -> T:
-    """Route and run `attempt(lease)`, retrying on other backends per the controller (None: one attempt).
-    See the module doc."""
-    attempts = Attempts(controller)
-    while True:
-        try:
-            lease = router.route(summary, attempts.exclude, received_at=received_at)
-            if isinstance(lease, Lease):
-                # `async with lease` spelled out: no __aenter__/__aexit__ coroutines per attempt.
-                waiting = lease.enter()
-                if waiting is not None:
-                    await waiting
-                try:
-                    return await attempt(lease)
-                except RetryableFailure as failure:
-                    last: RetryableFailure[T] = failure
-                    tried = lease.tried
-                finally:
-                    lease.finish()
-            else:  # a stand-in router's context manager
-                async with lease as entered:
-                    try:
-                        return await attempt(entered)
-                    except RetryableFailure as failure:
-                        last = failure
-                        tried = entered.tried
-        except NoBackendAvailable:
-            if attempts.count == 1:
-                raise
-            attempts.no_backend_left()
-            return last.response  # no other backend left: the client gets the failure it would have got
-        # The lease above is finished: the failed attempt is accounted to its backend before the next pick.
-        delay = attempts.retry(last, tried)
-        if delay is None:
-            return last.response
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-
-__all__ = ["Attempts", "RetryController", "RetryableFailure", "run_with_retries"]
+__all__ = ["Attempts", "RetryController", "RetryableFailure"]

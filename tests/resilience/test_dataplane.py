@@ -15,7 +15,7 @@ from proxy.core.decision import NoBackendAvailable, Outcome
 from proxy.core.retry_policy import RetryConfig
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Health
-from proxy.dataplane.retry import RetryController, RetryableFailure, run_with_retries
+from proxy.dataplane.retry import Attempts, RetryController, RetryableFailure
 
 from tests.support import free_port, until
 
@@ -89,43 +89,19 @@ async def test_never_retried_after_the_first_streamed_byte(fakes, proxies) -> No
     assert len(fakes[1].seen) == 0 and proxy.resilience.retries.retried == 0
 
 
-async def test_retry_budget_bounds_retries() -> None:
+def test_retry_budget_bounds_retries() -> None:
+    """The shared budget, through `Attempts` (what every data plane's retry loop keeps per request)."""
     ctl = RetryController(RetryConfig(budget_percent=0, min_retries_per_s=0.1, budget_window_ms=10_000,
                                       backoff_base_ms=0, backoff_max_ms=0))
-
-    class Lease:
-        def __init__(self, name: str, exclude: frozenset[str]) -> None:
-            self.tried = exclude | {name}
-
-    class Router:
-        def __init__(self) -> None:
-            self.picks: list[str] = []
-
-        def route(self, summary: RequestSummary, exclude: frozenset[str] = frozenset(), **_: object):
-            router = self
-
-            class CM:
-                async def __aenter__(self) -> Lease:
-                    left = [n for n in ("a", "b", "c") if n not in exclude]
-                    if not left:
-                        raise NoBackendAvailable("none")
-                    router.picks.append(left[0])
-                    return Lease(left[0], exclude)
-
-                async def __aexit__(self, *exc: object) -> None:
-                    return None
-
-            return CM()
-
-    async def failing(lease: Lease) -> str:
-        raise RetryableFailure(Outcome.CONNECT_FAILURE, "502")
-
-    router = Router()
-    assert await run_with_retries(ctl, router, RequestSummary(prompt=""), failing) == "502"  # type: ignore[arg-type]  # a scripted stand-in router
-    assert router.picks == ["a", "b"]  # the budget (1 retry per 10 s) allowed exactly one
-    router.picks.clear()
-    assert await run_with_retries(ctl, router, RequestSummary(prompt=""), failing) == "502"
-    assert router.picks == ["a"]
+    failure = RetryableFailure(Outcome.CONNECT_FAILURE, "502")
+    first = Attempts(ctl)
+    assert first.retry(failure, frozenset({"a"})) == 0.0  # the budget (1 retry per 10 s) allows exactly one
+    assert first.count == 2 and first.exclude == {"a"}
+    assert first.retry(failure, frozenset({"a", "b"})) is None  # then no more
+    second = Attempts(ctl)
+    assert second.retry(failure, frozenset({"a"})) is None
+    assert second.count == 1 and second.exclude == frozenset()
+    assert ctl.retried == 1
     assert ctl.metrics.retries_denied.labels("budget")._value.get() == 2  # after b, then after a
 
 
