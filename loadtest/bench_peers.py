@@ -37,7 +37,8 @@ import sys
 import time
 from typing import Any, Callable
 
-COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff"]
+COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff",
+           "ap-rr-nolog", "ap-aff-nolog"]
 DEFAULT_TARGETS = "direct,nginx,vllm-rr,sglang-rr,sglang-cache,ap-rr,ap-aff"
 
 
@@ -494,7 +495,9 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
     - p50 and p99 at one connection over TLS (minus direct's plain-HTTP figures: the TLS cost included).
     A target that does not speak a protocol (h2c refused, or no TLS option) shows '-'. `rows`: which of
     c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure. `ap-rr-base` and
-    `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one."""
+    `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one; `ap-rr-nolog` and
+    `ap-aff-nolog` run this tree without its access log (`logging.access_log.enabled: false`), as the peers
+    here run (nginx `access_log off`, the Rust routers at warn level: no line per request)."""
     import shutil
 
     hz = os.sysconf("SC_CLK_TCK")
@@ -533,7 +536,8 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
             f.write(f"listen: {{host: 127.0.0.1, port: {port}{tls_line}}}\n"
                     f"admin: {{host: 127.0.0.1, port: {port + 1000}}}\nbackends:\n"
                     + "".join(f"  - {{name: be{i}, url: '{u}'}}\n" for i, u in enumerate(workers))
-                    + f"routing: {{policy: {policy}}}\n")
+                    + f"routing: {{policy: {policy}}}\n"
+                    + ("logging: {access_log: {enabled: false}}\n" if "-nolog" in name else ""))
         return path
 
     # name -> {protocol: (port, pid)}; direct: the first backend (plain HTTP/1.1 only).
@@ -576,7 +580,8 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                 ports[name]["tls"] = (p + 2, tls_pid)
         this_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         for name, policy in (("ap-rr", "round_robin"), ("ap-aff", "affinity"), ("ap-rr-base", "round_robin"),
-                             ("ap-aff-base", "affinity")):
+                             ("ap-aff-base", "affinity"), ("ap-rr-nolog", "round_robin"),
+                             ("ap-aff-nolog", "affinity")):
             if name not in names:
                 continue
             if name.endswith("-base") and baseline is None:
