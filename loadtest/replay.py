@@ -304,7 +304,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         ids = routing_ids[0]
         if not ids:
             return None
-        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
+        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size,  # type: ignore[union-attr]
+                                     kvidx.lru_front)  # type: ignore[union-attr]
 
     if precise and cfg.precise_lookup not in PRECISE_LOOKUPS:
         raise ValueError(f"precise_lookup must be one of {PRECISE_LOOKUPS}, got {cfg.precise_lookup!r}")
