@@ -131,8 +131,9 @@ def suite(name: str) -> list[ReplayConfig]:
         for band in (2048, 4096):
             over = (("eviction_band_tokens", float(band)),)
             cfgs.append(ReplayConfig(policy="affinity", index="precise", affinity_overrides=over))
-            cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
-                                     affinity_overrides=over))
+            for seed in (0, 1, 2) if band == 2048 else (0,):  # R = 4: three replica assignments at 2048
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                         affinity_overrides=over, seed=seed))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
