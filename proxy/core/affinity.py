@@ -619,7 +619,8 @@ class AffinityPolicy:
                     # loadtest/results/scaleout.md), so there the match counts.
                     limit = cost - a.new_prompt_slack_tokens
                     preamble = shared_blocks if total_req == 0 else 0
-                    if found is not None and a.eviction_band_tokens and found.cached and not any(found.cached.values()):
+                    if (found is not None and found.lru_front is not None and a.eviction_band_tokens and found.cached
+                            and not any(found.cached.values())):
                         # Eviction-aware placement (proxy/core/placement.py): of the near-equal backends, the
                         # one evicting the oldest KV.
                         got = self._placement(found, names, scores, can_take, cost_of, preamble)
@@ -654,7 +655,7 @@ class AffinityPolicy:
     ) -> tuple[str, int] | None:
         """A new prompt's backend by the eviction-aware rule, with the blocks it holds; None: abstain."""
         costs = {i: cost_of(i, preamble) for i, n in enumerate(names) if can_take(n)}
-        got = oldest_lru([(names[i], c, scores[i]) for i, (c, _m) in costs.items()], found.lru_front,
+        got = oldest_lru([(names[i], c, scores[i]) for i, (c, _m) in costs.items()], found.lru_front or {},
                          found.cached, float(self._a.eviction_band_tokens))
         return None if got is None else (got, costs[names.index(got)][1])
 

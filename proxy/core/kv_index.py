@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence, Union
 
@@ -121,10 +121,10 @@ class PreciseMatch:
     # block short of any point in the prompt (0: unknown).
     block_size: int = 0
     # Per backend whose engine is evicting: how old the blocks it evicts are (`KVIndex.lru_front`: the
-    # newest store sequence number among its evicted blocks; lower = older). A fresh backend
-    # absent here has not evicted since its cache was (re)filled. Read by the eviction-aware placement of
-    # new prompts (proxy/core/placement.py); empty: not known.
-    lru_front: Mapping[str, float] = field(default_factory=dict)
+    # newest store sequence number among its evicted blocks; lower = older). A fresh backend absent here
+    # has not evicted since its cache was (re)filled. Read by the eviction-aware placement of new prompts
+    # (proxy/core/placement.py); None: not tracked (the placement then abstains).
+    lru_front: Mapping[str, int] | None = None
 
 
 def chain_seed(model: str) -> int:
@@ -230,17 +230,20 @@ class KVIndex:
     a finished request's blocks together, tail first, and evicts in the order it freed them, and a
     request's newest block is stored just before it is freed, so this tracks (from below) when the blocks
     being evicted now were last used, a prefix re-used by a later turn included. The lower it is, the
-    older the blocks that engine is dropping, i.e. the longer it keeps a prefix. O(1) per block of an event.
+    older the blocks that engine is dropping, i.e. the longer it keeps a prefix. O(1) per block of an event;
+    kept only with `eviction_ages` (a sequence number per held block: about a third more memory), else
+    `lru_front` is None.
     """
 
-    __slots__ = ("_backends", "_seq", "_front", "lru_front")
+    __slots__ = ("_backends", "_ages", "_seq", "_front", "lru_front")
 
-    def __init__(self) -> None:
+    def __init__(self, *, eviction_ages: bool = False) -> None:
         self._backends: dict[str, _Backend] = {}
+        self._ages = eviction_ages
         self._seq = 0
         self._front: dict[str, int] = {}
         # Read-only live view of `_front` (no copy per request): what PreciseMatch.lru_front carries.
-        self.lru_front: Mapping[str, int] = MappingProxyType(self._front)
+        self.lru_front: Mapping[str, int] | None = MappingProxyType(self._front) if eviction_ages else None
 
     # ---- membership and freshness -------------------------------------------------------------------
     def track(self, backend: str, *, model: str) -> None:
@@ -359,7 +362,8 @@ class KVIndex:
             self._front.pop(backend, None)
         b.block_size = block_size
         b.stores += 1
-        own_by_engine, refs, born = b.own_by_engine, b.refs, b.born
+        own_by_engine, refs = b.own_by_engine, b.refs
+        born = b.born if self._ages else None
         seq = self._seq
         for engine_hash, key in zip(block_hashes, keys):
             old = own_by_engine.get(engine_hash)
@@ -370,7 +374,7 @@ class KVIndex:
             own_by_engine[engine_hash] = key
             count = refs.get(key, 0)
             refs[key] = count + 1
-            if not count:
+            if not count and born is not None:
                 born[key] = seq
                 seq += 1
         self._seq = seq

@@ -16,7 +16,7 @@ BS = 4
 
 
 def _index(*backends: str) -> KVIndex:
-    index = KVIndex()
+    index = KVIndex(eviction_ages=True)
     for b in backends:
         index.track(b, model="m")
         index.mark_fresh(b)
@@ -127,3 +127,17 @@ def test_the_band_bounds_the_queue_it_accepts_and_held_prompts_are_left_alone() 
     # a backend without fresh events in the band: the rule abstains
     partial = {n: 0 for n in names if n != oldest}
     assert _policy(2048, PreciseMatch(400, partial, 16, fronts)).pick(req, snap, {}).backend == home
+
+
+def test_without_eviction_ages_the_index_reports_none_and_the_rule_abstains() -> None:
+    index = KVIndex()  # the default: no sequence number per block
+    index.track("a", model="m")
+    index.mark_fresh("a")
+    _store(index, "a", [1], 0)
+    index.removed("a", [1])
+    assert index.lru_front is None
+    snap = fleet(4)
+    req = prompt("word " * 400)
+    home = AffinityPolicy().pick(req, snap, {}).backend
+    nothing = {b.name: 0 for b in snap.backends}
+    assert _policy(2048, PreciseMatch(400, nothing, 16, None)).pick(req, snap, {}).backend == home
