@@ -141,3 +141,26 @@ def test_without_eviction_ages_the_index_reports_none_and_the_rule_abstains() ->
     home = AffinityPolicy().pick(req, snap, {}).backend
     nothing = {b.name: 0 for b in snap.backends}
     assert _policy(2048, PreciseMatch(400, nothing, 16, None)).pick(req, snap, {}).backend == home
+
+
+def test_the_proxy_keeps_eviction_ages_only_with_the_band_on() -> None:
+    from proxy.config import parse_config
+    from proxy.control.kv_events import build_precise_routing
+    from sim.tokenizer import TOKENIZER_DIR
+
+    base = ("backends:\n  - {name: a, url: 'http://127.0.0.1:1', models: [m]}\n"
+            f"telemetry:\n  kv_events:\n    tokenizers: {{m: '{TOKENIZER_DIR}'}}\n"
+            "    backends:\n      a: {endpoint: 'tcp://127.0.0.1:5557'}\n")
+    off = build_precise_routing(parse_config(base))
+    on = build_precise_routing(parse_config(base + "routing:\n  affinity:\n    eviction_band_tokens: 2048\n"))
+    assert off is not None and off.index.lru_front is None
+    assert on is not None and on.index.lru_front is not None
+
+
+def test_a_negative_band_is_refused_by_the_one_bounds_checker() -> None:
+    import pytest
+
+    from proxy.core.bounds import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match="eviction_band_tokens"):
+        AffinityConfig(eviction_band_tokens=-1)
