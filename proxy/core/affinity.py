@@ -98,7 +98,7 @@ from proxy.core.fingerprint import Fingerprinter
 from proxy.core.inflight import SharedInflightTable
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
-from proxy.core.placement import oldest_lru
+from proxy.core.placement import place_new
 from proxy.core.eligibility import eligible
 from proxy.core.policies import LeastRequest
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
@@ -623,7 +623,8 @@ class AffinityPolicy:
                             and not any(found.cached.values())):
                         # Eviction-aware placement (proxy/core/placement.py): of the near-equal backends, the
                         # one evicting the oldest KV.
-                        got = self._placement(found, names, scores, can_take, cost_of, preamble)
+                        got = place_new(found, names, scores, can_take, lambda i: cost_of(i, preamble),
+                                        a.eviction_band_tokens)
                         if got is not None:
                             return got[0], (reason if got[0] == primary else Reason.OVERLOAD_FALLBACK), got[1]
                 if limit > 0:
@@ -648,16 +649,6 @@ class AffinityPolicy:
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
         return best.name, fallback, 0
-
-    def _placement(
-        self, found: PreciseMatch, names: list[str], scores: list[float], can_take: Callable[[str], bool],
-        cost_of: Callable[[int, int], tuple[float, int]], preamble: int,
-    ) -> tuple[str, int] | None:
-        """A new prompt's backend by the eviction-aware rule, with the blocks it holds; None: abstain."""
-        costs = {i: cost_of(i, preamble) for i, n in enumerate(names) if can_take(n)}
-        got = oldest_lru([(names[i], c, scores[i]) for i, (c, _m) in costs.items()], found.lru_front or {},
-                         found.cached, float(self._a.eviction_band_tokens))
-        return None if got is None else (got, costs[names.index(got)][1])
 
     def _engine_load(self, ring: _Ring, inflight: Mapping[str, Inflight]) -> dict[str, Inflight]:
         """With `routing.shared_backends`: other proxy replicas route to these backends too, so this one's

@@ -19,9 +19,11 @@ within 5% of R = 1" (loadtest/results/scaleout.md, Round 5).
 
 from __future__ import annotations
 
-from typing import Container, Mapping, Sequence
+from typing import Callable, Container, Mapping, Sequence
 
-__all__ = ["oldest_lru"]
+from proxy.core.kv_index import PreciseMatch
+
+__all__ = ["oldest_lru", "place_new"]
 
 
 def oldest_lru(
@@ -50,3 +52,20 @@ def oldest_lru(
         if best is None or rank < best:
             best, best_name = rank, name
     return best_name if inside > 1 else None
+
+
+def place_new(
+    found: PreciseMatch,
+    names: Sequence[str],
+    scores: Sequence[float],
+    can_take: Callable[[str], bool],
+    cost_of: Callable[[int], tuple[float, int]],
+    band: float,
+) -> tuple[str, int] | None:
+    """The affinity policy's hook (its cost check, new-prompt branch): ring member names, their rendezvous
+    scores, the bounded-load rule and the cost check's cost (and blocks held) of ring member i. The
+    backend chosen by `oldest_lru` and the blocks it holds; None: abstain."""
+    costs = {i: cost_of(i) for i, n in enumerate(names) if can_take(n)}
+    got = oldest_lru([(names[i], c, scores[i]) for i, (c, _m) in costs.items()], found.lru_front or {},
+                     found.cached, float(band))
+    return None if got is None else (got, costs[list(names).index(got)][1])
