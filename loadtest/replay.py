@@ -293,7 +293,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         rcfg = replace(rcfg, shared_backends=True)  # the core's own estimate (routing.shared_backends)
     # The precise index: with one delivery delay for every replica, every replica's index holds the same
     # events at every instant, so one KVIndex object stands for all R of them (same answers, 1/R the work).
-    kvidx = kv_index.KVIndex() if precise else None
+    kvidx = kv_index.KVIndex(eviction_ages=True) if precise else None  # (ages: routing.affinity.eviction_band_tokens)
     routing_ids: list[list[int]] = [[]]  # token ids of the prompt being routed, read by the precise view
     if kvidx is not None:
         for n in names:
@@ -304,7 +304,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         ids = routing_ids[0]
         if not ids:
             return None
-        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size)  # type: ignore[union-attr]
+        return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size,  # type: ignore[union-attr]
+                                     kvidx.lru_front)  # type: ignore[union-attr]
 
     if precise and cfg.precise_lookup not in PRECISE_LOOKUPS:
         raise ValueError(f"precise_lookup must be one of {PRECISE_LOOKUPS}, got {cfg.precise_lookup!r}")

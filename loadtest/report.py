@@ -32,7 +32,7 @@ Definitions:
 - TTFT: send to first streamed token, at the client; e2e: send to end of stream; TPOT: (e2e - TTFT) / (output tokens - 1).
 - Hit ratio: prefix-cache hit tokens / query tokens summed over the backends (the engines' own counters, delta over the run).
   Bound ∞: one infinite cache shared by the fleet; bound LRU: one shared LRU cache of the fleet's total KV capacity.
-  Both are computed from the requests sent. hit/bound = hit ratio / LRU bound (∞ bound when capacity is unknown).
+  Both are computed from the requests an engine computed (those that produced a first token). hit/bound = hit ratio / LRU bound (∞ bound when capacity is unknown).
 - GPU util: each backend's busy fraction (busy-time counter). std "10 s": cross-backend population std-dev per 10 s
   window, averaged over windows (imbalance that comes and goes counts); std "run": cross-backend std-dev of each
   backend's utilisation over the whole run (lasting imbalance only). Both in percentage points.
@@ -102,7 +102,11 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
     capacity = sum(result.capacity_tokens.values()) or None
     bound_inf = bound_lru = None
     if workload is not None:
-        sent = [workload.items[r.index] for r in recs if r.index < len(workload.items)]
+        # The requests an engine computed (it produced their first token), as the measured hit ratio counts
+        # them: a prompt every engine refused (longer than the context: 400) is in neither its queries nor
+        # any cache, so it must not be in the bound's either (it used to be: its tokens diluted the bound
+        # and its blocks evicted ~7% of the fleet-size cache at once on the Mooncake 0:300 window).
+        sent = [workload.items[r.index] for r in recs if r.index < len(workload.items) and r.ttft is not None]
         bound_inf = one_cache_bound(sent).ratio
         if capacity:
             bound_lru = one_cache_bound(sent, capacity).ratio

@@ -68,6 +68,8 @@ def flags(cfg: ReplayConfig) -> str:
             out.append("--no-peer-recent")
     if cfg.seed:
         out.append(f"--seed {cfg.seed}")
+    for k, v in cfg.affinity_overrides:
+        out.append(f"--affinity-set {k}={v:g}")
     return " ".join(out)
 
 
@@ -121,6 +123,17 @@ def suite(name: str) -> list[ReplayConfig]:
             for r in (4, 2):
                 cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=2, index="precise",
                                          load_view="peers", seed=seed))
+    elif name == "round5":
+        # Round 5 (R = 1 hit ratio): eviction-aware placement of new prompts (routing.affinity.
+        # eviction_band_tokens, proxy/core/placement.py) at the band of the cost check's new-prompt slack
+        # (2048) and twice that, at R = 1 and at R = 4 with the shared ledger (seed 0); the rows without it
+        # are round 4's.
+        for band in (2048, 4096):
+            over = (("eviction_band_tokens", float(band)),)
+            cfgs.append(ReplayConfig(policy="affinity", index="precise", affinity_overrides=over))
+            for seed in (0, 1, 2) if band == 2048 else (0,):  # R = 4: three replica assignments at 2048
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
+                                         affinity_overrides=over, seed=seed))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -223,6 +236,8 @@ def parse_flags(flags: str) -> dict:
             out["recent"] = False
         elif w == "--seed":
             out["seed"] = int(words[i + 1])
+        elif w == "--affinity-set":
+            out["affinity_set"] = (out.get("affinity_set", "") + " " + words[i + 1]).strip()
     if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
         out["load_view"] = "own"  # one load view: routing.replicas = 1, the single-process policy
     return out
@@ -270,6 +285,8 @@ def table() -> None:
                 view += f", seed {f['seed']}"
             if f["note"]:
                 view += f" ({f['note']})"
+            if f.get("affinity_set"):
+                view += f", {f['affinity_set']}"
             extra = []
             if f["workers"] > 1:
                 extra.append("shared load" if f["shared"] else "separate load")
@@ -304,6 +321,7 @@ def plot() -> None:
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
                     and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["seed"] == 0 and not f["note"]
+                    and not f.get("affinity_set")
                     and (f["replicas"] == 1 or (f["every"] == every and f["recent"] == recent))
                     and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
@@ -338,7 +356,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")

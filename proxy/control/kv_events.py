@@ -592,7 +592,7 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
     if not ke.tokenizers:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
     tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
-    index = KVIndex()
+    index = KVIndex(eviction_ages=config.routing.affinity.eviction_band_tokens > 0)  # (proxy/core/placement.py)
     matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers,
                              max_warming=ke.precise_wait_concurrency)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,

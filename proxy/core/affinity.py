@@ -98,6 +98,7 @@ from proxy.core.fingerprint import Fingerprinter
 from proxy.core.inflight import SharedInflightTable
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
+from proxy.core.placement import place_new
 from proxy.core.eligibility import eligible
 from proxy.core.policies import LeastRequest
 from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
@@ -404,7 +405,7 @@ class AffinityPolicy:
             shared_blocks = -(-shared_bytes // a.block_bytes)
         chosen, reason, matched = self._bounded(
             primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
-            get_blocks, shared_blocks, get_held,
+            get_blocks, shared_blocks, get_held, found,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched), inflight)
         if record_exact:
@@ -482,6 +483,7 @@ class AffinityPolicy:
         get_blocks: Callable[[], list[int]],
         shared_blocks: int = 0,
         get_held: Callable[[], Mapping[str, int] | None] = lambda: None,
+        found: PreciseMatch | None = None,
     ) -> tuple[str, Reason, int]:
         """Apply the bounded-load rule and the cost check to `primary`.
 
@@ -541,6 +543,19 @@ class AffinityPolicy:
                 return 0.0
             have = loaded.get(name)
             return miss if have is not None and adapter not in have else 0.0
+
+        def cost_of(i: int, preamble: int) -> tuple[float, int]:
+            """This prompt's cost on ring member i (as `cheapest` counts it) and the blocks it holds."""
+            nonlocal idxs
+            name, chain, held = names[i], get_blocks(), get_held()
+            if held is not None and name in held:
+                m = held[name]
+            else:
+                idxs = self._ring_indexes(ring)
+                m = idxs[i].match(chain, 1) if chain else 0
+            counted = m if m > preamble else 0
+            c = pending(name, get(name)) + uw * max(0.0, prompt_tokens - counted * block_tokens) + adapter_cost(name)
+            return c / info[name][1], m
 
         def cheapest(limit: float, preamble: int = 0) -> tuple[int, int]:
             """The admissible backend other than `primary` with the lowest estimated cost (its queued
@@ -604,6 +619,14 @@ class AffinityPolicy:
                     # loadtest/results/scaleout.md), so there the match counts.
                     limit = cost - a.new_prompt_slack_tokens
                     preamble = shared_blocks if total_req == 0 else 0
+                    if (found is not None and found.lru_front is not None and a.eviction_band_tokens and found.cached
+                            and not any(found.cached.values())):
+                        # Eviction-aware placement (proxy/core/placement.py): of the near-equal backends, the
+                        # one evicting the oldest KV.
+                        got = place_new(found, names, scores, can_take, lambda i: cost_of(i, preamble),
+                                        a.eviction_band_tokens)
+                        if got is not None:
+                            return got[0], (reason if got[0] == primary else Reason.OVERLOAD_FALLBACK), got[1]
                 if limit > 0:
                     best_i, best_m = cheapest(limit, preamble)
                     if best_i >= 0:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence, Union
 
 import xxhash
@@ -119,6 +120,11 @@ class PreciseMatch:
     # The engines' block size: a prefix is cached in whole blocks only, so a match may stop up to one
     # block short of any point in the prompt (0: unknown).
     block_size: int = 0
+    # Per backend whose engine is evicting: how old the blocks it evicts are (`KVIndex.lru_front`: the
+    # newest store sequence number among its evicted blocks; lower = older). A fresh backend absent here
+    # has not evicted since its cache was (re)filled. Read by the eviction-aware placement of new prompts
+    # (proxy/core/placement.py); None: not tracked (the placement then abstains).
+    lru_front: Mapping[str, int] | None = None
 
 
 def chain_seed(model: str) -> int:
@@ -191,7 +197,7 @@ def _mark_extra(keys: list[int], extra_keys: Sequence[object], lora_name: str | 
 
 
 class _Backend:
-    __slots__ = ("model", "state", "block_size", "own_by_engine", "refs", "orphans", "stores", "removes",
+    __slots__ = ("model", "state", "block_size", "own_by_engine", "refs", "born", "orphans", "stores", "removes",
                  "clears", "rejected")
 
     def __init__(self, model: str) -> None:
@@ -200,6 +206,8 @@ class _Backend:
         self.block_size: int | None = None
         self.own_by_engine: dict[EngineHash, int] = {}
         self.refs: dict[int, int] = {}  # own key -> how many engine hashes name it
+        # own key -> the index's store sequence number when it became held (KVIndex._seq): its age
+        self.born: dict[int, int] = {}
         self.orphans = 0  # blocks skipped: parent unknown
         self.stores = 0
         self.removes = 0
@@ -209,15 +217,33 @@ class _Backend:
     def clear(self) -> None:
         self.own_by_engine = {}
         self.refs = {}
+        self.born = {}
 
 
 class KVIndex:
-    """Per backend: the own keys of the blocks its engine holds, and whether that view is fresh."""
+    """Per backend: the own keys of the blocks its engine holds, and whether that view is fresh.
 
-    __slots__ = ("_backends",)
+    Eviction age (for `proxy/core/placement.py`): every block that becomes held gets the index's store
+    sequence number (blocks stored so far over every backend: the index has no clock, and "how many blocks
+    the fleet has stored since" is the unit a fleet-wide LRU cache ages in). A backend's `lru_front` is the
+    newest sequence number among the blocks its engine has evicted (since its last clear): an engine frees
+    a finished request's blocks together, tail first, and evicts in the order it freed them, and a
+    request's newest block is stored just before it is freed, so this tracks (from below) when the blocks
+    being evicted now were last used, a prefix re-used by a later turn included. The lower it is, the
+    older the blocks that engine is dropping, i.e. the longer it keeps a prefix. O(1) per block of an event;
+    kept only with `eviction_ages` (a sequence number per held block: about a third more memory), else
+    `lru_front` is None.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_backends", "_ages", "_seq", "_front", "lru_front")
+
+    def __init__(self, *, eviction_ages: bool = False) -> None:
         self._backends: dict[str, _Backend] = {}
+        self._ages = eviction_ages
+        self._seq = 0
+        self._front: dict[str, int] = {}
+        # Read-only live view of `_front` (no copy per request): what PreciseMatch.lru_front carries.
+        self.lru_front: Mapping[str, int] | None = MappingProxyType(self._front) if eviction_ages else None
 
     # ---- membership and freshness -------------------------------------------------------------------
     def track(self, backend: str, *, model: str) -> None:
@@ -229,10 +255,12 @@ class KVIndex:
         elif b.model != model:
             b.model = model
             b.clear()  # its keys were seeded by the old name
+            self._front.pop(backend, None)
             b.state = STALE
 
     def untrack(self, backend: str) -> None:
         self._backends.pop(backend, None)
+        self._front.pop(backend, None)
 
     def tracked(self) -> list[str]:
         return list(self._backends)
@@ -263,6 +291,7 @@ class KVIndex:
         """Forget every block of `backend` (engine restarted, or AllBlocksCleared); freshness unchanged."""
         b = self._get(backend)
         b.clear()
+        self._front.pop(backend, None)  # an empty cache evicts nothing until it is full again
         b.clears += 1
 
     # ---- events ---------------------------------------------------------------------------------------
@@ -330,9 +359,12 @@ class KVIndex:
         if resized:
             # One engine, one block size: a change means a new engine configuration; its old keys are void.
             b.clear()
+            self._front.pop(backend, None)
         b.block_size = block_size
         b.stores += 1
         own_by_engine, refs = b.own_by_engine, b.refs
+        born = b.born if self._ages else None
+        seq = self._seq
         for engine_hash, key in zip(block_hashes, keys):
             old = own_by_engine.get(engine_hash)
             if old == key:
@@ -340,7 +372,12 @@ class KVIndex:
             if old is not None:
                 self._unref(b, old)
             own_by_engine[engine_hash] = key
-            refs[key] = refs.get(key, 0) + 1
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if not count and born is not None:
+                born[key] = seq
+                seq += 1
+        self._seq = seq
         return n
 
     def removed(self, backend: str, block_hashes: Iterable[EngineHash]) -> int:
@@ -349,20 +386,28 @@ class KVIndex:
         b.removes += 1
         known = 0
         own_by_engine = b.own_by_engine
+        front = self._front.get(backend, -1)
         for engine_hash in block_hashes:
             key = own_by_engine.pop(engine_hash, None)
             if key is not None:
                 known += 1
-                self._unref(b, key)
+                s = self._unref(b, key)
+                if s is not None and s > front:
+                    front = s
+        if front >= 0:
+            self._front[backend] = front
         return known
 
     @staticmethod
-    def _unref(b: _Backend, key: int) -> None:
+    def _unref(b: _Backend, key: int) -> int | None:
+        """Drop one engine hash's reference to `key`; the key's store sequence number when that was the
+        last one (the block left the cache), else None."""
         left = b.refs.get(key, 0) - 1
         if left > 0:
             b.refs[key] = left
-        else:
-            b.refs.pop(key, None)
+            return None
+        b.refs.pop(key, None)
+        return b.born.pop(key, None)
 
     # ---- lookups --------------------------------------------------------------------------------------
     def block_sizes(self) -> set[int]:

@@ -99,6 +99,12 @@ class AffinityConfig:
     # A prompt that no backend holds any of leaves its hash home for any backend cheaper by this much.
     new_prompt_slack_tokens: int = field(default=2048, metadata={"ge": 0})
     adapter_miss_tokens: int = field(default=2048, metadata={"ge": 0})
+    # Eviction-aware placement (with KV events only; proxy/core/placement.py): a prompt no backend holds
+    # goes, among the admissible backends whose cost is within this many tokens of the cheapest, to the
+    # one whose engine evicts the oldest KV blocks. 0: off (the hash home or the cheapest, as before).
+    # The KV index keeps the eviction ages only if this is on at start (a reload turning it on later
+    # leaves the rule abstaining until the next start). Measured: loadtest/results/scaleout.md Round 5.
+    eviction_band_tokens: int = field(default=0, metadata={"ge": 0})
     # Keep requests carrying the session header on one backend (hash of the session key).
     session_affinity: bool = True
 

@@ -467,7 +467,7 @@ class PreciseMatcher:
         if hit is not None and sizes <= hit[1].keys():
             memo.move_to_end((model, text))
             n, keys = hit
-            return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
+            return PreciseMatch(n, self.index.match((), model, keys), max(sizes), self.index.lru_front)
         if tok.uncached_chars(text) > tok.offload_chars:
             head = tok.leading_text(text, tok.offload_chars) if self._defer_prefix else ""  # before the warm-up
             self._warm(tok, text, model)
@@ -478,9 +478,9 @@ class PreciseMatcher:
             seed = self._chain_seed(model)
             keys = {size: self._block_keys(ids, size, seed) for size in sizes}
             total = len(ids) * len(text) // len(head)  # the whole prompt's tokens, at the head's density
-            return PreciseMatch(total, self.index.match(ids, model, keys), max(sizes))
+            return PreciseMatch(total, self.index.match(ids, model, keys), max(sizes), self.index.lru_front)
         n, keys = self._remember(model, text, tok.encode(text), sizes)
-        return PreciseMatch(n, self.index.match((), model, keys), max(sizes))
+        return PreciseMatch(n, self.index.match((), model, keys), max(sizes), self.index.lru_front)
 
     def _remember(self, model: str, text: str, ids: list[int], sizes: set[int]
                   ) -> tuple[int, dict[int, list[int]]]:

@@ -70,3 +70,19 @@ def test_lru_bound_evicts_and_never_beats_the_infinite_cache() -> None:
     assert small.hit_tokens == 0
     big = one_cache_bound(items, capacity_tokens=2500)
     assert big.hit_tokens == inf.hit_tokens
+
+
+def test_the_bounds_leave_out_prompts_no_engine_computed() -> None:
+    """A prompt every engine refused (too long: 400, no first token) is in neither the measured hit
+    ratio's queries nor any cache: it must not dilute the bounds or evict from the one cache."""
+    from loadtest.records import Record, RunResult
+    from loadtest.report import summarize
+    from loadtest.workloads.model import Workload
+
+    items = [item((1, 500)), item((7, 900)), item((1, 500))]
+    wl = Workload("w", items)
+    recs = [Record(0, 0.0, 0.0, 500, 200, 0.1, 0.2, None, 1), Record(1, 1.0, 1.0, 900, 400, error="too long"),
+            Record(2, 2.0, 2.0, 500, 200, 0.1, 0.2, None, 1)]
+    s = summarize(RunResult({}, recs, [], {"b": 1000}, 3.0), wl)
+    # served: 500 + 500 tokens asked, the second 500 hit (the refused 900 would have evicted block 1)
+    assert s["bound_inf"] == pytest.approx(0.5) and s["bound_lru"] == pytest.approx(0.5)
