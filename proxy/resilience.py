@@ -58,8 +58,14 @@ def restart_only_changes(old: Config, new: Config) -> list[str]:
     if told.kv_events.enabled and tnew.kv_events.enabled:
         told = replace(told, kv_events=replace(told.kv_events, backends=tnew.kv_events.backends,
                                                tokenizers=tnew.kv_events.tokenizers))
-    return [name for name in RESTART_ONLY
-            if (told != tnew if name == "telemetry" else getattr(old, name) != getattr(new, name))]
+    changed = [name for name in RESTART_ONLY
+               if (told != tnew if name == "telemetry" else getattr(old, name) != getattr(new, name))]
+    # The precise index keeps eviction ages only when it was built with the placement rule on
+    # (proxy/control/kv_events.py `build_precise_routing`): switching the rule on by a reload leaves it
+    # abstaining until a restart.
+    if (tnew.kv_events.enabled and old.routing.affinity.eviction_band_tokens <= 0 < new.routing.affinity.eviction_band_tokens):
+        changed.append("routing.affinity.eviction_band_tokens")
+    return changed
 
 
 def panic_view(overload: OverloadConfig, monitor: HealthMonitor) -> PanicView:

@@ -174,3 +174,7 @@ def test_a_reload_of_kv_event_backends_or_tokenizers_is_not_reported_as_needing_
                           "    backends:\n" % TOKENIZER_DIR + a)
     assert restart_only_changes(one, slower) == ["telemetry"]
     assert restart_only_changes(one, parse_config(base + kv + a + "limits: {max_body_bytes: 1000}\n")) == ["limits"]
+    # The eviction-aware placement (routing.affinity.eviction_band_tokens) needs an index built with it.
+    placed = parse_config(base + kv + a + "routing:\n  affinity: {eviction_band_tokens: 2048}\n")
+    assert restart_only_changes(one, placed) == ["routing.affinity.eviction_band_tokens"]
+    assert restart_only_changes(placed, one) == []  # switching it off applies at once (the rule abstains)
