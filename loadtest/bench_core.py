@@ -15,6 +15,10 @@ exact-fingerprint map (tracemalloc, so the ints the indexes keep alive are count
 
 Targets (issue 4): < 100 µs for a 4k-token prompt, < 1 ms for 64k, memory bounded by configuration.
 
+`--diff TREE` runs the same decision traces (random fleets and requests in 10 configurations, and
+loadtest.replay on the shipped Mooncake sample in 8) through this tree's AffinityPolicy and TREE's, each in
+its own interpreter, and compares every decision: a speed-up of the policy must leave them identical.
+
     .venv/bin/python -m loadtest.bench_core            # full table (~1 min on 2 shared cores)
     .venv/bin/python -m loadtest.bench_core --quick    # fewer iterations
 """
@@ -127,6 +131,233 @@ def index_memory(capacity: int) -> tuple[int, int]:
     return index_bytes, exact_bytes
 
 
+# ------------------------------------------------------------------------------------ differential
+
+# `--diff TREE`: the same traces through this tree's AffinityPolicy and TREE's (each in its own interpreter,
+# PYTHONPATH = the tree), every decision compared: (backend, reason, prefix blocks matched), or the error a
+# pick raised. A speed-up of the policy must leave this list identical.
+
+def _fuzz_trace(case: str, steps: int, seed: int) -> list[object]:
+    """Random fleets and requests through one policy, in-flight work fed back: every branch of the pick
+    (session, KV hit, exact, prefix, hash; the bound, the cost check, the fallbacks; peers, the engines'
+    counts; adapters, media, exclusions, weights, models, snapshots changing under it)."""
+    from proxy.core.decision import NoBackendAvailable
+    from proxy.core.inflight import InflightTable
+    from proxy.core.kv_index import PreciseMatch
+    from proxy.core.request import RequestSummary
+    from proxy.core.snapshot import BackendState, Health, Signals
+    import dataclasses
+    import xxhash
+
+    rng = random.Random(seed)
+    n = 16 if case in ("wide", "peers4") else 4
+    aff_over: dict[str, object] = {}
+    routing_over: dict[str, object] = {}
+    if case == "nocost":
+        aff_over["cost_aware"] = False
+    if case == "tight":
+        aff_over.update(epsilon=0.05, request_epsilon=0.25, saturation=0.6, overload_margin=0.0, cost_slack_tokens=0,
+                        new_prompt_slack_tokens=0, block_bytes=64, min_prefix_blocks=2)
+    if case == "nosession":
+        aff_over["session_affinity"] = False
+    if case == "shared":
+        routing_over["shared_backends"] = True
+    cfg = RoutingConfig(affinity=AffinityConfig(**aff_over), **routing_over)  # type: ignore[arg-type]
+    step = [0]
+
+    def precise(req: RequestSummary) -> PreciseMatch | None:
+        h = xxhash.xxh3_64_intdigest(req.prompt.encode("utf-8", "surrogatepass")[:300])
+        if h % 5 == 0:
+            return None
+        tokens = max(0, len(req.prompt) // 4)
+        cached = {f"gpu-{i}": (h >> (i * 3)) % max(1, tokens + 1) for i in range(n) if (h >> i) & 1}
+        return PreciseMatch(tokens, cached, 16 if h & 64 else 0)
+
+    def peers() -> dict[str, tuple] | None:
+        s = step[0]
+        if s % 7 == 0:
+            return None
+        out: dict[str, tuple] = {}
+        for i in range(n):
+            if (s + i) % 3 == 0:
+                continue
+            r = (s * 7 + i) % 5
+            entry: tuple = (r, r * 800, float(r * 300))
+            if case == "peers4" and i % 2 == 0:
+                entry = entry + (tuple(((k + s) % 4, float(100 * (k + i))) for k in range(r + 1)),)
+            out[f"gpu-{i}"] = entry
+        return out
+
+    policy = AffinityPolicy(cfg, precise=precise if case == "precise" else None,
+                            peers=peers if case.startswith("peers") else None)
+
+    def spec(i: int) -> BackendSpec:
+        models: tuple[str, ...] = () if i % 4 else ("a",)
+        return BackendSpec(f"gpu-{i}", f"http://10.0.0.{i}:8000", weight=1.0 if case != "weights" else 1.0 + i % 3,
+                           models=models, adapters=("lora-x",) if i % 3 == 1 else (),
+                           max_inflight=6 if i % 5 == 2 else None)
+
+    states = [BackendState(spec=spec(i)) for i in range(n)]
+    version = 1
+    snap = Snapshot(version=version, backends=tuple(states))
+    inflight = InflightTable()
+    live: list[tuple[str, int]] = []
+    systems = [text(rng.randrange(200, 2500), rng) for _ in range(3)]
+    convs: list[list[dict[str, object]]] = [[{"role": "system", "content": systems[i % 3]}] for i in range(30)]
+    prefixes = [text(rng.randrange(100, 3000), rng) for _ in range(5)]
+    sent: list[tuple[str, dict[str, object], str | None]] = []
+    out: list[object] = []
+    for s in range(steps):
+        step[0] = s
+        if s % 50 == 0:  # the control plane moves: health, telemetry, weights, now and then the fleet itself
+            new = []
+            for b in snap.backends:
+                health = rng.choice([Health.HEALTHY] * 6 + [Health.UNKNOWN, Health.UNHEALTHY, Health.DRAINING])
+                fresh = rng.random() < 0.7
+                signals = Signals(scraped_at=float(s), running=float(rng.randrange(8)),
+                                  waiting=rng.choice([None, 0.0, float(rng.randrange(6))]),
+                                  kv_capacity_tokens=rng.choice([None, 200_000.0, 1_000_000.0]),
+                                  loaded_adapters=frozenset({"lora-x"}) if rng.random() < 0.4 else frozenset()) \
+                    if rng.random() < 0.8 else None
+                new.append(BackendState(spec=b.spec, health=health, signals=signals,
+                                        load_score=rng.choice([None, rng.random()]) if fresh else None, stale=not fresh,
+                                        weight=rng.choice([None] * 8 + [0.0, 2.0])))
+            if rng.random() < 0.2 and len(new) > 2:
+                new.pop(rng.randrange(len(new)))
+            present = {b.name for b in new}
+            for i in range(n):
+                if f"gpu-{i}" not in present and rng.random() < 0.5:
+                    new.append(BackendState(spec=spec(i)))
+            version += 1
+            snap = Snapshot(version=version, backends=tuple(new))
+        while live and rng.random() < 0.6:  # some requests finish
+            name, tokens = live.pop(rng.randrange(len(live)))
+            inflight.release(name, tokens)
+        kind = rng.random()
+        model = rng.choice([None, "a", "b", "a", "lora-x", "zzz"]) if kind > 0.05 else None
+        session = f"s{rng.randrange(20)}" if rng.random() < 0.15 else None
+        if kind < 0.05:
+            req = RequestSummary(prompt="", endpoint="/v1/models", session_key=session)
+        elif kind < 0.25 and sent:
+            ep, body, session = sent[rng.randrange(len(sent))]  # an exact repeat
+            req = summary_from_openai(ep, body, session_key=session, adapters=frozenset({"lora-x"}))
+        elif kind < 0.65:
+            conv = convs[rng.randrange(len(convs))]
+            if len(conv) > 9:
+                conv[1:] = []
+            content: object = text(rng.randrange(20, 900), rng)
+            if rng.random() < 0.1:
+                content = [{"type": "text", "text": content}, {"type": "image_url", "image_url": {"url": f"u{rng.randrange(3)}"}}]
+            conv.append({"role": "user", "content": content})
+            body = {"messages": list(conv), "max_tokens": rng.choice([16, 128, None]), "temperature": rng.choice([0, 0.7, None])}
+            if model is not None:
+                body["model"] = model
+            ep = "/v1/chat/completions"
+            req = summary_from_openai(ep, body, session_key=session, adapters=frozenset({"lora-x"}))
+            sent.append((ep, body, session))
+            conv.append({"role": "assistant", "content": text(rng.randrange(20, 400), rng)})
+        else:
+            body = {"prompt": rng.choice(prefixes) + text(rng.randrange(0, 1500), rng), "max_tokens": 16}
+            if model is not None:
+                body["model"] = model
+            ep = "/v1/completions"
+            req = summary_from_openai(ep, body, session_key=session, adapters=frozenset({"lora-x"}))
+            sent.append((ep, body, session))
+        if len(sent) > 400:
+            del sent[:100]
+        exclude = frozenset(rng.sample(list(snap.names), k=min(len(snap.names), rng.randrange(1, 3)))) \
+            if rng.random() < 0.1 and snap.names else frozenset()
+        try:
+            d = policy.pick(req, snap, inflight, exclude)
+        except NoBackendAvailable as exc:
+            out.append(["error", str(exc)])
+            continue
+        out.append([d.backend, d.reason.value, d.prefix_blocks_matched])
+        tokens = req.prompt_tokens_est + (req.max_tokens or 0)
+        inflight.acquire(d.backend, tokens)
+        live.append((d.backend, tokens))
+    _ = dataclasses  # (kept importable for both trees)
+    return out
+
+
+_REPLAYS = {
+    "learned": {},
+    "precise-inline": {"index": "precise", "precise_lookup": "inline"},
+    "precise-proxy": {"index": "precise"},
+    "r2-peers": {"replicas": 2, "index": "precise", "load_view": "peers"},
+    "r2-engines": {"replicas": 2, "index": "precise", "load_view": "engines"},
+    "w2": {"workers": 2, "index": "precise"},
+    "r2w2-peers": {"replicas": 2, "workers": 2, "index": "precise", "load_view": "peers"},
+    "session": {"session_header": True},
+}
+
+
+def _replay_traces(window: float) -> dict[str, list[object]]:
+    """Every AffinityPolicy.pick of loadtest.replay on the shipped Mooncake sample (virtual time, so the
+    same decisions give the same run), per replay configuration."""
+    import asyncio
+    from dataclasses import replace
+    import proxy.core.affinity as affinity
+    from loadtest.replay import ReplayConfig, replay
+    from loadtest.workloads import load_workload
+
+    log: list[object] = []
+    original = affinity.AffinityPolicy.pick
+
+    def pick(self, req, snapshot, inflight, exclude=frozenset()):  # type: ignore[no-untyped-def]
+        d = original(self, req, snapshot, inflight, exclude)
+        log.append([d.backend, d.reason.value, d.prefix_blocks_matched])
+        return d
+
+    affinity.AffinityPolicy.pick = pick  # type: ignore[method-assign]  # recording only, in this process
+    w = load_workload("mooncake", prefer_sample=True).window(0, window, None)
+    base = ReplayConfig(policy="affinity", backends=4, max_model_len=131072)
+    out: dict[str, list[object]] = {}
+    try:
+        for name, changes in _REPLAYS.items():
+            log.clear()
+            asyncio.run(replay(w, replace(base, **changes)))
+            out[name] = list(log)
+    finally:
+        affinity.AffinityPolicy.pick = original  # type: ignore[method-assign]
+    return out
+
+
+def record(steps: int, window: float) -> dict[str, list[object]]:
+    out = {f"fuzz-{case}": _fuzz_trace(case, steps, seed)
+           for seed, case in enumerate(("default", "wide", "nocost", "tight", "weights", "nosession", "precise",
+                                        "peers3", "peers4", "shared"))}
+    out.update({f"replay-{k}": v for k, v in _replay_traces(window).items()})
+    return out
+
+
+def diff(tree: str, steps: int, window: float) -> int:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    got = {}
+    for name, path in (("base", os.path.abspath(tree)), ("this", here)):
+        res = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), "--record", "--steps", str(steps),
+                              "--window", str(window)], env=dict(os.environ, PYTHONPATH=path),
+                             capture_output=True, text=True, check=True, cwd=here)
+        got[name] = json.loads(res.stdout)
+    bad = 0
+    for case, want in got["base"].items():
+        have = got["this"].get(case)
+        same = have == want
+        first = next((i for i, (x, y) in enumerate(zip(want, have or [])) if x != y), None)
+        print(f"{case:24s} {len(want):6d} decisions  {'identical' if same else f'DIFFERENT at {first}'}")
+        if not same:
+            bad += 1
+            if first is not None:
+                print(f"    base {want[first]}  this {have[first]}")  # type: ignore[index]
+    print(f"{sum(len(v) for v in got['base'].values())} decisions, {bad} case(s) differ")
+    return 1 if bad else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -138,7 +369,17 @@ def main() -> None:
         default="cpu",
         help="cpu: this thread's CPU time (default; immune to the scheduler on a shared machine), wall: elapsed",
     )
+    ap.add_argument("--diff", metavar="TREE", help="the decision traces of this tree against TREE's (see diff)")
+    ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=3000, help="--diff: picks per fuzz case")
+    ap.add_argument("--window", type=float, default=120.0, help="--diff: seconds of the Mooncake sample replayed")
     args = ap.parse_args()
+    if args.record:
+        import json
+        print(json.dumps(record(args.steps, args.window)))
+        return
+    if args.diff:
+        raise SystemExit(diff(args.diff, args.steps, args.window))
     clock = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     rng = random.Random(42)
     print(f"summary + AffinityPolicy.pick, microseconds of {args.clock} time (new = unseen prompt sharing a system prompt,")
