@@ -21,6 +21,8 @@ its own interpreter, and compares every decision: a speed-up of the policy must 
 
     .venv/bin/python -m loadtest.bench_core            # full table (~1 min on 2 shared cores)
     .venv/bin/python -m loadtest.bench_core --quick    # fewer iterations
+    .venv/bin/python loadtest/bench_core.py --micro [--ab TREE --rounds 6]   # hot-path calls, µs (see micro)
+    .venv/bin/python loadtest/bench_core.py --diff TREE                      # decisions identical? (~2 min)
 """
 
 from __future__ import annotations
@@ -358,6 +360,117 @@ def diff(tree: str, steps: int, window: float) -> int:
     return 1 if bad else 0
 
 
+# ------------------------------------------------------------------------------------------ micro
+
+# `--micro`: µs per call of the hot-path core calls on realistic, warm state (best of 5 passes), and with
+# `--ab TREE` the same in alternating subprocesses of this tree and TREE (PYTHONPATH), as
+# loadtest/bench_h1path.py --ab does for the whole request. Workloads: `small`, bench_h1path.py's own
+# requests (a ~220-byte completion prompt, one of 8 preambles: no full block, so no chain); `chat`, a 2 KiB
+# system prompt (one of 4) and a ~600-byte user turn (a prefix probe of every backend). `new`: a prompt
+# not seen before (hash placement, the cost check); `repeat`: the same summaries again (exact hits);
+# `turn`: the next turn of a conversation seen before (a prefix hit); `summary`: summary_from_openai alone.
+# 2 to 3 requests in flight per backend, so the cost check reads a queue.
+
+_H1_PREFIX = "System prompt %d: You are a helpful assistant. " + "x" * 150
+
+
+def _micro_fleet(n: int, rng: random.Random) -> tuple[Snapshot, object]:
+    from proxy.core.inflight import InflightTable
+    snap = Snapshot.initial(BackendSpec(f"gpu-{i}", f"http://10.0.0.{i}:8000") for i in range(n))
+    inflight = InflightTable()
+    for name in snap.names:
+        for _ in range(rng.randrange(1, 4)):
+            inflight.acquire(name, 500)
+    return snap, inflight
+
+
+def _micro_case(workload: str, n: int, passes: int = 5) -> dict[str, float]:
+    best: dict[str, float] = {}
+    clock = time.thread_time  # CPU time: on a shared machine the time others hold the core is not counted
+    for p in range(passes):
+        rng = random.Random(p)
+        snap, inflight = _micro_fleet(n, rng)
+        if workload == "small":
+            ep = "/v1/completions"
+            bodies: list[dict[str, object]] = [
+                {"model": "fake-model", "prompt": _H1_PREFIX % (i % 8) + f" user question 0-{i}", "max_tokens": 16,
+                 "temperature": 0} for i in range(3000)]
+            turns: list[dict[str, object]] = []
+        else:
+            ep = ENDPOINT
+            systems = [text(2048, rng) for _ in range(4)]
+            bodies = [body(systems[i % 4], f"q{i} " + text(600, rng)) for i in range(1600)]
+            turns = []
+            for b in bodies[1000:]:
+                msgs = list(b["messages"]) + [{"role": "assistant", "content": text(300, rng)},  # type: ignore[call-overload]
+                                              {"role": "user", "content": text(200, rng)}]
+                turns.append({**b, "messages": msgs})
+        warm, test = bodies[:1000], bodies[1000:]
+        policy = AffinityPolicy(RoutingConfig())
+        for b in warm:
+            policy.pick(summary_from_openai(ep, b), snap, inflight)
+        summaries = [summary_from_openai(ep, b) for b in test]
+        turn_summaries = [summary_from_openai(ep, b) for b in turns]
+        pick = policy.pick
+        t0 = clock()
+        for s in summaries:
+            pick(s, snap, inflight)
+        t1 = clock()
+        for s in summaries:
+            pick(s, snap, inflight)
+        t2 = clock()
+        for s in turn_summaries:
+            pick(s, snap, inflight)
+        t3 = clock()
+        for b in test:
+            summary_from_openai(ep, b)
+        t4 = clock()
+        got = {"new": (t1 - t0) / len(test), "repeat": (t2 - t1) / len(test), "summary": (t4 - t3) / len(test)}
+        if turns:
+            got["turn"] = (t3 - t2) / len(turns)
+        for k, v in got.items():
+            best[k] = min(best.get(k, float("inf")), v * 1e6)
+    return best
+
+
+def micro() -> dict[str, float]:
+    gc.disable()
+    try:
+        out: dict[str, float] = {}
+        for workload, sizes in (("small", (2, 4, 16)), ("chat", (4, 16))):
+            for n in sizes:
+                for k, v in _micro_case(workload, n).items():
+                    out[f"{workload} n={n} {k}"] = v
+        return out
+    finally:
+        gc.enable()
+
+
+def micro_ab(tree: str, rounds: int) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"base": os.path.abspath(tree), "this": here}
+    res: dict[str, list[dict[str, float]]] = {n: [] for n in trees}
+    for r in range(rounds):
+        for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            got = subprocess.run([sys.executable, "-P", os.path.abspath(__file__), "--micro", "--json"],
+                                 env=dict(os.environ, PYTHONPATH=trees[name]), capture_output=True, text=True,
+                                 check=True).stdout
+            res[name].append(json.loads(got.strip().splitlines()[-1]))
+        print(f"round {r} done", file=sys.stderr)
+    print(f"{'µs per call':28s} {'base':>8s} {'this':>8s} {'ratio':>7s} lower")
+    for key in res["base"][0]:
+        base = [x[key] for x in res["base"]]
+        this = [x[key] for x in res["this"]]
+        ratios = [t / b for t, b in zip(this, base)]
+        print(f"{key:28s} {statistics.median(base):8.2f} {statistics.median(this):8.2f} "
+              f"{statistics.median(ratios):7.3f} {sum(x < 1 for x in ratios)}/{len(ratios)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -373,7 +486,19 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=3000, help="--diff: picks per fuzz case")
     ap.add_argument("--window", type=float, default=120.0, help="--diff: seconds of the Mooncake sample replayed")
+    ap.add_argument("--micro", action="store_true", help="µs per hot-path core call on warm state (see micro)")
+    ap.add_argument("--ab", metavar="TREE", help="--micro: alternate rounds of this tree and TREE")
+    ap.add_argument("--rounds", type=int, default=6, help="--micro --ab: rounds")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.micro:
+        if args.ab:
+            micro_ab(args.ab, args.rounds)
+        else:
+            import json
+            res = micro()
+            print(json.dumps(res) if args.json else "\n".join(f"{k:28s} {v:8.2f} µs" for k, v in res.items()))
+        return
     if args.record:
         import json
         print(json.dumps(record(args.steps, args.window)))
