@@ -87,7 +87,6 @@ layer (tested with fresh policies); the learned layer only ever moves fewer keys
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -179,6 +178,11 @@ class _Ring:
             return [_xxh3(kb, s) for s in self.seeds]
         log = math.log
         return [w / -log((_xxh3(kb, s) + 0.5) * _TWO_POW_M64) for s, w in zip(self.seeds, self.weights)]
+
+
+def _argmax(scores: list[float]) -> int:
+    """The index of the best rendezvous score, the first of equals (the head of a stable descending sort)."""
+    return scores.index(max(scores))
 
 
 def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[str]:
@@ -284,15 +288,6 @@ class AffinityPolicy:
         """The prefix index of one backend (for the admin API, tests and the benchmark)."""
         return self._indexes.get(backend)
 
-    def _top(self, scores: list[float]) -> list[int]:
-        """Indexes of the best-ranked backends, best first (the hash home is the first)."""
-        k = 2
-        if len(scores) == 2:  # the stable descending sort of two, without a sort (ties keep index order)
-            return [0, 1] if scores[0] >= scores[1] else [1, 0]
-        if len(scores) <= k:
-            return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
-        return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)
-
     # ------------------------------------------------------------------------------------------- pick
 
     def pick(
@@ -310,7 +305,11 @@ class AffinityPolicy:
         if not ring.names:
             eligible(req, snapshot, exclude)  # raises with the precise reason
         a = self._a
-        keys = self._fp.keys(req)
+        fp = self._fp
+        data = req.prompt_bytes
+        seed, key_seed = fp.seeds(req.model, req.adapter)
+        hash_key, key_blocks, structured = fp.hash_key(req, data, key_seed)
+        fingerprint = 0  # the exact fingerprint (not computed for a session, which never records one)
         blocks: list[int] | None = None  # computed only when needed: the one cost that grows with the prompt
         matched = 0
         record_exact = True
@@ -322,33 +321,34 @@ class AffinityPolicy:
         if a.session_affinity and req.session_key is not None:
             key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
             scores = ring.scores(key)
-            top = self._top(scores)
-            primary = ring.names[top[0]]
+            top = _argmax(scores)
+            primary = ring.names[top]
             reason = Reason.SESSION
             record_exact = False
         else:
-            exact = self._exact.get(keys.fingerprint)
-            scores = ring.scores(keys.hash_key)
-            top = self._top(scores)
+            fingerprint = fp.fingerprint(req, data)
+            exact = self._exact.get(fingerprint)
+            scores = ring.scores(hash_key)
+            top = _argmax(scores)
             if self._precise is not None:
                 found = self._precise(req)
                 if found is not None and (not found.cached or found.prompt_tokens <= 0):
                     found = None
-            kv_hit = self._kv_hit(found, req, keys.structured, len(keys.data), ring, scores) if found else None
+            kv_hit = self._kv_hit(found, req, structured, len(data), ring, scores) if found else None
             if kv_hit is not None:
                 primary, matched = kv_hit
                 reason = Reason.PREFIX_HIT
             elif exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
-                blocks = self._fp.blocks(keys)
+                blocks = fp.chain(data, seed)
                 if found is not None:
                     held = self._held(found, ring, len(blocks))
                 need = a.min_prefix_blocks
-                if keys.structured:
+                if structured:
                     # The match must reach past the end of the first user turn, i.e. include the block
                     # holding its last byte: a run that stops inside the shared system prompt is no hit.
-                    need = max(need, keys.key_blocks + 1)
+                    need = max(need, key_blocks + 1)
                 else:
                     need = max(need, math.ceil(a.min_prefix_ratio * len(blocks)))
                 best_i = -1
@@ -374,13 +374,13 @@ class AffinityPolicy:
                 if best_i >= 0:
                     primary, reason = ring.names[best_i], Reason.PREFIX_HIT
                 else:
-                    primary = ring.names[top[0]]
+                    primary = ring.names[top]
                     reason = Reason.HASH
 
         def get_blocks() -> list[int]:
             nonlocal blocks
             if blocks is None:
-                blocks = self._fp.blocks(keys)
+                blocks = fp.chain(data, seed)
             return blocks
 
         def get_held() -> dict[str, int] | None:
@@ -389,7 +389,7 @@ class AffinityPolicy:
                 held = self._held(found, ring, len(get_blocks()))
             return held
 
-        prompt_tokens = len(keys.data) / BYTES_PER_TOKEN_ESTIMATE
+        prompt_tokens = len(data) / BYTES_PER_TOKEN_ESTIMATE
         reason_was_exact = reason is Reason.EXACT_HIT
         if reason is Reason.EXACT_HIT:
             matched = -1  # the whole prompt is cached there
@@ -398,12 +398,12 @@ class AffinityPolicy:
         # Chat prompts: a match that reaches no block wholly past the system messages is only their shared
         # system prompt, a one-time cost wherever the prompt goes (see `_bounded`).
         shared_blocks = 0
-        if keys.structured and req.shared_prefix_chars:
+        if structured and req.shared_prefix_chars:
             cut = req.shared_prefix_chars
             shared_bytes = cut if req.prompt.isascii() else len(req.prompt[:cut].encode("utf-8", "surrogatepass"))
             shared_blocks = -(-shared_bytes // a.block_bytes)
         chosen, reason, matched = self._bounded(
-            primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
+            primary, reason, matched, prompt_tokens, ring, scores, snapshot, inflight, exclude, req,
             get_blocks, shared_blocks, get_held,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched), inflight)
@@ -412,7 +412,7 @@ class AffinityPolicy:
             # or wherever the bound or the cost check sent it), so that is where its repeats belong. A
             # repeat shed off an overloaded holder leaves the entry alone (only refreshing it), so the
             # key goes back to its holder as soon as that recovers.
-            self._exact.put(keys.fingerprint, primary if reason_was_exact else chosen)
+            self._exact.put(fingerprint, primary if reason_was_exact else chosen)
         if reason is not Reason.EXACT_HIT:
             # An exact hit's chain was recorded when the prompt was first routed; any other decision
             # (fallbacks included: the KV is built where the request actually goes) teaches the index.
@@ -474,7 +474,6 @@ class AffinityPolicy:
         prompt_tokens: float,
         ring: _Ring,
         scores: list[float],
-        top: list[int],
         snapshot: Snapshot,
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str],
