@@ -282,6 +282,72 @@ def _fuzz_trace(case: str, steps: int, seed: int) -> list[object]:
     return out
 
 
+def _summary_trace(n: int, seed: int) -> list[object]:
+    """summary_from_openai over random bodies of every endpoint, valid and not: each summary's repr, or
+    the error's text and param (a speed-up of the summary must leave both identical)."""
+    from proxy.core.request import SUMMARISERS, RequestError
+
+    rng = random.Random(seed)
+    endpoints = sorted(SUMMARISERS) + ["/v1/models", "/x/v1/chat/completions"]
+    odd: list[object] = [None, True, 1, 1.5, -0.0, 0, "s", [], {}, [1, 2], ["a", "b"], [[1], [2]], float("inf"), 2**70]
+
+    def value() -> object:
+        return rng.choice(odd) if rng.random() < 0.04 else text(rng.randrange(0, 60), rng)
+
+    def content() -> object:
+        r = rng.random()
+        if r < 0.6:
+            return text(rng.randrange(0, 300), rng)
+        if r < 0.8:
+            return [rng.choice([{"type": "text", "text": text(30, rng)}, {"type": "image_url", "image_url": {"url": "u"}},
+                                "plain", {"type": "tool_result", "content": [{"type": "text", "text": "r"}]}, 3])
+                    for _ in range(rng.randrange(0, 4))]
+        return value()
+
+    def messages() -> object:
+        if rng.random() < 0.03:
+            return value()
+        return [rng.choice([{"role": rng.choice(["system", "user", "assistant", "developer", "tool", 7]),
+                             "content": content()}, "bad", {"content": "no role"}])
+                if rng.random() < 0.03 else {"role": rng.choice(["system", "user", "assistant", "developer"]),
+                                            "content": content()}
+                for _ in range(rng.randrange(1, 5))]
+
+    out: list[object] = []
+    for _ in range(n):
+        ep = rng.choice(endpoints)
+        b: dict[str, object] = {}
+        for key, make in (("model", lambda: rng.choice(["m", "lora-x", None] * 10 + [3])), ("messages", messages),
+                          ("prompt", lambda: rng.choice([text(200, rng)] * 8 + [["a", "b"], [1, 2, 3], [[1], [2]], 5])),
+                          ("input", lambda: rng.choice([text(50, rng), [{"role": "user", "content": "hi"}],
+                                                        [{"type": "function_call", "name": "f"}],
+                                                        [{"type": "function_call_output", "output": {"a": 1}}],
+                                                        [{"type": "reasoning"}], "x", 4])),
+                          ("instructions", value), ("tools", lambda: rng.choice([[{"name": "t"}], [], None] * 5 + ["x"])),
+                          ("system", lambda: rng.choice(["sys", [{"type": "text", "text": "s"}]] * 8 + [3])),
+                          ("previous_response_id", lambda: rng.choice(["r1", None] * 8 + [3])),
+                          ("query", value), ("documents", lambda: rng.choice([["d1", {"text": "d2"}, {"x": 1}]] * 8 + ["d"])),
+                          ("text_1", value), ("text_2", value),
+                          ("max_tokens", lambda: rng.choice([16, None, 0, 2**70] * 6 + [True, 1.0, "8"])),
+                          ("max_completion_tokens", lambda: rng.choice([32, None] * 8 + [False])),
+                          ("max_output_tokens", lambda: rng.choice([64, None] * 8 + ["x"])),
+                          ("temperature", lambda: rng.choice([0, 0.0, -0.0, 0.7, None, 1, 2**70, float("nan")] * 4 + [True, "hot"])),
+                          ("stream", lambda: rng.choice([True, False] * 10 + [None, 1, "yes"]))):
+            if rng.random() < 0.45:
+                b[key] = make()
+        body_or_odd: object = b if rng.random() < 0.97 else rng.choice(odd)
+        try:
+            s = summary_from_openai(ep, body_or_odd, session_key=rng.choice([None, "k"]),
+                                    adapters=frozenset({"lora-x"}))
+        except RequestError as exc:
+            out.append(["error", str(exc), exc.param])
+        except (KeyError, TypeError) as exc:
+            out.append(["raised", type(exc).__name__, str(exc)])
+        else:
+            out.append(repr(s))
+    return out
+
+
 _REPLAYS = {
     "learned": {},
     "precise-inline": {"index": "precise", "precise_lookup": "inline"},
@@ -329,6 +395,7 @@ def record(steps: int, window: float) -> dict[str, list[object]]:
     out = {f"fuzz-{case}": _fuzz_trace(case, steps, seed)
            for seed, case in enumerate(("default", "wide", "nocost", "tight", "weights", "nosession", "precise",
                                         "peers3", "peers4", "shared"))}
+    out["summaries"] = _summary_trace(steps * 5, 99)
     out.update({f"replay-{k}": v for k, v in _replay_traces(window).items()})
     return out
 
