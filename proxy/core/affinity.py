@@ -554,8 +554,7 @@ class AffinityPolicy:
 
         entry = info[primary]
         if entry[0] and primary not in exclude:
-            got = get(primary)
-            if _admits(entry, got.requests if got is not None else 0, share, score_limit, a.saturation):
+            if _admits(entry, get(primary, _NO_INFLIGHT).requests, share, score_limit, a.saturation):
                 if not a.cost_aware:
                     return primary, reason, matched, blocks
                 if matched == -2:
@@ -567,10 +566,10 @@ class AffinityPolicy:
                         matched = held[primary]
                     else:
                         matched = self._indexes[primary].match(blocks, 1) if blocks else 0
-                cost = pending(primary, got) + a.uncached_weight * self._uncached(prompt_tokens, matched)
-                if miss:
-                    cost += _adapter_cost(miss, ring.adapters, adapter, primary)
-                cost /= entry[1]  # per unit of weight
+                w = entry[1]
+                queued_here = pending(primary, get(primary))
+                uncached = self._uncached(prompt_tokens, matched)
+                cost = (queued_here + a.uncached_weight * uncached + _adapter_cost(miss, ring.adapters, adapter, primary)) / w
                 if matched > 0 or matched == -1:
                     # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
                     # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
@@ -654,28 +653,18 @@ class AffinityPolicy:
         best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
         info = ring.info
         get = bound.inflight.get
-        exclude, share, score_limit, saturation = bound.exclude, bound.share, bound.score_limit, bound.saturation
-        miss = bound.miss
         uw = self._a.uncached_weight
         block_tokens = self._block_tokens
-        ceil = math.ceil
         idxs: list[PrefixIndex] | None = None
         for i, name in enumerate(ring.names):
             if name == primary:
                 continue
-            routable, w, s, mx = info[name]
-            if not routable or name in exclude:
+            entry = info[name]
+            if not entry[0] or name in bound.exclude or not _admits(
+                    entry, get(name, _NO_INFLIGHT).requests, bound.share, bound.score_limit, bound.saturation):
                 continue
-            # `_admits`, inlined: this loop runs for every backend of the ring.
-            got = get(name)
-            r = got.requests if got is not None else 0
-            if mx is not None and r >= mx:
-                continue
-            if s is not None and (s >= saturation or s > score_limit):
-                continue
-            if r + 1 > ceil(share * w - 1e-9):
-                continue
-            queued = pending(name, got)
+            w = entry[1]
+            queued = pending(name, get(name))
             # A lower bound of the cost first (the whole prompt cached): most candidates stop here.
             if queued / w > best_c or (queued / w == best_c and scores[i] < best_s):
                 continue
@@ -690,10 +679,8 @@ class AffinityPolicy:
             else:
                 m = idxs[i].match(blocks, 1) if blocks else 0
             counted = m if m > preamble else 0
-            c = queued + uw * max(0.0, prompt_tokens - counted * block_tokens)
-            if miss:
-                c += _adapter_cost(miss, bound.loaded, bound.adapter, name)
-            c /= w
+            uncached = max(0.0, prompt_tokens - counted * block_tokens)
+            c = (queued + uw * uncached + _adapter_cost(bound.miss, bound.loaded, bound.adapter, name)) / w
             if c < best_c or (c == best_c and scores[i] > best_s):
                 best_i, best_m, best_c, best_s = i, m, c, scores[i]
         return best_i, best_m, blocks
