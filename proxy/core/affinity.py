@@ -272,6 +272,7 @@ class AffinityPolicy:
         # A request with no routable content (a GET, an unparsed path, an empty input) has no cache to
         # find: placed by load, never all on the hash home of the empty prompt.
         self._no_content = LeastRequest(cfg)
+        self._decisions: dict[tuple[str, Reason, int], Decision] = {}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -391,7 +392,7 @@ class AffinityPolicy:
             else:
                 if scores is None:
                     scores = ring.scores(hash_key)
-                blocks = fp.chain(data, seed)
+                blocks = fp.chain(data, seed) if len(data) >= a.block_bytes else []  # (no full block: no chain)
                 if found is not None:
                     held = self._held(found, ring, len(blocks))
                 need = a.min_prefix_blocks
@@ -452,7 +453,14 @@ class AffinityPolicy:
             idx = self._indexes.get(chosen)
             if idx is not None and blocks:
                 idx.add(blocks)
-        return Decision(chosen, reason, self.name, max(matched, 0))
+        # Decisions are immutable values: one object per (backend, reason, match), bounded.
+        matched = matched if matched > 0 else 0
+        decision = self._decisions.get((chosen, reason, matched))
+        if decision is None:
+            if len(self._decisions) >= 4096:
+                self._decisions.clear()
+            decision = self._decisions[(chosen, reason, matched)] = Decision(chosen, reason, self.name, matched)
+        return decision
 
     @staticmethod
     def _held(found: PreciseMatch, ring: _Ring, n_blocks: int) -> dict[str, int]:
