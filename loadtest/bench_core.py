@@ -23,6 +23,7 @@ its own interpreter, and compares every decision: a speed-up of the policy must 
     .venv/bin/python -m loadtest.bench_core --quick    # fewer iterations
     .venv/bin/python loadtest/bench_core.py --micro [--ab TREE --rounds 6]   # hot-path calls, µs (see micro)
     .venv/bin/python loadtest/bench_core.py --diff TREE                      # decisions identical? (~2 min)
+    .venv/bin/python loadtest/bench_core.py --replay-rows                    # scaleout.jsonl's R = 1 rows (~3 min)
 """
 
 from __future__ import annotations
@@ -557,6 +558,43 @@ def micro_ab(tree: str, rounds: int) -> None:
               f"{statistics.median(ratios):7.3f} {sum(x < 1 for x in ratios)}/{len(ratios)}")
 
 
+def replay_rows() -> int:
+    """`--replay-rows`: re-run the R = 1 affinity rows of loadtest/results/scaleout.jsonl (learned, and
+    precise with the proxy's lookup; the full Mooncake and Azure traces of /work/shared/traces) and compare
+    each with its recorded hit ratio, TTFT mean/p50/p99, request counts and decision reasons."""
+    import asyncio
+    import json
+    import os
+    from pathlib import Path
+
+    from loadtest.replay import ReplayConfig, replay
+    from loadtest.report import summarize
+    from loadtest.workloads import load_workload
+
+    root = Path(__file__).resolve().parents[1]
+    traces = Path("/work/shared/traces") if Path("/work/shared/traces").is_dir() else root.parent / "shared" / "traces"
+    files = {"mooncake": traces / "mooncake_synthetic_trace.jsonl", "azure-code": traces / "azure_llm_2023_code.csv"}
+    rows = [json.loads(line) for line in (root / "loadtest/results/scaleout.jsonl").read_text().splitlines() if line.strip()]
+    flags = ("--policies affinity", "--policies affinity --index precise --kv-event-delay-ms 50")
+    loaded: dict[tuple[str, float, float], object] = {}
+    bad = 0
+    for row in (r for r in rows if r["flags"] in flags and os.path.exists(files[r["load"]])):
+        key = (row["load"], *row["window"])
+        if key not in loaded:
+            loaded[key] = load_workload(str(files[row["load"]])).window(row["window"][0], row["window"][1], None)
+        wl = loaded[key]
+        cfg = ReplayConfig(policy="affinity", speed=row["speed"], max_model_len=131072,
+                           index="precise" if "precise" in row["flags"] else "learned")
+        result = asyncio.run(replay(wl, cfg))  # type: ignore[arg-type]  # a Workload
+        got = summarize(result, wl, label="")  # type: ignore[arg-type]  # a Workload
+        names = ("hit_ratio", "ttft_mean", "ttft_p50", "ttft_p99", "requests", "ok")
+        same = all(got[k] == row[k] for k in names) and result.meta["reasons"] == row["reasons"]
+        bad += not same
+        print(f"{'same' if same else 'DIFFERENT':9s} {row['key']}: hit {100 * got['hit_ratio']:.2f}% "
+              f"TTFT mean {1000 * got['ttft_mean']:.0f} ms p99 {1000 * got['ttft_p99']:.0f} ms", flush=True)
+    return 1 if bad else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -576,7 +614,10 @@ def main() -> None:
     ap.add_argument("--ab", metavar="TREE", help="--micro: alternate rounds of this tree and TREE")
     ap.add_argument("--rounds", type=int, default=6, help="--micro --ab: rounds")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--replay-rows", action="store_true", help="R = 1 rows of scaleout.jsonl unchanged? (~3 min)")
     args = ap.parse_args()
+    if args.replay_rows:
+        raise SystemExit(replay_rows())
     if args.micro:
         if args.ab:
             micro_ab(args.ab, args.rounds)
