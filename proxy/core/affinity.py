@@ -577,7 +577,8 @@ class AffinityPolicy:
                 w = entry[1]
                 queued_here = pending(primary, get(primary))
                 uncached = self._uncached(prompt_tokens, matched)
-                cost = (queued_here + a.uncached_weight * uncached + _adapter_cost(miss, ring.adapters, adapter, primary)) / w
+                adapter_here = _adapter_cost(miss, ring.adapters, adapter, primary)
+                cost = (queued_here + a.uncached_weight * uncached + adapter_here) / w
                 if matched > 0 or matched == -1:
                     # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
                     # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
@@ -598,7 +599,8 @@ class AffinityPolicy:
                 if limit > 0:
                     if scores is None:
                         scores = ring.scores(hash_key)
-                    bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters, adapter)
+                    bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters,
+                                   adapter)
                     best_i, best_m, blocks = self._cheapest(
                         primary, limit, preamble, ring, scores, bound, pending, prompt_tokens, data, seed, blocks,
                         found, held)

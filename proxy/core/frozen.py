@@ -22,8 +22,8 @@ T = TypeVar("T")
 
 def fast_init(cls: type[T]) -> type[T]:
     """Give the frozen, slotted dataclass `cls` an equivalent `__init__` that sets each slot directly."""
-    if (not dataclasses.is_dataclass(cls) or not cls.__dataclass_params__.frozen  # type: ignore[attr-defined]  # set on every dataclass
-            or "__slots__" not in cls.__dict__):
+    params = getattr(cls, "__dataclass_params__", None)  # set on every dataclass
+    if not dataclasses.is_dataclass(cls) or params is None or not params.frozen or "__slots__" not in cls.__dict__:
         raise TypeError(f"{cls.__name__}: fast_init is for frozen dataclasses with slots")
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__}: fast_init does not run __post_init__")
@@ -43,7 +43,8 @@ def fast_init(cls: type[T]) -> type[T]:
             namespace[f"_default_{f.name}"] = f.default
             args.append(f"{f.name}=_default_{f.name}")
     body = "".join(f"    _set_{name}(self, {name})\n" for name in names)
-    exec(f"def __init__(self, {', '.join(args)}):\n{body}", namespace)  # noqa: S102  # generated from the fields above, as dataclasses does
+    # Generated from the fields above, as dataclasses itself generates the __init__ it replaces.
+    exec(f"def __init__(self, {', '.join(args)}):\n{body}", namespace)  # noqa: S102
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__doc__ = cls.__init__.__doc__
