@@ -353,7 +353,10 @@ class AffinityPolicy:
         fp = self._fp
         data = req.prompt_bytes
         seed, key_seed = fp.seeds(req.model, req.adapter)
-        hash_key, key_blocks, structured = fp.hash_key(req, data, key_seed)
+        # Whether the request's structure marks the distinguishing prefix (the hash key itself, a pass over
+        # that prefix, is computed by the steps that read it: not for a session, nor a repeat kept home).
+        cut = req.key_prefix_chars
+        structured = cut is not None and 0 < cut <= len(req.prompt)
         fingerprint = 0  # the exact fingerprint (not computed for a session, which never records one)
         # Computed only by the steps that read them: the block chain (the one cost that grows with the
         # prompt: an exact hit never needs it unless it is shed) and the rendezvous scores of the hash key
@@ -377,12 +380,14 @@ class AffinityPolicy:
             fingerprint = fp.fingerprint(req, data)
             exact = self._exact.get(fingerprint)
             kv_hit = None
+            keyed: tuple[int, int, bool] | None = None  # (hash key, its full blocks, structured)
             if self._precise is not None:
                 found = self._precise(req)
                 if found is not None and (not found.cached or found.prompt_tokens <= 0):
                     found = None
                 if found is not None:
-                    scores = ring.scores(hash_key)
+                    keyed = fp.hash_key(req, data, key_seed)
+                    scores = ring.scores(keyed[0])
                     kv_hit = self._kv_hit(found, req, structured, len(data), ring, scores)
             if kv_hit is not None:
                 primary, matched = kv_hit
@@ -390,8 +395,11 @@ class AffinityPolicy:
             elif exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
+                if keyed is None:
+                    keyed = fp.hash_key(req, data, key_seed)
+                key_blocks = keyed[1]
                 if scores is None:
-                    scores = ring.scores(hash_key)
+                    scores = ring.scores(keyed[0])
                 blocks = fp.chain(data, seed) if len(data) >= a.block_bytes else []  # (no full block: no chain)
                 if found is not None:
                     held = self._held(found, ring, len(blocks))
@@ -435,7 +443,7 @@ class AffinityPolicy:
         elif reason is not Reason.PREFIX_HIT:
             matched = -2  # not looked up yet
         chosen, reason, matched, blocks = self._bounded(
-            primary, reason, matched, prompt_tokens, ring, scores, hash_key, snapshot, inflight, exclude, req,
+            primary, reason, matched, prompt_tokens, ring, scores, key_seed, snapshot, inflight, exclude, req,
             structured, data, seed, blocks, found, held,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched), inflight)
@@ -514,7 +522,7 @@ class AffinityPolicy:
         prompt_tokens: float,
         ring: _Ring,
         scores: list[float] | None,
-        hash_key: int,
+        key_seed: int,
         snapshot: Snapshot,
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str],
@@ -530,8 +538,8 @@ class AffinityPolicy:
 
         Returns the chosen backend, the decision's reason, the prefix blocks it holds (-1: the whole
         prompt, an exact hit) and the block chain if it was computed (None: not needed so far). `scores`
-        None: the rendezvous scores of `hash_key`, computed if a tie-break needs them; `blocks`/`held`
-        None: computed (from `data`, `seed`, `found`) if a cost needs them.
+        None: the rendezvous scores of the hash key (seeded by `key_seed`), computed if a tie-break needs
+        them; `blocks`/`held` None: computed (from `data`, `seed`, `found`) if a cost needs them.
         """
         a = self._a
         info = ring.info
@@ -598,7 +606,7 @@ class AffinityPolicy:
                     preamble = self._shared_blocks(req) if total_req == 0 and structured else 0
                 if limit > 0:
                     if scores is None:
-                        scores = ring.scores(hash_key)
+                        scores = ring.scores(self._fp.hash_key(req, data, key_seed)[0])
                     bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters,
                                    adapter)
                     best_i, best_m, blocks = self._cheapest(
@@ -613,7 +621,7 @@ class AffinityPolicy:
         # The primary cannot take it: the cheapest admissible backend (the KV it holds of the prompt
         # saves part of the prefill; ties in rendezvous order).
         if scores is None:
-            scores = ring.scores(hash_key)
+            scores = ring.scores(self._fp.hash_key(req, data, key_seed)[0])
         bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters, adapter)
         best_i, best_m, blocks = self._cheapest(
             primary, math.inf, 0, ring, scores, bound, pending, prompt_tokens, data, seed, blocks, found, held)
