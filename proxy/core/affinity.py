@@ -87,7 +87,6 @@ layer (tested with fresh policies); the learned layer only ever moves fewer keys
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -182,11 +181,56 @@ class _Ring:
         return [w / -log((_xxh3(kb, s) + 0.5) * _TWO_POW_M64) for s, w in zip(self.seeds, self.weights)]
 
 
+def _argmax(scores: list[float]) -> int:
+    """The index of the best rendezvous score, the first of equals (the head of a stable descending sort)."""
+    return scores.index(max(scores))
+
+
 def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[str]:
     """Every backend in rendezvous order for `key` (used by tests and tools; the policy ranks lazily)."""
     ring = _Ring([BackendState(spec=BackendSpec(n, "", w)) for n, w in zip(names, weights)])
     scores = ring.scores(key)
     return [names[i] for i in sorted(range(len(names)), key=lambda i: scores[i], reverse=True)]
+
+
+def _admits(entry: tuple[bool, float, float | None, int | None], requests: int, share: float, score_limit: float,
+            saturation: float) -> bool:
+    """The bounded-load rule for one backend (routable and not excluded is the caller's check): below its
+    own in-flight limit and the saturation score, its fresh score within the fleet's limit, and its
+    in-flight requests + 1 within ceil(share · weight)."""
+    _, w, s, mx = entry
+    if mx is not None and requests >= mx:
+        return False
+    if s is not None and (s >= saturation or s > score_limit):
+        return False
+    return requests + 1 <= math.ceil(share * w - 1e-9)
+
+
+def _adapter_cost(miss: float, loaded: Mapping[str, frozenset[str]], adapter: str | None, name: str) -> float:
+    """The shared LoRA pool: a backend whose fresh telemetry does not list the request's adapter as loaded
+    must load it first (`miss` tokens of prefill it is worth; 0: no adapter); unknown telemetry, no penalty."""
+    if not miss:
+        return 0.0
+    have = loaded.get(name)
+    return miss if have is not None and adapter not in have else 0.0
+
+
+class _Bound:
+    """One pick's bounded-load figures, for the search over the other backends (`_cheapest`)."""
+
+    __slots__ = ("exclude", "inflight", "share", "score_limit", "saturation", "miss", "loaded", "adapter")
+
+    def __init__(self, exclude: frozenset[str], inflight: Mapping[str, Inflight], share: float,
+                 score_limit: float, saturation: float, miss: float, loaded: Mapping[str, frozenset[str]],
+                 adapter: str | None) -> None:
+        self.exclude = exclude
+        self.inflight = inflight
+        self.share = share  # (1 + ε_r) · (fleet in-flight + 1) / total weight
+        self.score_limit = score_limit  # (1 + ε) · mean fresh score + overload_margin
+        self.saturation = saturation
+        self.miss = miss
+        self.loaded = loaded
+        self.adapter = adapter
 
 
 class AffinityPolicy:
@@ -229,6 +273,7 @@ class AffinityPolicy:
         # A request with no routable content (a GET, an unparsed path, an empty input) has no cache to
         # find: placed by load, never all on the hash home of the empty prompt.
         self._no_content = LeastRequest(cfg)
+        self._decisions: dict[tuple[str, Reason, int], Decision] = {}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -285,15 +330,6 @@ class AffinityPolicy:
         """The prefix index of one backend (for the admin API, tests and the benchmark)."""
         return self._indexes.get(backend)
 
-    def _top(self, scores: list[float]) -> list[int]:
-        """Indexes of the best-ranked backends, best first (the hash home is the first)."""
-        k = 2
-        if len(scores) == 2:  # the stable descending sort of two, without a sort (ties keep index order)
-            return [0, 1] if scores[0] >= scores[1] else [1, 0]
-        if len(scores) <= k:
-            return sorted(range(len(scores)), key=scores.__getitem__, reverse=True)
-        return heapq.nlargest(k, range(len(scores)), key=scores.__getitem__)
-
     # ------------------------------------------------------------------------------------------- pick
 
     def pick(
@@ -303,53 +339,76 @@ class AffinityPolicy:
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
-        if not req.prompt and not (self._a.session_affinity and req.session_key is not None):
+        a = self._a
+        session = req.session_key if a.session_affinity else None
+        if not req.prompt and session is None:
             return Decision(self._no_content.pick(req, snapshot, inflight, exclude).backend, Reason.BALANCED,
                             self.name)
-        self._sync(snapshot)
-        ring = self._ring(snapshot, req.model)
+        if snapshot is not self._snapshot:
+            self._sync(snapshot)
+        ring = self._rings.get(req.model)
+        if ring is None:
+            ring = self._ring(snapshot, req.model)
         if not ring.names:
             eligible(req, snapshot, exclude)  # raises with the precise reason
-        a = self._a
-        keys = self._fp.keys(req)
-        blocks: list[int] | None = None  # computed only when needed: the one cost that grows with the prompt
+        fp = self._fp
+        data = req.prompt_bytes
+        seed, key_seed = fp.seeds(req.model, req.adapter)
+        # Whether the request's structure marks the distinguishing prefix (the hash key itself, a pass over
+        # that prefix, is computed by the steps that read it: not for a session, nor a repeat kept home).
+        cut = req.key_prefix_chars
+        structured = cut is not None and 0 < cut <= len(req.prompt)
+        fingerprint = 0  # the exact fingerprint (not computed for a session, which never records one)
+        # Computed only by the steps that read them: the block chain (the one cost that grows with the
+        # prompt: an exact hit never needs it unless it is shed) and the rendezvous scores of the hash key
+        # (an exact hit kept on its holder never needs them).
+        blocks: list[int] | None = None
+        scores: list[float] | None = None
         matched = 0
         record_exact = True
         # The engines' own view (KV events), asked once; `held`: leading learned-size blocks each backend it
-        # covers holds, computed from it when the block chain is (see `get_held`).
+        # covers holds, computed from it when the block chain is.
         found: PreciseMatch | None = None
         held: dict[str, int] | None = None
 
-        if a.session_affinity and req.session_key is not None:
-            key = _xxh3(_SESSION_DOMAIN + req.session_key.encode("utf-8", "surrogatepass"))
+        if session is not None:
+            key = _xxh3(_SESSION_DOMAIN + session.encode("utf-8", "surrogatepass"))
             scores = ring.scores(key)
-            top = self._top(scores)
-            primary = ring.names[top[0]]
+            primary = ring.names[_argmax(scores)]
             reason = Reason.SESSION
             record_exact = False
         else:
-            exact = self._exact.get(keys.fingerprint)
-            scores = ring.scores(keys.hash_key)
-            top = self._top(scores)
+            fingerprint = fp.fingerprint(req, data)
+            exact = self._exact.get(fingerprint)
+            kv_hit = None
+            keyed: tuple[int, int, bool] | None = None  # (hash key, its full blocks, structured)
             if self._precise is not None:
                 found = self._precise(req)
                 if found is not None and (not found.cached or found.prompt_tokens <= 0):
                     found = None
-            kv_hit = self._kv_hit(found, req, keys.structured, len(keys.data), ring, scores) if found else None
+                if found is not None:
+                    keyed = fp.hash_key(req, data, key_seed)
+                    scores = ring.scores(keyed[0])
+                    kv_hit = self._kv_hit(found, req, structured, len(data), ring, scores)
             if kv_hit is not None:
                 primary, matched = kv_hit
                 reason = Reason.PREFIX_HIT
             elif exact is not None and exact in ring.members:
                 primary, reason = exact, Reason.EXACT_HIT
             else:
-                blocks = self._fp.blocks(keys)
+                if keyed is None:
+                    keyed = fp.hash_key(req, data, key_seed)
+                key_blocks = keyed[1]
+                if scores is None:
+                    scores = ring.scores(keyed[0])
+                blocks = fp.chain(data, seed) if len(data) >= a.block_bytes else []  # (no full block: no chain)
                 if found is not None:
                     held = self._held(found, ring, len(blocks))
                 need = a.min_prefix_blocks
-                if keys.structured:
+                if structured:
                     # The match must reach past the end of the first user turn, i.e. include the block
                     # holding its last byte: a run that stops inside the shared system prompt is no hit.
-                    need = max(need, keys.key_blocks + 1)
+                    need = max(need, key_blocks + 1)
                 else:
                     need = max(need, math.ceil(a.min_prefix_ratio * len(blocks)))
                 best_i = -1
@@ -375,37 +434,18 @@ class AffinityPolicy:
                 if best_i >= 0:
                     primary, reason = ring.names[best_i], Reason.PREFIX_HIT
                 else:
-                    primary = ring.names[top[0]]
+                    primary = ring.names[_argmax(scores)]
                     reason = Reason.HASH
 
-        def get_blocks() -> list[int]:
-            nonlocal blocks
-            if blocks is None:
-                blocks = self._fp.blocks(keys)
-            return blocks
-
-        def get_held() -> dict[str, int] | None:
-            nonlocal held
-            if held is None and found is not None:
-                held = self._held(found, ring, len(get_blocks()))
-            return held
-
-        prompt_tokens = len(keys.data) / BYTES_PER_TOKEN_ESTIMATE
+        prompt_tokens = len(data) / BYTES_PER_TOKEN_ESTIMATE
         reason_was_exact = reason is Reason.EXACT_HIT
-        if reason is Reason.EXACT_HIT:
+        if reason_was_exact:
             matched = -1  # the whole prompt is cached there
         elif reason is not Reason.PREFIX_HIT:
             matched = -2  # not looked up yet
-        # Chat prompts: a match that reaches no block wholly past the system messages is only their shared
-        # system prompt, a one-time cost wherever the prompt goes (see `_bounded`).
-        shared_blocks = 0
-        if keys.structured and req.shared_prefix_chars:
-            cut = req.shared_prefix_chars
-            shared_bytes = cut if req.prompt.isascii() else len(req.prompt[:cut].encode("utf-8", "surrogatepass"))
-            shared_blocks = -(-shared_bytes // a.block_bytes)
-        chosen, reason, matched = self._bounded(
-            primary, reason, matched, prompt_tokens, ring, scores, top, snapshot, inflight, exclude, req,
-            get_blocks, shared_blocks, get_held, found,
+        chosen, reason, matched, blocks = self._bounded(
+            primary, reason, matched, prompt_tokens, ring, scores, key_seed, snapshot, inflight, exclude, req,
+            structured, data, seed, blocks, found, held,
         )
         self._work.record(chosen, self._uncached(prompt_tokens, matched), inflight)
         if record_exact:
@@ -413,15 +453,23 @@ class AffinityPolicy:
             # or wherever the bound or the cost check sent it), so that is where its repeats belong. A
             # repeat shed off an overloaded holder leaves the entry alone (only refreshing it), so the
             # key goes back to its holder as soon as that recovers.
-            self._exact.put(keys.fingerprint, primary if reason_was_exact else chosen)
+            self._exact.put(fingerprint, primary if reason_was_exact else chosen)
         if reason is not Reason.EXACT_HIT:
             # An exact hit's chain was recorded when the prompt was first routed; any other decision
             # (fallbacks included: the KV is built where the request actually goes) teaches the index.
-            chain = get_blocks()
+            if blocks is None:
+                blocks = fp.chain(data, seed)
             idx = self._indexes.get(chosen)
-            if idx is not None and chain:
-                idx.add(chain)
-        return Decision(chosen, reason, self.name, max(matched, 0))
+            if idx is not None and blocks:
+                idx.add(blocks)
+        # Decisions are immutable values: one object per (backend, reason, match), bounded.
+        matched = matched if matched > 0 else 0
+        decision = self._decisions.get((chosen, reason, matched))
+        if decision is None:
+            if len(self._decisions) >= 4096:
+                self._decisions.clear()
+            decision = self._decisions[(chosen, reason, matched)] = Decision(chosen, reason, self.name, matched)
+        return decision
 
     @staticmethod
     def _held(found: PreciseMatch, ring: _Ring, n_blocks: int) -> dict[str, int]:
@@ -474,21 +522,25 @@ class AffinityPolicy:
         matched: int,
         prompt_tokens: float,
         ring: _Ring,
-        scores: list[float],
-        top: list[int],
+        scores: list[float] | None,
+        key_seed: int,
         snapshot: Snapshot,
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str],
         req: RequestSummary,
-        get_blocks: Callable[[], list[int]],
-        shared_blocks: int = 0,
-        get_held: Callable[[], Mapping[str, int] | None] = lambda: None,
-        found: PreciseMatch | None = None,
-    ) -> tuple[str, Reason, int]:
+        structured: bool,
+        data: bytes,
+        seed: int,
+        blocks: list[int] | None,
+        found: PreciseMatch | None,
+        held: dict[str, int] | None,
+    ) -> tuple[str, Reason, int, list[int] | None]:
         """Apply the bounded-load rule and the cost check to `primary`.
 
-        Returns the chosen backend, the decision's reason and the prefix blocks it holds (-1: the whole
-        prompt, an exact hit).
+        Returns the chosen backend, the decision's reason, the prefix blocks it holds (-1: the whole
+        prompt, an exact hit) and the block chain if it was computed (None: not needed so far). `scores`
+        None: the rendezvous scores of the hash key (seeded by `key_seed`), computed if a tie-break needs
+        them; `blocks`/`held` None: computed (from `data`, `seed`, `found`) if a cost needs them.
         """
         a = self._a
         info = ring.info
@@ -512,96 +564,30 @@ class AffinityPolicy:
             inflight = self._engine_load(ring, inflight)
         get = inflight.get
         total_req = sum([get(n, _NO_INFLIGHT).requests for n in names_now])
-        score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         share = self._request_factor * (total_req + 1) / total_w
-        saturation = a.saturation
-
-        def can_take(name: str) -> bool:
-            routable, w, s, mx = info[name]
-            if not routable or name in exclude:
-                return False
-            r = get(name, _NO_INFLIGHT).requests
-            if mx is not None and r >= mx:
-                return False
-            if s is not None and (s >= saturation or s > score_limit):
-                return False
-            return r + 1 <= math.ceil(share * w - 1e-9)
-
-        names = ring.names
-
-        block_tokens = self._block_tokens
-        idxs: list[PrefixIndex] | None = None
-        uw = a.uncached_weight
+        score_limit = self._bound_factor * (score_sum / score_n) + a.overload_margin if score_n else math.inf
         adapter = req.adapter
-        loaded = ring.adapters
         miss = float(a.adapter_miss_tokens) if adapter is not None else 0.0
 
-        def adapter_cost(name: str) -> float:
-            """The shared LoRA pool: a backend whose fresh telemetry does not list the request's adapter
-            as loaded must load it first (tokens of prefill it is worth); unknown telemetry, no penalty."""
-            if not miss:
-                return 0.0
-            have = loaded.get(name)
-            return miss if have is not None and adapter not in have else 0.0
-
-        def cost_of(i: int, preamble: int) -> tuple[float, int]:
-            """This prompt's cost on ring member i (as `cheapest` counts it) and the blocks it holds."""
-            nonlocal idxs
-            name, chain, held = names[i], get_blocks(), get_held()
-            if held is not None and name in held:
-                m = held[name]
-            else:
-                idxs = self._ring_indexes(ring)
-                m = idxs[i].match(chain, 1) if chain else 0
-            counted = m if m > preamble else 0
-            c = pending(name, get(name)) + uw * max(0.0, prompt_tokens - counted * block_tokens) + adapter_cost(name)
-            return c / info[name][1], m
-
-        def cheapest(limit: float, preamble: int = 0) -> tuple[int, int]:
-            """The admissible backend other than `primary` with the lowest estimated cost (its queued
-            prefill plus this prompt's uncached tokens there, per unit of weight) below `limit`; ties go
-            to the higher rendezvous rank. A match of at most `preamble` blocks is costed as no match
-            (the returned match is the real one, for the ledger). (-1, 0) if none."""
-            nonlocal idxs
-            best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
-            chain: list[int] | None = None
-            held: Mapping[str, int] | None = None
-            for i, name in enumerate(names):
-                if name == primary or not can_take(name):
-                    continue
-                w = info[name][1]
-                queued = pending(name, get(name))
-                # A lower bound of the cost first (the whole prompt cached): most candidates stop here.
-                if queued / w > best_c or (queued / w == best_c and scores[i] < best_s):
-                    continue
-                if chain is None:
-                    chain = get_blocks()
-                    idxs = self._ring_indexes(ring)
-                    held = get_held()
-                if held is not None and name in held:
-                    m = held[name]
-                else:
-                    m = idxs[i].match(chain, 1) if chain else 0  # type: ignore[index]  # idxs is set on the first iteration that needs it
-                counted = m if m > preamble else 0
-                c = (queued + uw * max(0.0, prompt_tokens - counted * block_tokens) + adapter_cost(name)) / w
-                if c < best_c or (c == best_c and scores[i] > best_s):
-                    best_i, best_m, best_c, best_s = i, m, c, scores[i]
-            return best_i, best_m
-
-        if info[primary][0] and primary not in exclude:
-            if can_take(primary):
+        entry = info[primary]
+        if entry[0] and primary not in exclude:
+            if _admits(entry, get(primary, _NO_INFLIGHT).requests, share, score_limit, a.saturation):
                 if not a.cost_aware:
-                    return primary, reason, matched
+                    return primary, reason, matched, blocks
                 if matched == -2:
-                    chain = get_blocks()
-                    held_now = get_held()
-                    if held_now is not None and primary in held_now:
-                        matched = held_now[primary]
+                    if blocks is None:
+                        blocks = self._fp.chain(data, seed)
+                    if held is None and found is not None:
+                        held = self._held(found, ring, len(blocks))
+                    if held is not None and primary in held:
+                        matched = held[primary]
                     else:
-                        matched = self._indexes[primary].match(chain, 1) if chain else 0
-                w = info[primary][1]
+                        matched = self._indexes[primary].match(blocks, 1) if blocks else 0
+                w = entry[1]
                 queued_here = pending(primary, get(primary))
-                cost = (queued_here + uw * self._uncached(prompt_tokens, matched) + adapter_cost(primary)) / w
+                uncached = self._uncached(prompt_tokens, matched)
+                adapter_here = _adapter_cost(miss, ring.adapters, adapter, primary)
+                cost = (queued_here + a.uncached_weight * uncached + adapter_here) / w
                 if matched > 0 or matched == -1:
                     # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
                     # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
@@ -618,28 +604,47 @@ class AffinityPolicy:
                     # workload: hit 90.9% vs 88.3%, TTFT p99 111 vs 144 ms when discounted always;
                     # loadtest/results/scaleout.md), so there the match counts.
                     limit = cost - a.new_prompt_slack_tokens
-                    preamble = shared_blocks if total_req == 0 else 0
-                    if (found is not None and found.lru_front is not None and a.eviction_band_tokens and found.cached
-                            and not any(found.cached.values())):
-                        # Eviction-aware placement (proxy/core/placement.py): of the near-equal backends, the
-                        # one evicting the oldest KV.
-                        got = place_new(found, names, scores, can_take, lambda i: cost_of(i, preamble),
-                                        a.eviction_band_tokens)
+                    preamble = self._shared_blocks(req) if total_req == 0 and structured else 0
+                    if (a.eviction_band_tokens and found is not None and found.lru_front is not None
+                            and found.cached and not any(found.cached.values())):
+                        # Eviction-aware placement (proxy/core/placement.py, off by default): of the
+                        # near-equal backends, the one evicting the oldest KV.
+                        if scores is None:
+                            scores = ring.scores(self._fp.hash_key(req, data, key_seed)[0])
+                        if blocks is None:
+                            blocks = self._fp.chain(data, seed)
+                        if held is None:
+                            held = self._held(found, ring, len(blocks))
+                        bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters,
+                                       adapter)
+                        got = self._place_new(found, ring, scores, bound, pending, prompt_tokens, blocks, held,
+                                              preamble)
                         if got is not None:
-                            return got[0], (reason if got[0] == primary else Reason.OVERLOAD_FALLBACK), got[1]
+                            return (got[0], reason if got[0] == primary else Reason.OVERLOAD_FALLBACK, got[1],
+                                    blocks)
                 if limit > 0:
-                    best_i, best_m = cheapest(limit, preamble)
+                    if scores is None:
+                        scores = ring.scores(self._fp.hash_key(req, data, key_seed)[0])
+                    bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters,
+                                   adapter)
+                    best_i, best_m, blocks = self._cheapest(
+                        primary, limit, preamble, ring, scores, bound, pending, prompt_tokens, data, seed, blocks,
+                        found, held)
                     if best_i >= 0:
-                        return names[best_i], Reason.OVERLOAD_FALLBACK, best_m
-                return primary, reason, matched
+                        return ring.names[best_i], Reason.OVERLOAD_FALLBACK, best_m, blocks
+                return primary, reason, matched, blocks
             fallback = Reason.OVERLOAD_FALLBACK
         else:
             fallback = Reason.UNHEALTHY_FALLBACK
         # The primary cannot take it: the cheapest admissible backend (the KV it holds of the prompt
         # saves part of the prefill; ties in rendezvous order).
-        best_i, best_m = cheapest(math.inf)
+        if scores is None:
+            scores = ring.scores(self._fp.hash_key(req, data, key_seed)[0])
+        bound = _Bound(exclude, inflight, share, score_limit, a.saturation, miss, ring.adapters, adapter)
+        best_i, best_m, blocks = self._cheapest(
+            primary, math.inf, 0, ring, scores, bound, pending, prompt_tokens, data, seed, blocks, found, held)
         if best_i >= 0:
-            return names[best_i], fallback, best_m
+            return ring.names[best_i], fallback, best_m, blocks
         # Everything eligible is saturated: the least-loaded one, by telemetry plus in-flight work.
         load_cfg = self._cfg.load
         states = [b for n in names_now if (b := snapshot.get(n)) is not None]
@@ -648,7 +653,108 @@ class AffinityPolicy:
             states,
             key=lambda b: effective_load(b, inflight.get(b.name), load_cfg, assumed=assumed) / b.effective_weight,
         )
-        return best.name, fallback, 0
+        return best.name, fallback, 0, blocks
+
+    def _shared_blocks(self, req: RequestSummary) -> int:
+        """Chat prompts: the blocks up to the end of the leading system messages (0: none). A match that
+        reaches no block wholly past them is only their shared system prompt, a one-time cost wherever the
+        prompt goes (see `_bounded`)."""
+        cut = req.shared_prefix_chars
+        if not cut:
+            return 0
+        shared_bytes = cut if req.prompt.isascii() else len(req.prompt[:cut].encode("utf-8", "surrogatepass"))
+        return -(-shared_bytes // self._a.block_bytes)
+
+    def _cheapest(
+        self,
+        primary: str,
+        limit: float,
+        preamble: int,
+        ring: _Ring,
+        scores: list[float],
+        bound: _Bound,
+        pending: Callable[[str, Inflight | None], float],
+        prompt_tokens: float,
+        data: bytes,
+        seed: int,
+        blocks: list[int] | None,
+        found: PreciseMatch | None,
+        held: dict[str, int] | None,
+    ) -> tuple[int, int, list[int] | None]:
+        """The admissible backend other than `primary` with the lowest estimated cost (its queued prefill
+        plus this prompt's uncached tokens there, per unit of weight) below `limit`; ties go to the higher
+        rendezvous rank. A match of at most `preamble` blocks is costed as no match (the returned match is
+        the real one, for the ledger). Returns (its ring position or -1, its match, the block chain if
+        computed)."""
+        best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
+        info = ring.info
+        get = bound.inflight.get
+        uw = self._a.uncached_weight
+        block_tokens = self._block_tokens
+        idxs: list[PrefixIndex] | None = None
+        for i, name in enumerate(ring.names):
+            if name == primary:
+                continue
+            entry = info[name]
+            if not entry[0] or name in bound.exclude or not _admits(
+                    entry, get(name, _NO_INFLIGHT).requests, bound.share, bound.score_limit, bound.saturation):
+                continue
+            w = entry[1]
+            queued = pending(name, get(name))
+            # A lower bound of the cost first (the whole prompt cached): most candidates stop here.
+            if queued / w > best_c or (queued / w == best_c and scores[i] < best_s):
+                continue
+            if idxs is None:
+                if blocks is None:
+                    blocks = self._fp.chain(data, seed)
+                idxs = self._ring_indexes(ring)
+                if held is None and found is not None:
+                    held = self._held(found, ring, len(blocks))
+            if held is not None and name in held:
+                m = held[name]
+            else:
+                m = idxs[i].match(blocks, 1) if blocks else 0
+            counted = m if m > preamble else 0
+            uncached = max(0.0, prompt_tokens - counted * block_tokens)
+            c = (queued + uw * uncached + _adapter_cost(bound.miss, bound.loaded, bound.adapter, name)) / w
+            if c < best_c or (c == best_c and scores[i] > best_s):
+                best_i, best_m, best_c, best_s = i, m, c, scores[i]
+        return best_i, best_m, blocks
+
+    def _place_new(
+        self,
+        found: PreciseMatch,
+        ring: _Ring,
+        scores: list[float],
+        bound: _Bound,
+        pending: Callable[[str, Inflight | None], float],
+        prompt_tokens: float,
+        blocks: list[int],
+        held: dict[str, int],
+        preamble: int,
+    ) -> tuple[str, int] | None:
+        """The eviction-aware placement's inputs (proxy/core/placement.py `place_new`): which ring members
+        the bounded-load rule admits and this prompt's cost on each, as `_cheapest` counts it."""
+        info = ring.info
+        get = bound.inflight.get
+        uw = self._a.uncached_weight
+        block_tokens = self._block_tokens
+        idxs = self._ring_indexes(ring)
+
+        def can_take(name: str) -> bool:
+            entry = info[name]
+            return bool(entry[0]) and name not in bound.exclude and _admits(
+                entry, get(name, _NO_INFLIGHT).requests, bound.share, bound.score_limit, bound.saturation)
+
+        def cost_of(i: int) -> tuple[float, int]:
+            name = ring.names[i]
+            m = held[name] if name in held else (idxs[i].match(blocks, 1) if blocks else 0)
+            counted = m if m > preamble else 0
+            c = (pending(name, get(name)) + uw * max(0.0, prompt_tokens - counted * block_tokens)
+                 + _adapter_cost(bound.miss, bound.loaded, bound.adapter, name))
+            return c / info[name][1], m
+
+        return place_new(found, ring.names, scores, can_take, cost_of, self._a.eviction_band_tokens)
 
     def _engine_load(self, ring: _Ring, inflight: Mapping[str, Inflight]) -> dict[str, Inflight]:
         """With `routing.shared_backends`: other proxy replicas route to these backends too, so this one's

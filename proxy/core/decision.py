@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
+from proxy.core.frozen import fast_init
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import Snapshot
 
@@ -41,6 +42,7 @@ class Inflight:
     tokens: int = 0  # estimated prompt tokens + max_tokens of the in-flight requests
 
 
+@fast_init  # one per pick (proxy/core/frozen.py)
 @dataclass(frozen=True, slots=True)
 class Decision:
     backend: str

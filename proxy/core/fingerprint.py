@@ -57,6 +57,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _FP_DOMAIN = b"affinity-proxy/fingerprint/v1"
 _CHAIN_DOMAIN = b"affinity-proxy/prefix-chain/v1"
 _KEY_DOMAIN = b"affinity-proxy/hash-key/v1"
+_FP_SEED = _xxh3(_FP_DOMAIN)
 
 
 def _opt_str(value: str | None) -> bytes:
@@ -115,39 +116,78 @@ class PromptKeys:
 class Fingerprinter:
     """Computes `PromptKeys` and block chains for requests under one `AffinityConfig`.
 
-    The chain is computed separately (`blocks`) because it is the one cost that grows with the prompt
-    (~0.1 ms at 64k tokens) and an exact-fingerprint hit does not need it.
+    The chain is computed separately (`blocks`, `chain`) because it is the one cost that grows with the
+    prompt (~0.1 ms at 64k tokens) and an exact-fingerprint hit does not need it. The affinity policy
+    calls the parts on their own (`seeds`, `fingerprint`, `hash_key`, `chain`), each only when the step
+    that reads it runs; `keys` bundles them for tests and tools.
     """
+
+    __slots__ = ("block_bytes", "_fields", "_key_cap", "_seeds", "_with_prompt", "_named")
 
     def __init__(self, cfg: AffinityConfig) -> None:
         self.block_bytes = cfg.block_bytes
         self._fields = cfg.fingerprint_fields
         self._key_cap = cfg.hash_prefix_max_blocks * cfg.block_bytes
-        self._seeds: dict[tuple[str | None, str | None], int] = {}
+        # (model, adapter) -> (chain seed, hash-key seed)
+        self._seeds: dict[tuple[str | None, str | None], tuple[int, int]] = {}
+        # `exact_fingerprint`'s loop, unrolled once: whether the prompt takes part, and the other fields
+        # with their "name=" labels in configured order.
+        self._with_prompt = "prompt" in self._fields
+        self._named = tuple((name, name.encode() + b"=") for name in self._fields if name != "prompt")
 
-    def _seed(self, model: str | None, adapter: str | None) -> int:
-        seed = self._seeds.get((model, adapter))
-        if seed is None:
+    def seeds(self, model: str | None, adapter: str | None) -> tuple[int, int]:
+        """The chain seed and the hash key's seed of (model, adapter), cached."""
+        got = self._seeds.get((model, adapter))
+        if got is None:
             if len(self._seeds) >= 4096:  # bounded: model names come from clients
                 self._seeds.clear()
-            seed = self._seeds[(model, adapter)] = chain_seed(model, adapter)
-        return seed
+            seed = chain_seed(model, adapter)
+            got = self._seeds[(model, adapter)] = (seed, _xxh3(_KEY_DOMAIN, seed))
+        return got
+
+    def _seed(self, model: str | None, adapter: str | None) -> int:
+        return self.seeds(model, adapter)[0]
+
+    def fingerprint(self, req: RequestSummary, data: bytes) -> int:
+        """`exact_fingerprint(req, fields, data)`, the same value, without re-reading the configuration."""
+        h = _FP_SEED
+        if self._with_prompt:
+            h = _xxh3(data, h)
+            if req.media:
+                h = _xxh3(b"".join(m.to_bytes(8, "little") for m in req.media), h)
+        named = self._named
+        if named:
+            rest: list[bytes] = []
+            for name, label in named:
+                value = getattr(req, name)
+                rest.append(label + (b"\x00" if value is None else repr(value).encode("utf-8", "surrogatepass")))
+            h = _xxh3(b"\xff".join(rest), h)
+        return h
+
+    def hash_key(self, req: RequestSummary, data: bytes, key_seed: int) -> tuple[int, int, bool]:
+        """(hash key, full blocks inside the distinguishing prefix, whether the request's structure set
+        that prefix)."""
+        cut = req.key_prefix_chars
+        prompt = req.prompt
+        if cut is not None and 0 < cut <= len(prompt):
+            key_bytes = cut if prompt.isascii() else len(prompt[:cut].encode("utf-8", "surrogatepass"))
+            structured = True
+        else:
+            key_bytes = min(len(data), self._key_cap)
+            structured = False
+        # One C-level pass over the distinguishing prefix, seeded by (model, adapter) like the chain.
+        return _xxh3(data[:key_bytes], key_seed), key_bytes // self.block_bytes, structured
 
     def keys(self, req: RequestSummary) -> PromptKeys:
         data = req.prompt_bytes
-        seed = self._seed(req.model, req.adapter)
-        fp = exact_fingerprint(req, self._fields, data)
-        cut = req.key_prefix_chars
-        structured = cut is not None and 0 < cut <= len(req.prompt)
-        if structured:
-            assert cut is not None
-            key_bytes = len(req.prompt[:cut].encode("utf-8", "surrogatepass")) if not req.prompt.isascii() else cut
-        else:
-            key_bytes = min(len(data), self._key_cap)
-        # One C-level pass over the distinguishing prefix, seeded by (model, adapter) like the chain.
-        hash_key = _xxh3(data[:key_bytes], _xxh3(_KEY_DOMAIN, seed))
-        return PromptKeys(fp, hash_key, key_bytes // self.block_bytes, structured, data, seed)
+        seed, key_seed = self.seeds(req.model, req.adapter)
+        hash_key, key_blocks, structured = self.hash_key(req, data, key_seed)
+        return PromptKeys(self.fingerprint(req, data), hash_key, key_blocks, structured, data, seed)
 
     def blocks(self, keys: PromptKeys) -> list[int]:
         """The chained prefix-block hashes of the prompt."""
         return block_hashes(keys.data, self.block_bytes, keys.seed)
+
+    def chain(self, data: bytes, seed: int) -> list[int]:
+        """The chained prefix-block hashes of `data` under the chain seed `seed`."""
+        return block_hashes(data, self.block_bytes, seed)

@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping
 
 import xxhash
 
+from proxy.core.frozen import fast_init
+
 # A word-count heuristic would under-count code and CJK; 4 bytes per token is the usual rule of thumb for
 # BPE tokenisers on English text and errs on the side of more tokens (more load) for dense text.
 BYTES_PER_TOKEN_ESTIMATE = 4
@@ -27,6 +29,7 @@ class RequestError(ValueError):
         self.param = param
 
 
+@fast_init  # built for every request: the generated frozen __init__ costs 2.5x (proxy/core/frozen.py)
 @dataclass(frozen=True, slots=True)
 class RequestSummary:
     """The routing inputs of one request. `prompt` is the text the KV cache is keyed on.
@@ -105,12 +108,14 @@ class _Content:
     def turn(self, role: str, text: str) -> None:
         """One ``role\\ntext\\n`` turn; the first turn whose role is not shared ends the key prefix."""
         part = f"{role}\n{text}\n"
-        if self.key_end is None and role not in _SHARED_ROLES and self.length:
-            self.shared_end = self.length
         self.texts.append(part)
-        self.length += len(part)
         if self.key_end is None and role not in _SHARED_ROLES:
+            if self.length:
+                self.shared_end = self.length
+            self.length += len(part)
             self.key_end = self.length
+        else:
+            self.length += len(part)
 
     def raw(self, text: str) -> None:
         self.texts.append(text)
@@ -140,7 +145,7 @@ def _parts_text(content: Any, where: str, out: _Content) -> str:
         for i, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
-            elif isinstance(part, Mapping):
+            elif type(part) is dict or isinstance(part, Mapping):  # parsed JSON: a dict, no ABC check
                 text = part.get("text")
                 if part.get("type", "text") in _TEXT_PARTS and isinstance(text, str):
                     texts.append(text)
@@ -177,7 +182,7 @@ def _messages(messages: Any, out: _Content, name: str = "messages") -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"'{name}' must be a non-empty list", name)
     for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
+        if type(msg) is not dict and not isinstance(msg, Mapping):  # parsed JSON: a dict, no ABC check
             raise RequestError(f"{name}[{i}] must be an object", f"{name}[{i}]")
         role = msg.get("role")
         if not isinstance(role, str):
@@ -389,23 +394,31 @@ def summary_from_openai(
     summarise = SUMMARISERS.get(endpoint)
     if summarise is not None:
         summarise(body, out)
-    prompt = out.prompt
+    texts = out.texts
+    prompt = texts[0] if len(texts) == 1 else "".join(texts)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", "stream")
+    max_tokens = body.get("max_tokens")
+    if type(max_tokens) is not int:  # absent, or the others (and each one's error) in `_opt_int`'s order
+        max_tokens = _opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
+    temperature = body.get("temperature")
+    if type(temperature) is not float:
+        temperature = _opt_float(body, "temperature")
+    # Positional, in field order (proxy/core/frozen.py: the cheapest call).
     return RequestSummary(
-        prompt=prompt,
-        model=model,
-        adapter=model if model is not None and model in adapters else None,
-        max_tokens=_opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens"),
-        temperature=_opt_float(body, "temperature"),
-        stream=stream,
-        session_key=session_key if session_key is not None else out.session,
-        prompt_tokens_est=estimate_tokens(prompt),
-        endpoint=endpoint,
-        key_prefix_chars=out.key_end,
-        shared_prefix_chars=out.shared_end,
-        messages=tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
-        media=tuple(out.media),
-        previous_response_id=out.previous_response,
+        prompt,
+        model,
+        model if model is not None and model in adapters else None,  # adapter
+        max_tokens,
+        temperature,
+        stream,
+        session_key if session_key is not None else out.session,
+        estimate_tokens(prompt),  # prompt_tokens_est
+        endpoint,
+        out.key_end,  # key_prefix_chars
+        tuple(out.media) if out.media else (),
+        out.shared_end,  # shared_prefix_chars
+        tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
+        out.previous_response,  # previous_response_id
     )
