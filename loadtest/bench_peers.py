@@ -483,7 +483,7 @@ def stop_groups(procs: list[subprocess.Popen[Any]], paused: bool = False) -> Non
 
 def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
                names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"}),
-               baseline: str | None = None) -> dict[str, object]:
+               baseline: str | None = None, pause_idle: bool = False) -> dict[str, object]:
     """The rows the main run lacks, side by side in one run (each proxy pinned alone on core 0; backends and
     load on core 1; targets alternate their order every repetition):
 
@@ -606,7 +606,7 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                                   f"http://127.0.0.1:{port}/v1/completions"], capture_output=True, text=True).stdout
             return parse_h2load(out)
 
-        def measured(pid: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+        def _measured(pid: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]:
             pids = b.tree(pid)
             t0 = b.cpu_ticks(pids)
             r = fn()
@@ -632,22 +632,52 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
             b.log(f"extra rep{rep} {n} {row}: " + ", ".join(f"{k}={v:.1f}" for k, v in r.items()
                                                            if k in ("requests", "p50_us", "p99_us", "cpu_us")))
 
+        # Every target's process groups (its plain and TLS listeners), so that all but the measured one can
+        # be paused: an idle proxy's telemetry poller and health checks run on the measured one's core.
+        groups = {n: sorted({pid for _port, pid in ports[n].values()}) for n in order if n != "direct"}
+        paused: list[int] = []
+
+        def pause_all_but(n: str | None) -> None:
+            while paused:
+                try:
+                    os.killpg(paused.pop(), signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            if n is None or not pause_idle:
+                return
+            for other, pids in groups.items():
+                if other != n:
+                    for pid in pids:
+                        try:
+                            os.killpg(pid, signal.SIGSTOP)
+                            paused.append(pid)
+                        except ProcessLookupError:
+                            pass
+            time.sleep(0.2)  # a step that was running when stopped is not charged to the measured one
+
+        def measured(pid: int, fn: Callable[[], dict[str, float]], target: str | None = None) -> dict[str, float]:
+            pause_all_but(target)
+            try:
+                return _measured(pid, fn)
+            finally:
+                pause_all_but(None)
+
         for rep in range(reps):
             seq = order if rep % 2 == 0 else order[::-1]
             if "c1" in rows:
                 for n in seq:
                     port, pid = ports[n]["h1"]
-                    keep(n, "h1_c1", measured(pid, lambda: c1_latencies(port, c1_secs)), rep)
+                    keep(n, "h1_c1", measured(pid, lambda: c1_latencies(port, c1_secs), n), rep)
             if "cpu" in rows:
                 for n in seq:
                     if n != "direct":
                         port, pid = ports[n]["h1"]
-                        keep(n, "h1_cpu", measured(pid, lambda: wrk(f"http://127.0.0.1:{port}", 64, load_secs)), rep)
+                        keep(n, "h1_cpu", measured(pid, lambda: wrk(f"http://127.0.0.1:{port}", 64, load_secs), n), rep)
             for n in seq if "h2c" in rows else []:
                 if "h2c" in ports[n]:
                     port, pid = ports[n]["h2c"]
                     try:
-                        r = measured(pid, lambda: h2load(port, load_secs))
+                        r = measured(pid, lambda: h2load(port, load_secs), n)
                     except RuntimeError as exc:
                         b.log(f"extra rep{rep} {n} h2c: {exc!s:.300}")
                         continue
@@ -658,8 +688,8 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                     port, pid = ports[n]["tls"]
                     url = f"https://127.0.0.1:{port}"
                     try:
-                        keep(n, "tls_cpu", measured(pid, lambda: wrk(url, 64, load_secs)), rep)
-                        keep(n, "tls_c1", measured(pid, lambda: c1_latencies(port, max(2, c1_secs // 2), tls=True)),
+                        keep(n, "tls_cpu", measured(pid, lambda: wrk(url, 64, load_secs), n), rep)
+                        keep(n, "tls_c1", measured(pid, lambda: c1_latencies(port, max(2, c1_secs // 2), tls=True), n),
                              rep)
                     except (RuntimeError, OSError) as exc:
                         b.log(f"extra rep{rep} {n} tls: {exc!s:.300}")
@@ -863,6 +893,9 @@ def main() -> None:
     ap.add_argument("--extra-targets", default="nginx,vllm-rr,sglang-rr,ap-rr,ap-aff")
     ap.add_argument("--c1-secs", type=int, default=10, help="--extra: seconds of each 1-connection run")
     ap.add_argument("--extra-rows", default="c1,cpu,h2c,tls", help="--extra: which rows (c1,cpu,h2c,tls)")
+    ap.add_argument("--extra-pause-idle", action="store_true",
+                    help="--extra: SIGSTOP every target but the one measured (their pollers and health checks "
+                         "share its core), SIGCONT after")
     ap.add_argument("--ab-c1", metavar="POLICY", help="only the A/B at one connection of the --arm trees "
                     "(default: --baseline against this tree), see ab_c1")
     ap.add_argument("--arm", action="append", default=[], help="--ab-c1: NAME=TREE[,KEY=VALUE...], repeatable; "
@@ -896,7 +929,8 @@ def main() -> None:
     if a.extra:
         raw = extra_rows(a.peers_dir, a.ap_bin, a.reps, a.port_base + 700, a.c1_secs, a.duration,
                          a.extra_targets.split(","), frozenset(a.extra_rows.split(",")),
-                         os.path.abspath(a.baseline) if a.baseline else None)
+                         os.path.abspath(a.baseline) if a.baseline else None, a.extra_pause_idle)
+        raw["pause_idle"] = a.extra_pause_idle
         out = os.path.join(a.results, "peers-extra-raw-%s.json" % time.strftime("%Y%m%d-%H%M%S"))
         with open(out, "w") as f:
             json.dump(raw, f, indent=1)
