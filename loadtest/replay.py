@@ -43,7 +43,7 @@ from sim.metrics import render as render_metrics
 from sim.server import models_listing
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
-from proxy.control.peer_load import PEER_RECENT_MAX, merge_loads, own_load
+from proxy.control.peer_load import PEER_RECENT_MAX, host_view, merge_loads, own_load
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -162,8 +162,8 @@ class ReplayConfig:
     # With workers > 1 (shared load) and load_view "peers", a replica is a --workers host as the proxy runs
     # it: the workers share a SharedInflightTable (counts and the host-wide queued prefill), each has its
     # own work ledger; with peer_recent each worker publishes its own part under its own id and reads
-    # every other worker's, its host-mates' included (proxy/control/peer_load.py); without, the same
-    # rows without their entries.
+    # the other hosts' rows, its host-mates' counts and entries from the shared block (round 5;
+    # proxy/control/peer_load.py); without, the same rows without their entries.
     peer_recent: bool = True
 
 
@@ -390,15 +390,20 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
 
     def publish_hosts() -> None:
         """--workers hosts (with `peer_recent`): each worker publishes its own part (`peer_load.own_load`,
-        the proxy's own code: its epoch ticked, its row of the host's table, its own entries) and reads
-        every other worker's merged, its host-mates' included (`peer_load.merge_loads`); without
-        `peer_recent`, the same rows without their entries (round 3's sums). (Round 4's --workers host,
-        which published its host-wide sums once, was replayed at commit 70dd986: scaleout.md Round 4b.)"""
+        the proxy's own code: its epochs ticked, its row of the host's table, its own entries) and reads
+        the other hosts' rows merged (`peer_load.merge_loads`, `host_view`); its host-mates it reads from
+        the host's shared block (its policy's `_with_peers`); without `peer_recent`, the same rows without
+        their entries (round 3's sums). (Round 4's --workers host, which published its host-wide sums
+        once, was replayed at commit 70dd986; round 4b's, the mates' rows read from Redis too, at commit
+        a67f38f: scaleout.md Round 4b, Round 5.)"""
         rows = [own_load(ledger, table, names, proc_views[p]) for p, (_r, table, ledger) in enumerate(host_procs)]
         if not cfg.peer_recent:  # rows without entries (round 3's sums, per worker)
             rows = [{n: v[:3] for n, v in row.items()} for row in rows]
-        for p in range(len(host_procs)):
-            proc_views[p] = merge_loads([row for q, row in enumerate(rows) if q != p])
+        # Each worker reads the other hosts' rows (peer_load's exchange skips its host-mates', whose counts
+        # and entries its policy reads from the host's shared block: round 5), as `PeerLoadExchange` keeps it.
+        for p, (r, _table, _ledger) in enumerate(host_procs):
+            others = merge_loads([row for q, row in enumerate(rows) if host_procs[q][0] != r])
+            proc_views[p] = host_view(others, rows[p])
 
     def publish_peers() -> None:
         """Each replica's published load, summed per backend over the OTHER replicas; with `peer_recent`

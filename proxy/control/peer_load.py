@@ -76,14 +76,16 @@ Load = Mapping[str, PeerEntry]
 PEER_RECENT_MAX = 64
 
 # KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
-# the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
+# the TTL in ms, the prefix of a row's key, the prefix of its host-mates' ids ("<host>/" for a --workers
+# worker, whose mates it reads from shared memory; "" for none). Returns the other live replicas' rows.
 _EXCHANGE = """
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 local out = {}
+local mates = ARGV[5]
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if id ~= ARGV[1] then
+  if id ~= ARGV[1] and (mates == '' or string.sub(id, 1, #mates) ~= mates) then
     local row = redis.call('GET', ARGV[4] .. id)
     if row then out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
   end
@@ -116,14 +118,28 @@ def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable
     them and its own entries, as a replica of its own would."""
     work.tick()
     host = inflight if isinstance(inflight, SharedInflightTable) else None
+    if host is not None:
+        host.tick()  # the epoch of its entries in the shared block, which its host-mates read
     out: dict[str, PeerEntry] = {}
     for name in names:
         own = host.own(name) if host is not None else inflight.get(name)
         row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
         peer = seen.get(name) if seen else None
-        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
+        # The fleet's live count: its own, the other hosts' as last seen, and its host-mates' now.
+        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0)
+                + (host.mates(name)[0] if host is not None else 0))
         out[name] = (*row, work.recent(name, n))
     return out
+
+
+def host_view(others: Load, own: Load) -> dict[str, PeerEntry]:
+    """What a --workers worker's policy reads: the other hosts' merged rows, and for each backend of its
+    own row that none of them published an empty entry, so that a fresh view is never empty (an empty
+    one reads as "no view": the worker would route on the host-wide sums, not its mates' entries)."""
+    view = dict(others)
+    for name in own:
+        view.setdefault(name, (0, 0, 0.0, ()))
+    return view
 
 
 def encode_row(load: Load) -> str:
@@ -307,6 +323,11 @@ class PeerLoadExchange:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+            # Python < 3.12's asyncio.wait_for can swallow a cancellation that arrives as its inner call
+            # completes (the loop then runs on): cancel again until the task has ended. Seen with 8
+            # exchanges on a busy machine (loadtest/bench_peer_load.py), where stop() hung for good.
+            while not (await asyncio.wait({task}, timeout=0.5))[0]:
+                task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._view = None
         self._fresh_until = -math.inf
@@ -324,20 +345,22 @@ class PeerLoadExchange:
         exchange = client.register_script(_EXCHANGE)
         row_prefix = f"{cfg.key_prefix}:replica:"
         keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
+        mates = replica_id.rpartition("/")[0] + "/" if self._worker is not None else ""
         period = cfg.refresh_ms / 1000.0
         try:
             while True:
                 began = self._clock()
                 try:
-                    row = encode_row(self._load())
-                    rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
-                                                  timeout)
+                    load = self._load()
+                    rows = await asyncio.wait_for(
+                        exchange(keys=keys, args=[replica_id, encode_row(load), ttl_ms, row_prefix, mates]), timeout)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
                     self._failed(cfg, exc)
                 else:
-                    self._view = merge_rows(list(rows))
+                    merged = merge_rows(list(rows))
+                    self._view = host_view(merged, load) if self._worker is not None else merged
                     self._fresh_until = self._clock() + timeout
                     self._metrics.peers.set(len(rows))
                     self._succeeded(cfg)
