@@ -121,6 +121,17 @@ def suite(name: str) -> list[ReplayConfig]:
             for r in (4, 2):
                 cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=2, index="precise",
                                          load_view="peers", seed=seed))
+    elif name == "round5":
+        # Round 5 (a --workers host's mates read from its shared block, counts and entries of one moment;
+        # the other hosts' rows from Redis; the default refresh 20 -> 10 ms): every shared-ledger
+        # configuration of the targets again at 10 ms, three seeds, R = 4 x W = 2 first. (The same code at
+        # 20 ms: `round5-20`.)
+        for r, w in ((4, 2), (2, 2), (4, 1), (2, 1)):
+            for seed in (0, 1, 2):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
+                                         load_view="peers", peer_refresh_ms=10.0, seed=seed))
+    elif name == "round5-20":  # round 5's shared block for the mates alone, at round 4's 20 ms refresh
+        cfgs = suite("round4b")
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -338,7 +349,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
