@@ -3,10 +3,11 @@ processes, each running the proxy's own exchange (`proxy.control.peer_load.PeerL
 over a real work ledger and shared in-flight row, `encode_row`, the one Lua round trip, `merge_rows`,
 `host_view`) as `--workers` workers of `--hosts` hosts do, every backend with `--entries` live requests
 and ledger entries (a full row: the most a row carries). Measured: the CPU each process and Redis spend
-per second of wall time (process CPU time, so a busy machine slows the exchanges but hardly changes
-what each one costs), and the exchanges per second each process achieved.
+per second of wall time and per exchange (process CPU time: a busy machine slows the exchanges, so the
+achieved rate may fall short of the refresh, but hardly changes what each one costs), and from that the
+cost at the refresh's own rate.
 
-    .venv/bin/python loadtest/bench_peer_load.py --rows 8 --hosts 4 --backends 16 --entries 64 --refresh-ms 10 20
+    .venv/bin/python loadtest/bench_peer_load.py --rows 8 --hosts 4 --backends 16 --entries 64 16 --refresh-ms 10 20
 
 Results: loadtest/results/scaleout.md, Round 5.
 """
@@ -96,8 +97,17 @@ def _run(args: argparse.Namespace, refresh_ms: int, port: int) -> dict[str, floa
     time.sleep(args.duration * 0.9)
     r1, t1 = _redis_cpu(port), time.perf_counter()
     kids = [json.loads(p.communicate()[0]) for p in procs]
+    redis_per_s = (r1 - r0) / (t1 - t0)
+    total_per_s = sum(k["exchanges_per_s"] for k in kids)
+    worker_cpu_each = sum(k["cpu_per_s"] / k["exchanges_per_s"] for k in kids if k["exchanges_per_s"]) / len(kids)
+    nominal = 1000.0 / refresh_ms  # exchanges per second per process the refresh asks for
     return {
         "refresh_ms": refresh_ms,
+        # CPU per exchange (what a starved machine does not change much), and at the refresh's own rate
+        "worker_cpu_ms_per_exchange": 1000 * worker_cpu_each,
+        "redis_cpu_ms_per_exchange": 1000 * redis_per_s / total_per_s if total_per_s else 0.0,
+        "worker_cpu_at_nominal_rate": worker_cpu_each * nominal,
+        "redis_cpu_at_nominal_rate": (redis_per_s / total_per_s if total_per_s else 0.0) * nominal * args.rows,
         "redis_cpu_per_s": (r1 - r0) / (t1 - t0),
         "worker_cpu_per_s": sum(k["cpu_per_s"] for k in kids) / len(kids),
         "worker_cpu_per_s_max": max(k["cpu_per_s"] for k in kids),
@@ -120,7 +130,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="exchanging processes (rows in Redis)")
     ap.add_argument("--hosts", type=int, default=4, help="hosts they belong to (rows / hosts workers each)")
     ap.add_argument("--backends", type=int, default=16)
-    ap.add_argument("--entries", type=int, default=64, help="live requests and ledger entries per backend")
+    ap.add_argument("--entries", type=int, nargs="+", default=[64], help="live requests and ledger entries per backend")
     ap.add_argument("--refresh-ms", type=int, nargs="+", default=[10, 20])
     ap.add_argument("--duration", type=float, default=10.0, help="seconds measured per refresh")
     ap.add_argument("--warmup", type=float, default=2.0)
@@ -143,15 +153,20 @@ def main() -> None:
                     raise
                 time.sleep(0.05)
         results = []
+        entries_list = args.entries
         for _ in range(args.rounds):
-            for every in args.refresh_ms:
+            for entries, every in [(e, r) for e in entries_list for r in args.refresh_ms]:
+                args.entries = entries
                 res = _run(args, every, port)
+                res["entries"] = entries
                 results.append(res)
-                print(f"refresh {every} ms, {args.rows} rows x {args.backends} backends x {args.entries} entries: "
-                      f"Redis {100 * res['redis_cpu_per_s']:.1f}% of a core, each worker "
-                      f"{100 * res['worker_cpu_per_s']:.1f}% (max {100 * res['worker_cpu_per_s_max']:.1f}%), "
-                      f"{res['exchanges_per_s_per_worker']:.0f} exchanges/s each ({res['exchanges_per_s_total']:.0f} "
-                      f"in all), row {res['row_bytes']} bytes", flush=True)
+                print(f"refresh {every} ms, {args.rows} rows x {args.backends} backends x {args.entries} entries "
+                      f"(row {res['row_bytes']} bytes): per exchange worker {res['worker_cpu_ms_per_exchange']:.2f} ms, "
+                      f"Redis {res['redis_cpu_ms_per_exchange']:.3f} ms CPU; at {1000 / every:.0f}/s each: a worker "
+                      f"{100 * res['worker_cpu_at_nominal_rate']:.0f}% of a core, Redis "
+                      f"{100 * res['redis_cpu_at_nominal_rate']:.0f}%. Achieved {res['exchanges_per_s_per_worker']:.0f} "
+                      f"exchanges/s each: worker {100 * res['worker_cpu_per_s']:.1f}% of a core, Redis "
+                      f"{100 * res['redis_cpu_per_s']:.1f}%", flush=True)
         print(json.dumps(results))
     finally:
         redis_proc.terminate()

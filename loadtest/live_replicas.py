@@ -65,7 +65,7 @@ class LiveSpec:
     offload_chars: int | None = None
     # load_view "peers": the redis-server the replicas share their load through (routing.peer_load).
     redis_url: str | None = None
-    peer_refresh_ms: int = 20  # routing.peer_load.refresh_ms's default
+    peer_refresh_ms: int = 10  # routing.peer_load.refresh_ms's default
 
 
 def default_load_view(index: str) -> str:

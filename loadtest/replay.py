@@ -155,7 +155,7 @@ class ReplayConfig:
     # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
     load_view: str = "own"
     # load_view "peers": how often each replica publishes its load and reads the others' (a shared ledger).
-    peer_refresh_ms: float = 20.0  # routing.peer_load.refresh_ms's default
+    peer_refresh_ms: float = 10.0  # routing.peer_load.refresh_ms's default
     # load_view "peers": each replica also publishes its newest work-ledger entries with their ages, and
     # the others estimate the fleet's queued prefill from them (the proxy's routing.peer_load); False: the
     # summed per-replica estimates only (round 3's peer load).
@@ -686,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--peer-recent", action=argparse.BooleanOptionalAction, default=True,
                     help="--load-view peers: replicas also publish their newest ledger entries and read the fleet's "
                          "queued prefill from them (the proxy); --no-peer-recent: the summed estimates only (round 3)")
-    ap.add_argument("--peer-refresh-ms", type=float, default=20.0,
+    ap.add_argument("--peer-refresh-ms", type=float, default=10.0,
                     help="--load-view peers: how often each replica publishes its load and reads the others'")
     ap.add_argument("--precise-lookup", default="proxy", choices=PRECISE_LOOKUPS,
                     help="proxy: the data plane's PreciseMatcher (a long first sighting waits for its tokenisation "

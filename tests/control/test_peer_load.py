@@ -327,3 +327,20 @@ async def test_stop_ends_a_loop_that_swallowed_its_first_cancellation() -> None:
     await asyncio.sleep(0)
     await asyncio.wait_for(ex._stop_loop(), 5)
     assert swallowed == 2 and ex._task is None
+
+
+def test_a_full_row_decodes_in_one_checked_step_as_entry_by_entry() -> None:
+    """Round 5: a row as this version publishes it (every backend with its entries) is decoded and
+    checked by msgspec in one step (~7x cheaper per row); the result is the entry-by-entry parse's, and
+    anything else (NaN, an older replica's sums, a bad entry) still takes the tolerant path."""
+    from proxy.control.peer_load import encode_row, parse_row
+
+    load = {"a": (2, 200, 60.0, ((0, 30.0), (1, 7.0))), "b": (0, 0, 0.0, ())}
+    raw = encode_row(load)
+    assert json.loads(raw) == {"a": [2, 200, 60.0, [[0, 30.0], [1, 7.0]]], "b": [0, 0, 0.0, []]}
+    assert parse_row(raw) == parse_row(json.dumps(json.loads(raw))) == {
+        "a": (2, 200, 60.0, [(0, 30.0), (1, 7.0)]), "b": (0, 0, 0.0, [])}
+    got = parse_row(json.dumps({"a": [1, 1, 3, [[0, 5]]]}))  # integer tokens read as floats
+    assert got == {"a": (1, 1, 3.0, [(0, 5.0)])} and isinstance(got["a"][3][0][1], float)  # type: ignore[index, misc]  # with entries
+    assert parse_row(json.dumps({"a": [1, 1, float("nan"), []], "b": [1, 1, 1.0, [[0, 2.0]]]})) == {
+        "b": (1, 1, 1.0, [(0, 2.0)])}
