@@ -5,7 +5,7 @@ ledger miss the requests the others just sent to the same backends; what no esti
 counts gives is the size of those newest requests (loadtest/results/scaleout.md). The affinity policy
 takes an optional `peers` input for that (proxy/core/affinity.py `_with_peers`); this component fills it.
 
-What it does, every `refresh_ms` (default 20), in ONE round trip to Redis: publish this process's row
+What it does, every `refresh_ms` (default 10), in ONE round trip to Redis: publish this process's row
 (per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens, and its newest
 work-ledger entries with their ages in refreshes, `own_load`) under
 `<key_prefix>:replica:<replica id>` with a TTL of max(3 x refresh, 1 s), so a dead replica's load expires
@@ -21,9 +21,13 @@ itself, so it needs one Redis, or Sentinel, not Redis Cluster.)
 Why the entries: the fleet's queued prefill on a backend is the newest K ledger entries over every replica
 (K its live requests), which the sum of each replica's own estimate is not (requests finish out of order:
 proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one process in the replay, the
-entries at this refresh +0-2% (loadtest/results/scaleout.md, Round 4). Why 20 ms: at 50 ms the entries'
-ages and the others' live counts are too coarse (+7-11%); Redis spends ~1% of a core on 4 replicas x 16
-backends at 20 ms.
+entries at 20 ms +0-2% (loadtest/results/scaleout.md, Round 4). Why 10 ms: at 50 ms the entries' ages
+and the others' live counts are too coarse (+7-11%), and at 20 ms R = 4 hosts of --workers 2 still miss
+by +8% on one multi-turn seed (Round 5). Its cost (`loadtest/bench_peer_load.py`, a real redis-server, 8
+processes x 16 backends, on a busy 2-core machine): per exchange ~2.5 ms of a worker's CPU and ~0.2 ms of
+Redis's with full rows (64 entries a backend), ~1.1 / ~0.09 ms with 16; so at 10 ms a worker spends
+~25% (full rows) / ~11% of a core, Redis ~15% / ~7%. That is what rows are parsed with msgspec for (one
+checked decode per row, ~7x cheaper than json + entry-by-entry checks): with json, 20 ms cost ~35%.
 
 The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
@@ -37,14 +41,15 @@ shared memory (proxy/multiproc/shared_load.py): each worker's in-flight table re
 worker. But each worker's work ledger holds only the entries of the requests IT routed, and the fleet's
 newest K needs every entry. So each worker publishes its OWN part under its own id,
 `<host id>/<worker index>` (the host id: replica_id, or hostname:<supervisor pid>): its own row of the
-shared table (requests, tokens), its own estimate and its own newest entries, and reads every other
-row, its host-mates' included, as another replica's: with routing.peer_load on, a host of W workers is W
-replicas to the fleet-wide merge (the policy then counts a worker's own row of the shared table only,
-proxy/core/affinity.py `_with_peers`), each request counted once, by the worker that routed it. The
-host-wide table stays what the workers route on while Redis is not answering. Why not the host-wide
-instant counts with the mates' published entries: K then counts a mate's newest request whose entry is
-not published yet and reaches one entry further back (measured: R = 2 x W = 2 +19% TTFT mean against one
-process on one seed). Measured in the replay (loadtest/results/scaleout.md, Round 4b).
+shared table (requests, tokens), its own estimate and its own newest entries; to the other hosts a host
+of W workers is W replicas (each request counted once, by the worker that routed it). Its host-mates it
+does not read from Redis (the exchange skips ids `<host id>/...`, and `host_view` keeps the view
+non-empty): their counts and newest entries are in the host's shared block too (proxy/core/inflight.py
+`mates`, `mates_recent`), read at each pick, both of the same moment (round 4b: the host-wide instant
+counts with the mates' *published* entries, counts newer than entries, cost R = 2 x W = 2 +19% TTFT mean;
+round 4b's mates' rows from Redis lagged a refresh and, when a mate's exchange failed, dropped its
+requests after the TTL). The host-wide table stays what the workers route on while Redis is not
+answering. Measured in the replay (loadtest/results/scaleout.md, Rounds 4b and 5).
 """
 
 from __future__ import annotations
