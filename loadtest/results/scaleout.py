@@ -308,7 +308,8 @@ def plot() -> None:
         lines = (("learned", "own", 0.0, True, "tab:orange", "learned"),
                  ("precise", "engines", 0.0, True, "tab:blue", "precise, engines' counts"),
                  ("precise", "peers", 50.0, False, "tab:olive", "precise, shared ledger sums 50 ms (round 3)"),
-                 ("precise", "peers", 20.0, True, "tab:green", "precise, shared ledger entries 20 ms"))
+                 ("precise", "peers", 20.0, True, "tab:green", "precise, shared ledger entries 20 ms"),
+                 ("precise", "peers", 10.0, True, "tab:red", "precise, shared ledger entries 10 ms (round 5)"))
         for index, view, every, recent, colour, label in lines:
             for w, style in ((1, "-"), (2, "--")):
                 pts = sorted(
