@@ -104,7 +104,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
-from proxy.core.work_ledger import RecentEntry, WorkLedger
+from proxy.core.work_ledger import RecentEntry, WorkLedger, merge_recent
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -673,24 +673,23 @@ class AffinityPolicy:
         own exchange fails still counts. (The host-wide counts with the mates' *published* entries, tried
         in round 4b, cost +19%: counts newer than entries.)"""
         host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
-        if host is not None:  # its own row here; its host-mates' added from the block below
-            inflight = {n: o for n in host if (o := host.own(n)) is not None}
-        out = dict(inflight)
-        for name, entry in view.items():
-            requests, tokens = entry[0], entry[1]
-            if host is not None:
-                mates = host.mates(name)
-                requests, tokens = requests + mates[0], tokens + mates[1]
-            own = inflight.get(name)
-            if own is None:
-                out[name] = Inflight(requests, tokens)
-            else:
-                out[name] = Inflight(own.requests + requests, own.tokens + tokens)
-        if host is not None:  # backends no other host published: the mates' alone
-            for name in host:
-                if name not in view and (mates := host.mates(name)) != (0, 0):
-                    own = inflight.get(name)
-                    out[name] = Inflight(mates[0] + (own.requests if own else 0), mates[1] + (own.tokens if own else 0))
+        if host is not None:
+            # The bound: the host-wide counts now (its own row and its mates') plus the other hosts'.
+            out: dict[str, Inflight] = {n: sh for n, sh in host.items() if n not in view}
+            for name, entry in view.items():
+                sh = host.get(name)
+                out[name] = Inflight(entry[0], entry[1]) if sh is None else Inflight(
+                    sh.requests + entry[0], sh.tokens + entry[1])
+            inflight = {n: o for n in host if (o := host.own(n)) is not None}  # its own row, for the ledger
+        else:
+            out = dict(inflight)
+            for name, entry in view.items():
+                requests, tokens = entry[0], entry[1]
+                own = inflight.get(name)
+                if own is None:
+                    out[name] = Inflight(requests, tokens)
+                else:
+                    out[name] = Inflight(own.requests + requests, own.tokens + tokens)
         own_get = inflight.get
         memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
 
@@ -706,9 +705,7 @@ class AffinityPolicy:
                 if peer is not None:
                     req, tok = req + peer[0], tok + peer[1]
                 live = req + (own.requests if own is not None else 0)
-                recent = host.mates_recent(name, live)
-                if rest:
-                    recent = list(heapq.merge(recent, rest, key=lambda e: e[0]))
+                recent = merge_recent(host.mates_recent(name, live), rest, live)
                 got = work.fleet_pending(name, own, req, tok, recent)
                 if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
                     got += peer[2]

@@ -28,7 +28,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from proxy.core.decision import Inflight
 
@@ -234,6 +234,9 @@ class SharedInflightTable(InflightTable):
         self._rints, self._rfloats = layout.ring_views(buf)
         self._epoch = 0
         self._stamps_at = layout.rows + layout.slots * layout.rows
+        # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
+        # `_ring`'s last answer.
+        self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
 
     # -- reading
 
@@ -266,6 +269,7 @@ class SharedInflightTable(InflightTable):
             if self.row is not None and self._slots.get(name) != slot:
                 # A slot new to this name: its ring in this worker's row may hold another backend's entries.
                 self._rints[self.layout.rows + slot * self.layout.rows + self.row] = 0
+                self._ring_cache.clear()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -381,18 +385,34 @@ class SharedInflightTable(InflightTable):
         rows = self.layout.rows
         parts = [self._ring(slot * rows + r, r, n) for r in range(rows) if r != self.row]
         if len(parts) == 1:
-            return list(parts[0])
+            return parts[0]
         return list(islice(heapq.merge(*parts, key=lambda e: e[0]), n))
 
-    def _ring(self, cell: int, row: int, n: int) -> Iterator[tuple[int, float]]:
+    def _ring(self, cell: int, row: int, n: int) -> list[tuple[int, float]]:
+        """One worker's newest `n` entries on a slot (`cell`), newest first, as (age, tokens); the list is
+        shared with later answers (read-only)."""
         rints, depth = self._rints, self.layout.recent
         count = rints[self.layout.rows + cell]
+        k = min(n, count, depth)
+        if k <= 0:
+            return []
         now = rints[row]
+        # A mate's entries change only when it records a request there or ticks: read them again only then
+        # (the newest entry in the key too: a restarted worker's row counts from 0 again).
         base = cell * depth
-        stamps = self._stamps_at + base
-        for j in range(1, min(n, count, depth) + 1):
-            k = (count - j) % depth
-            yield max(0, now - rints[stamps + k]), self._rfloats[base + k]
+        last = (count - 1) % depth
+        key = (count, now, k, rints[self._stamps_at + base + last], self._rfloats[base + last])
+        cached = self._ring_cache.get(cell)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
+        toks = self._rfloats[base:base + depth].tolist()
+        end = count % depth  # the ring's oldest slot once full; newest first: end-1 .. 0, then depth-1 .. end
+        stamps = (stamps[:end][::-1] + stamps[end:][::-1])[:k]
+        toks = (toks[:end][::-1] + toks[end:][::-1])[:k]
+        got: list[tuple[int, float]] = [(now - e if now > e else 0, t) for e, t in zip(stamps, toks)]
+        self._ring_cache[cell] = (key, got)
+        return got
 
     def own(self, backend: str) -> Inflight | None:
         """This worker's own requests and tokens in flight on `backend` (its row only; None if none): what

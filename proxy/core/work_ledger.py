@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import islice
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 from proxy.core.decision import Inflight
@@ -48,6 +49,17 @@ from proxy.core.inflight import SharedInflight, SharedInflightTable, newest_sum,
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]
+_AGE = itemgetter(0)
+
+
+def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
+    """The newest `n` of two lists of entries each sorted by age, sorted by age (stable: `first`'s on a
+    tie): what `fleet_pending` reads of a worker's host-mates' entries and the other hosts'."""
+    if not first:
+        return second
+    if not second:
+        return first
+    return sorted([*first, *second], key=_AGE)[:n]
 
 
 class WorkLedger:

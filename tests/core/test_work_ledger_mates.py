@@ -67,3 +67,16 @@ def test_the_supervisors_read_only_view_has_no_mates() -> None:
     view = SharedInflightTable(memoryview(bytearray(layout.size)), layout, None)
     view.assign({"a": 0})
     assert view.mates("a") == (0, 0) and view.mates_recent("a", 5) == []
+
+
+def test_a_mates_new_entry_or_tick_is_read_at_once() -> None:
+    """The last read of a mate's ring is kept until the mate records or ticks (then read again)."""
+    _buf, _layout, (w0, w1, _w2) = _host(recent=4)
+    l1 = WorkLedger()
+    _send(w1, l1, "a", 10.0)
+    assert w0.mates_recent("a", 10) == [(0, 10.0)]
+    _send(w1, l1, "a", 20.0)
+    assert w0.mates_recent("a", 10) == [(0, 20.0), (0, 10.0)]
+    w1.tick()
+    assert w0.mates_recent("a", 10) == [(1, 20.0), (1, 10.0)]
+    assert w0.mates_recent("a", 1) == [(1, 20.0)]
