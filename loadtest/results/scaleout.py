@@ -130,6 +130,11 @@ def suite(name: str) -> list[ReplayConfig]:
             for seed in (0, 1, 2):
                 cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
                                          load_view="peers", peer_refresh_ms=10.0, seed=seed))
+    elif name == "round5-seeds":  # two more replica assignments for R = 4 x W = 2, at 10 and at 20 ms
+        for seed in (3, 4):
+            for every in (10.0, 20.0):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
+                                         load_view="peers", peer_refresh_ms=every, seed=seed))
     elif name == "round5-20":  # round 5's shared block for the mates alone, at round 4's 20 ms refresh
         cfgs = suite("round4b")
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
@@ -350,7 +355,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20"))
+    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
