@@ -32,9 +32,11 @@ time), `recent()` gives the newest entries as (age in epochs, tokens) for the pu
 the fleet's newest K, as one process holding every entry would.
 
 The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
-summed). With `routing.peer_load` each worker publishes its own part and reads its host-mates' rows as
-another replica's (proxy/control/peer_load.py), so `fleet_pending` is called with the worker's own row
-of the shared table as `own` and every other worker's entries, its host-mates' included, each once.
+summed). With `routing.peer_load` each worker publishes its own part for the other hosts
+(proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
+(`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
+worker's own row of the shared table as `own` and every other worker's entries, the mates' merged with
+the other hosts' (`merge_recent`), each once.
 """
 
 from __future__ import annotations
