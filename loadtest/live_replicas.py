@@ -52,6 +52,7 @@ _SERVER_LINE = re.compile(r"^(?P<name>\S+) (?P<url>http://\S+)(?P<rest>.*)$")
 class LiveSpec:
     backends: int = 4
     replicas: int = 2
+    workers: int = 1  # `run --workers W` per replica (the replay: W workers sharing a host's load block)
     index: str = "precise"
     load_view: str = "engines"
     max_model_len: int | None = 131072
@@ -65,7 +66,7 @@ class LiveSpec:
     offload_chars: int | None = None
     # load_view "peers": the redis-server the replicas share their load through (routing.peer_load).
     redis_url: str | None = None
-    peer_refresh_ms: int = 20  # routing.peer_load.refresh_ms's default
+    peer_refresh_ms: int = 10  # routing.peer_load.refresh_ms's default
 
 
 def default_load_view(index: str) -> str:
@@ -140,7 +141,7 @@ async def start_replicas(spec: LiveSpec, servers: Sequence[dict[str, Any]], work
             port, admin = free_port(), free_port()
             cfg = workdir / f"replica-{spec.index}-{r}.yaml"
             cfg.write_text(replica_config_yaml(spec, servers, port, admin))
-            run = ["run", "--config", str(cfg), "--workers", "1", "--log-level", "warning"]
+            run = ["run", "--config", str(cfg), "--workers", str(spec.workers), "--log-level", "warning"]
             if spec.offload_chars is None:
                 argv = [PYTHON, "-m", "proxy", *run]
             else:  # the same entry point with the tokenizer's threshold changed, for the diagnostic
@@ -218,7 +219,7 @@ async def drive(workload: Workload, urls: Sequence[str], spec: LiveSpec,
     records.sort(key=lambda r: r.index)
     samples = [{**s, "t": s["t"] - wall0} for s in sampler.samples]
     meta = {
-        "label": f"live affinity R{spec.replicas} {spec.index} load {spec.load_view}",
+        "label": f"live affinity R{spec.replicas}xW{spec.workers} {spec.index} load {spec.load_view}",
         "mode": "open",
         "speed": spec.speed,
         "model": MODEL,
@@ -292,7 +293,8 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
 
 def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
     return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
-                        speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas, workers=1,
+                        speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas,
+                        workers=spec.workers,
                         index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view,
                         peer_refresh_ms=float(spec.peer_refresh_ms),
                         # the proxy's precise lookup as the live replicas run it: their own offload threshold
@@ -364,7 +366,7 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
     for index in filter(None, (x.strip() for x in args.index.split(","))):
         if index not in INDEXES:
             raise SystemExit(f"--index: unknown {index!r}; known: {', '.join(INDEXES)}")
-        spec = LiveSpec(backends=args.backends, replicas=args.replicas, index=index,
+        spec = LiveSpec(backends=args.backends, replicas=args.replicas, workers=args.workers, index=index,
                         load_view=args.load_view or default_load_view(index), max_model_len=args.max_model_len,
                         speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress,
                         offload_chars=args.proxy_offload_chars)
@@ -374,9 +376,9 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
         print(f"== replay: replicas {spec.replicas}, {index}, load {spec.load_view}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         rep = await replay(workload, replay_config(spec, args.kv_event_delay_ms))
-        rs = summarize(rep, workload, label=f"replay affinity R{spec.replicas} {index} load {spec.load_view}")
+        rs = summarize(rep, workload, label=f"replay affinity R{spec.replicas}xW{spec.workers} {index} load {spec.load_view}")
         rs["replay_wall_s"] = time.perf_counter() - t0
-        title = f"affinity, {spec.replicas} replicas, {index} index, load view {spec.load_view}"
+        title = f"affinity, {spec.replicas} replicas x {spec.workers} workers, {index} index, load view {spec.load_view}"
         pairs.append((title, ls, rs))
         results.append({
             "spec": spec.__dict__, "live": brief(ls), "replay": brief(rs),
@@ -400,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--speed", type=float, default=1.0, help="time compression of the arrivals (as loadtest.run)")
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=2, help="separate `proxy run` processes; each request to a random one")
+    ap.add_argument("--workers", type=int, default=1, help="`run --workers W` per replica (the replay: --workers W)")
     ap.add_argument("--index", default="precise", help="comma list of precise (KV events on) and learned (off)")
     ap.add_argument("--load-view", choices=LOAD_VIEWS, default=None,
                     help="own | engines (routing.shared_backends); default: engines with precise, own with learned")
@@ -419,8 +422,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.speed <= 0:
         raise SystemExit("--speed must be positive")
-    if args.replicas < 1 or args.backends < 1:
-        raise SystemExit("--replicas and --backends must be >= 1")
+    if args.replicas < 1 or args.backends < 1 or args.workers < 1:
+        raise SystemExit("--replicas, --workers and --backends must be >= 1")
     import uvloop
 
     uvloop.run(main_async(args, argv))

@@ -43,7 +43,7 @@ from sim.metrics import render as render_metrics
 from sim.server import models_listing
 from sim.profiles import Profile, get_profile
 from loadtest.workloads import CHAT, Workload, build_body
-from proxy.control.peer_load import PEER_RECENT_MAX, merge_loads, own_load
+from proxy.control.peer_load import PEER_RECENT_MAX, host_view, merge_loads, own_load
 from proxy.control.poller import Poller
 from proxy.control.store import SnapshotStore
 from proxy.control.telemetry_config import TelemetryConfig
@@ -155,15 +155,15 @@ class ReplayConfig:
     # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
     load_view: str = "own"
     # load_view "peers": how often each replica publishes its load and reads the others' (a shared ledger).
-    peer_refresh_ms: float = 20.0  # routing.peer_load.refresh_ms's default
+    peer_refresh_ms: float = 10.0  # routing.peer_load.refresh_ms's default
     # load_view "peers": each replica also publishes its newest work-ledger entries with their ages, and
     # the others estimate the fleet's queued prefill from them (the proxy's routing.peer_load); False: the
     # summed per-replica estimates only (round 3's peer load).
     # With workers > 1 (shared load) and load_view "peers", a replica is a --workers host as the proxy runs
     # it: the workers share a SharedInflightTable (counts and the host-wide queued prefill), each has its
     # own work ledger; with peer_recent each worker publishes its own part under its own id and reads
-    # every other worker's, its host-mates' included (proxy/control/peer_load.py); without, the same
-    # rows without their entries.
+    # the other hosts' rows, its host-mates' counts and entries from the shared block (round 5;
+    # proxy/control/peer_load.py); without, the same rows without their entries.
     peer_recent: bool = True
 
 
@@ -391,15 +391,20 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
 
     def publish_hosts() -> None:
         """--workers hosts (with `peer_recent`): each worker publishes its own part (`peer_load.own_load`,
-        the proxy's own code: its epoch ticked, its row of the host's table, its own entries) and reads
-        every other worker's merged, its host-mates' included (`peer_load.merge_loads`); without
-        `peer_recent`, the same rows without their entries (round 3's sums). (Round 4's --workers host,
-        which published its host-wide sums once, was replayed at commit 70dd986: scaleout.md Round 4b.)"""
+        the proxy's own code: its epochs ticked, its row of the host's table, its own entries) and reads
+        the other hosts' rows merged (`peer_load.merge_loads`, `host_view`); its host-mates it reads from
+        the host's shared block (its policy's `_with_peers`); without `peer_recent`, the same rows without
+        their entries (round 3's sums). (Round 4's --workers host, which published its host-wide sums
+        once, was replayed at commit 70dd986; round 4b's, the mates' rows read from Redis too, at commit
+        a67f38f: scaleout.md Round 4b, Round 5.)"""
         rows = [own_load(ledger, table, names, proc_views[p]) for p, (_r, table, ledger) in enumerate(host_procs)]
         if not cfg.peer_recent:  # rows without entries (round 3's sums, per worker)
             rows = [{n: v[:3] for n, v in row.items()} for row in rows]
-        for p in range(len(host_procs)):
-            proc_views[p] = merge_loads([row for q, row in enumerate(rows) if q != p])
+        # Each worker reads the other hosts' rows (peer_load's exchange skips its host-mates', whose counts
+        # and entries its policy reads from the host's shared block: round 5), as `PeerLoadExchange` keeps it.
+        for p, (r, _table, _ledger) in enumerate(host_procs):
+            others = merge_loads([row for q, row in enumerate(rows) if host_procs[q][0] != r])
+            proc_views[p] = host_view(others, rows[p])
 
     def publish_peers() -> None:
         """Each replica's published load, summed per backend over the OTHER replicas; with `peer_recent`
@@ -682,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--peer-recent", action=argparse.BooleanOptionalAction, default=True,
                     help="--load-view peers: replicas also publish their newest ledger entries and read the fleet's "
                          "queued prefill from them (the proxy); --no-peer-recent: the summed estimates only (round 3)")
-    ap.add_argument("--peer-refresh-ms", type=float, default=20.0,
+    ap.add_argument("--peer-refresh-ms", type=float, default=10.0,
                     help="--load-view peers: how often each replica publishes its load and reads the others'")
     ap.add_argument("--precise-lookup", default="proxy", choices=PRECISE_LOOKUPS,
                     help="proxy: the data plane's PreciseMatcher (a long first sighting waits for its tokenisation "

@@ -5,7 +5,7 @@ ledger miss the requests the others just sent to the same backends; what no esti
 counts gives is the size of those newest requests (loadtest/results/scaleout.md). The affinity policy
 takes an optional `peers` input for that (proxy/core/affinity.py `_with_peers`); this component fills it.
 
-What it does, every `refresh_ms` (default 20), in ONE round trip to Redis: publish this process's row
+What it does, every `refresh_ms` (default 10), in ONE round trip to Redis: publish this process's row
 (per backend: in-flight requests, in-flight tokens, queued uncached prefill tokens, and its newest
 work-ledger entries with their ages in refreshes, `own_load`) under
 `<key_prefix>:replica:<replica id>` with a TTL of max(3 x refresh, 1 s), so a dead replica's load expires
@@ -21,9 +21,13 @@ itself, so it needs one Redis, or Sentinel, not Redis Cluster.)
 Why the entries: the fleet's queued prefill on a backend is the newest K ledger entries over every replica
 (K its live requests), which the sum of each replica's own estimate is not (requests finish out of order:
 proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one process in the replay, the
-entries at this refresh +0-2% (loadtest/results/scaleout.md, Round 4). Why 20 ms: at 50 ms the entries'
-ages and the others' live counts are too coarse (+7-11%); Redis spends ~1% of a core on 4 replicas x 16
-backends at 20 ms.
+entries at 20 ms +0-2% (loadtest/results/scaleout.md, Round 4). Why 10 ms: at 50 ms the entries' ages
+and the others' live counts are too coarse (+7-11%), and at 20 ms R = 4 hosts of --workers 2 still miss
+by +8% on one multi-turn seed (Round 5). Its cost (`loadtest/bench_peer_load.py`, a real redis-server, 8
+processes x 16 backends, on a busy 2-core machine): per exchange ~2.5 ms of a worker's CPU and ~0.2 ms of
+Redis's with full rows (64 entries a backend), ~1.1 / ~0.09 ms with 16; so at 10 ms a worker spends
+~25% (full rows) / ~11% of a core, Redis ~15% / ~7%. That is what rows are parsed with msgspec for (one
+checked decode per row, ~7x cheaper than json + entry-by-entry checks): with json, 20 ms cost ~35%.
 
 The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
@@ -37,14 +41,15 @@ shared memory (proxy/multiproc/shared_load.py): each worker's in-flight table re
 worker. But each worker's work ledger holds only the entries of the requests IT routed, and the fleet's
 newest K needs every entry. So each worker publishes its OWN part under its own id,
 `<host id>/<worker index>` (the host id: replica_id, or hostname:<supervisor pid>): its own row of the
-shared table (requests, tokens), its own estimate and its own newest entries, and reads every other
-row, its host-mates' included, as another replica's: with routing.peer_load on, a host of W workers is W
-replicas to the fleet-wide merge (the policy then counts a worker's own row of the shared table only,
-proxy/core/affinity.py `_with_peers`), each request counted once, by the worker that routed it. The
-host-wide table stays what the workers route on while Redis is not answering. Why not the host-wide
-instant counts with the mates' published entries: K then counts a mate's newest request whose entry is
-not published yet and reaches one entry further back (measured: R = 2 x W = 2 +19% TTFT mean against one
-process on one seed). Measured in the replay (loadtest/results/scaleout.md, Round 4b).
+shared table (requests, tokens), its own estimate and its own newest entries; to the other hosts a host
+of W workers is W replicas (each request counted once, by the worker that routed it). Its host-mates it
+does not read from Redis (the exchange skips ids `<host id>/...`, and `host_view` keeps the view
+non-empty): their counts and newest entries are in the host's shared block too (proxy/core/inflight.py
+`mates`, `mates_recent`), read at each pick, both of the same moment (round 4b: the host-wide instant
+counts with the mates' *published* entries, counts newer than entries, cost R = 2 x W = 2 +19% TTFT mean;
+round 4b's mates' rows from Redis lagged a refresh and, when a mate's exchange failed, dropped its
+requests after the TTL). The host-wide table stays what the workers route on while Redis is not
+answering. Measured in the replay (loadtest/results/scaleout.md, Rounds 4b and 5).
 """
 
 from __future__ import annotations
@@ -53,12 +58,14 @@ import asyncio
 import json
 import logging
 import math
+import operator
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Annotated, Any, Callable, Iterable, Mapping
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.affinity import PeerEntry
@@ -76,14 +83,16 @@ Load = Mapping[str, PeerEntry]
 PEER_RECENT_MAX = 64
 
 # KEYS[1]: the set of replica ids, KEYS[2]: this replica's row. ARGV: this replica's id, its row (JSON),
-# the TTL in ms, the prefix of a row's key. Returns the other live replicas' rows.
+# the TTL in ms, the prefix of a row's key, the prefix of its host-mates' ids ("<host>/" for a --workers
+# worker, whose mates it reads from shared memory; "" for none). Returns the other live replicas' rows.
 _EXCHANGE = """
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.call('SADD', KEYS[1], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 local out = {}
+local mates = ARGV[5]
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  if id ~= ARGV[1] then
+  if id ~= ARGV[1] and (mates == '' or string.sub(id, 1, #mates) ~= mates) then
     local row = redis.call('GET', ARGV[4] .. id)
     if row then out[#out + 1] = row else redis.call('SREM', KEYS[1], id) end
   end
@@ -92,6 +101,7 @@ return out
 """
 
 _LOG_EVERY_S = 30.0
+_AGE = operator.itemgetter(0)
 
 
 def default_replica_id(host_shared: bool) -> str:
@@ -116,20 +126,44 @@ def own_load(work: WorkLedger, inflight: Mapping[str, Inflight], names: Iterable
     them and its own entries, as a replica of its own would."""
     work.tick()
     host = inflight if isinstance(inflight, SharedInflightTable) else None
+    if host is not None:
+        host.tick()  # the epoch of its entries in the shared block, which its host-mates read
     out: dict[str, PeerEntry] = {}
     for name in names:
         own = host.own(name) if host is not None else inflight.get(name)
         row = (0, 0, 0.0) if own is None else (own.requests, own.tokens, work.pending(name, own))
         peer = seen.get(name) if seen else None
-        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0))
+        # The fleet's live count: its own, the other hosts' as last seen, and its host-mates' now.
+        n = min(PEER_RECENT_MAX, row[0] + (peer[0] if peer is not None else 0)
+                + (host.mates(name)[0] if host is not None else 0))
         out[name] = (*row, work.recent(name, n))
     return out
 
 
+def host_view(others: Load, own: Load) -> dict[str, PeerEntry]:
+    """What a --workers worker's policy reads: the other hosts' merged rows, and for each backend of its
+    own row that none of them published an empty entry, so that a fresh view is never empty (an empty
+    one reads as "no view": the worker would route on the host-wide sums, not its mates' entries)."""
+    view = dict(others)
+    for name in own:
+        view.setdefault(name, (0, 0, 0.0, ()))
+    return view
+
+
 def encode_row(load: Load) -> str:
-    """A row as published (JSON: backend -> [requests, tokens, queued] or [..., [[age, tokens], ...]])."""
-    return json.dumps({n: [*v[:3], [list(e) for e in v[3]]] if len(v) > 3 else list(v)
-                       for n, v in load.items()}, separators=(",", ":"))
+    """A row as published (JSON: backend -> [requests, tokens, queued] or [..., [[age, tokens], ...]];
+    msgspec writes tuples as arrays, the same JSON as json.dumps at a fraction of its CPU)."""
+    return _ENCODER.encode(load).decode()
+
+
+_ENCODER = msgspec.json.Encoder()
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Tokens = Annotated[float, msgspec.Meta(ge=0)]  # JSON has no NaN or infinity: msgspec refuses them
+# A row as this version publishes it (every backend with its entries): decoded and checked in C. Any
+# other row (an older replica's sums, anything malformed) takes `parse_row`'s slower path, which keeps
+# the well-formed backends of a row. Per row of 16 backends x 64 entries: ~0.05 ms against ~0.35 ms.
+_FULL_ROW = msgspec.json.Decoder(dict[str, tuple[_Count, _Count, _Tokens, Annotated[
+    list[tuple[_Count, _Tokens]], msgspec.Meta(max_length=PEER_RECENT_MAX)]]])
 
 
 def _recent(raw: Any) -> list[RecentEntry] | None:
@@ -153,6 +187,10 @@ def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
     """One published row (JSON: backend -> [requests, tokens, queued] or [requests, tokens, queued,
     [[age, tokens], ...]]) as load, or None if it is not a JSON object; a malformed backend entry is
     dropped (raises nothing: it comes from the network)."""
+    try:
+        return _FULL_ROW.decode(raw)  # type: ignore[return-value]  # the entries as a list: a Sequence
+    except (msgspec.DecodeError, UnicodeDecodeError, TypeError):  # ValidationError is a DecodeError
+        pass
     try:
         row = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -199,7 +237,7 @@ def merge_loads(loads: Iterable[Load]) -> dict[str, PeerEntry]:
     for name, sums in out.items():
         entries = recent.get(name)
         # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
-        merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=lambda e: e[0])))
+        merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=_AGE)))
     return merged
 
 
@@ -307,6 +345,11 @@ class PeerLoadExchange:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
+            # Python < 3.12's asyncio.wait_for can swallow a cancellation that arrives as its inner call
+            # completes (the loop then runs on): cancel again until the task has ended. Seen with 8
+            # exchanges on a busy machine (loadtest/bench_peer_load.py), where stop() hung for good.
+            while not (await asyncio.wait({task}, timeout=0.5))[0]:
+                task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         self._view = None
         self._fresh_until = -math.inf
@@ -324,20 +367,22 @@ class PeerLoadExchange:
         exchange = client.register_script(_EXCHANGE)
         row_prefix = f"{cfg.key_prefix}:replica:"
         keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
+        mates = replica_id.rpartition("/")[0] + "/" if self._worker is not None else ""
         period = cfg.refresh_ms / 1000.0
         try:
             while True:
                 began = self._clock()
                 try:
-                    row = encode_row(self._load())
-                    rows = await asyncio.wait_for(exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix]),
-                                                  timeout)
+                    load = self._load()
+                    rows = await asyncio.wait_for(
+                        exchange(keys=keys, args=[replica_id, encode_row(load), ttl_ms, row_prefix, mates]), timeout)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
                     self._failed(cfg, exc)
                 else:
-                    self._view = merge_rows(list(rows))
+                    merged = merge_rows(list(rows))
+                    self._view = host_view(merged, load) if self._worker is not None else merged
                     self._fresh_until = self._clock() + timeout
                     self._metrics.peers.set(len(rows))
                     self._succeeded(cfg)

@@ -104,7 +104,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
-from proxy.core.work_ledger import RecentEntry, WorkLedger
+from proxy.core.work_ledger import RecentEntry, WorkLedger, merge_recent
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -794,25 +794,31 @@ class AffinityPolicy:
         the fleet's newest K merged by age (`WorkLedger.fleet_pending`: summing each replica's own
         estimate instead cost R = 4 +11% TTFT mean on the multi-turn Mooncake load,
         loadtest/results/scaleout.md Round 4); without them (an older replica's row), this process's own
-        estimate plus their published sum. A --workers worker (`inflight` the host-wide shared table)
-        counts its own row of it only: each worker publishes its own part (`peer_load.own_load`), so its
-        host-mates' requests and entries are in the view like another replica's, each counted once, the
-        counts as old as the entries (the host-wide instant counts with the mates' published entries,
-        tried first, cost R = 2 x W = 2 +19% TTFT mean on one seed: K then counts a mate's newest
-        request whose entry is not published yet, and reaches one entry further back)."""
-        if isinstance(inflight, SharedInflightTable):
-            # A --workers worker: its own requests only; its host-mates' come with their rows (the
-            # host-wide table's instant counts would be newer than the mates' entries: measured worse).
-            host = inflight
-            inflight = {n: o for n in host if (o := host.own(n)) is not None}
-        out = dict(inflight)
-        for name, entry in view.items():
-            requests, tokens = entry[0], entry[1]
-            own = inflight.get(name)
-            if own is None:
-                out[name] = Inflight(requests, tokens)
-            else:
-                out[name] = Inflight(own.requests + requests, own.tokens + tokens)
+        estimate plus their published sum. A --workers worker (`inflight` its row of the host-wide shared
+        table) reads its host-mates from the shared block, counts and ledger entries of one moment
+        (`SharedInflightTable.mates`, `.mates_recent`), and the other hosts from the view (its mates' rows
+        are not in it: peer_load's exchange skips them): instant where a published row lags by up to a
+        refresh (R = 4 x W = 2 +9% TTFT mean with the mates' rows, scaleout.md Round 5), and a mate whose
+        own exchange fails still counts. (The host-wide counts with the mates' *published* entries, tried
+        in round 4b, cost +19%: counts newer than entries.)"""
+        host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
+        if host is not None:
+            # The bound: the host-wide counts now (its own row and its mates') plus the other hosts'.
+            out: dict[str, Inflight] = {n: sh for n, sh in host.items() if n not in view}
+            for name, entry in view.items():
+                sh = host.get(name)
+                out[name] = Inflight(entry[0], entry[1]) if sh is None else Inflight(
+                    sh.requests + entry[0], sh.tokens + entry[1])
+            inflight = {n: o for n in host if (o := host.own(n)) is not None}  # its own row, for the ledger
+        else:
+            out = dict(inflight)
+            for name, entry in view.items():
+                requests, tokens = entry[0], entry[1]
+                own = inflight.get(name)
+                if own is None:
+                    out[name] = Inflight(requests, tokens)
+                else:
+                    out[name] = Inflight(own.requests + requests, own.tokens + tokens)
         own_get = inflight.get
         memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
 
@@ -822,7 +828,17 @@ class AffinityPolicy:
                 return got
             peer = view.get(name)
             own = own_get(name)
-            if peer is None:
+            if host is not None:  # the mates' entries now, and the other hosts' (sorted by age, ties mates first)
+                req, tok = host.mates(name)
+                rest: Sequence[RecentEntry] = peer[3] if peer is not None and len(peer) > 3 else ()
+                if peer is not None:
+                    req, tok = req + peer[0], tok + peer[1]
+                live = req + (own.requests if own is not None else 0)
+                recent = merge_recent(host.mates_recent(name, live), rest, live)
+                got = work.fleet_pending(name, own, req, tok, recent)
+                if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
+                    got += peer[2]
+            elif peer is None:
                 got = work.pending(name, own)
             elif len(peer) > 3:
                 got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])

@@ -14,12 +14,17 @@ same word and no lock or atomic is needed. Aligned 8-byte loads and stores are s
 64-bit platforms Python runs the proxy on, so a reader sees each cell either before or after a write,
 never torn; a sum over the rows may be one update old, like any counter read concurrently. What each row
 holds per backend: the worker's requests and tokens in flight, and its share of the queued uncached
-prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py). This
-module only interprets a buffer; it creates no shared memory itself.
+prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py), and
+its newest `recent` ledger entries (uncached tokens, stamped with the worker's refresh epoch) in a ring,
+with the worker's current epoch: with routing.peer_load a worker reads its host-mates' entries and counts
+from here, both of one moment, rather than as they last published them to Redis (`mates`, `mates_recent`;
+proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates no shared memory
+itself.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -102,36 +107,60 @@ class RecentWork:
         return total
 
 
+# The ledger entries of each worker a host-mate can read (the fleet's newest K rarely needs more of one
+# process's; the same bound as a published row's, proxy/control/peer_load.py PEER_RECENT_MAX).
+RECENT_RING = 64
+
+
 @dataclass(frozen=True)
 class SharedLayout:
     """Where each cell lives in the shared buffer: `rows` workers x `slots` backends.
 
     int64 cells: requests[slot][row], tokens[slot][row], total_requests[row]; then float64 cells:
-    queued[slot][row]. A backend's rows are adjacent, so a read sums one short contiguous run.
+    queued[slot][row]. A backend's rows are adjacent, so a read sums one short contiguous run. Then the
+    ledger rings (`recent` entries per worker and backend): int64 epoch[row] (each worker's refresh
+    count), appended[slot][row] (entries ever appended to the ring), stamp[slot][row][recent] (the epoch
+    of each entry); float64 tokens[slot][row][recent].
     """
 
     rows: int
     slots: int
+    recent: int = RECENT_RING
 
     def __post_init__(self) -> None:
-        if self.rows < 1 or self.slots < 1:
-            raise ValueError(f"a shared in-flight layout needs rows >= 1 and slots >= 1, got {self}")
+        if self.rows < 1 or self.slots < 1 or self.recent < 1:
+            raise ValueError(f"a shared in-flight layout needs rows, slots and recent >= 1, got {self}")
 
     @property
     def int_cells(self) -> int:
         return 2 * self.slots * self.rows + self.rows
 
     @property
-    def size(self) -> int:
-        """Bytes the buffer must have."""
+    def _base(self) -> int:
         return 8 * (self.int_cells + self.slots * self.rows)
 
+    @property
+    def ring_int_cells(self) -> int:
+        return self.rows + self.slots * self.rows * (1 + self.recent)
+
+    @property
+    def size(self) -> int:
+        """Bytes the buffer must have."""
+        return self._base + 8 * (self.ring_int_cells + self.slots * self.rows * self.recent)
+
     def views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
-        """The int64 and float64 cells of `buf`."""
+        """The int64 and float64 cells of `buf` (in-flight work and queued prefill)."""
         if len(buf) < self.size:
             raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
         split = 8 * self.int_cells
-        return buf[:split].cast("q"), buf[split:self.size].cast("d")
+        return buf[:split].cast("q"), buf[split:self._base].cast("d")
+
+    def ring_views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
+        """The ledger rings' int64 cells (epochs, counts, stamps) and float64 cells (tokens) of `buf`."""
+        if len(buf) < self.size:
+            raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
+        split = self._base + 8 * self.ring_int_cells
+        return buf[self._base:split].cast("q"), buf[split:self.size].cast("d")
 
 
 class SharedInflight(Inflight):
@@ -201,6 +230,13 @@ class SharedInflightTable(InflightTable):
         self._local_total = 0
         self._ledger_depth = ledger_depth
         self._ledger: dict[str, RecentWork] = {}
+        # The ledger rings (see SharedLayout): this worker's refresh epoch (`tick`) and where its rows start.
+        self._rints, self._rfloats = layout.ring_views(buf)
+        self._epoch = 0
+        self._stamps_at = layout.rows + layout.slots * layout.rows
+        # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
+        # `_ring`'s last answer.
+        self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
 
     # -- reading
 
@@ -230,6 +266,10 @@ class SharedInflightTable(InflightTable):
                 raise ValueError(f"slot {slot} of {name!r} outside the layout's {self.layout.slots} slots")
             if self._slots.get(name) == slot and name in self:
                 continue
+            if self.row is not None and self._slots.get(name) != slot:
+                # A slot new to this name: its ring in this worker's row may hold another backend's entries.
+                self._rints[self.layout.rows + slot * self.layout.rows + self.row] = 0
+                self._ring_cache.clear()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -306,6 +346,73 @@ class SharedInflightTable(InflightTable):
         held = self._own.get(backend)
         if held is not None and held[0] >= 0:
             self._floats[held[0]] = recent.estimate(held[1].requests, held[1].tokens)
+        slot = self._slots.get(backend)
+        if slot is not None and self.row is not None:  # the ring the host-mates read (`mates_recent`)
+            rows, depth = self.layout.rows, self.layout.recent
+            cell = slot * rows + self.row
+            n = self._rints[rows + cell]
+            at = cell * depth + n % depth
+            self._rints[self._stamps_at + at] = self._epoch
+            self._rfloats[at] = tokens
+            self._rints[rows + cell] = n + 1  # last: a reader that sees the count sees the entry
+
+    def tick(self) -> None:
+        """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the
+        ring's entries are stamped with, published for the host-mates' ages."""
+        self._epoch += 1
+        if self.row is not None:
+            self._rints[self.row] = self._epoch
+
+    def mates(self, backend: str) -> tuple[int, int]:
+        """The other workers' requests and tokens in flight on `backend`, now (its slot's other rows)."""
+        slot = self._slots.get(backend)
+        if slot is None or self.row is None:
+            return 0, 0
+        rows = self.layout.rows
+        a = slot * rows
+        b = a + self._tok_off
+        ints = self._ints
+        return (sum(ints[a:a + rows]) - ints[a + self.row], sum(ints[b:b + rows]) - ints[b + self.row])
+
+    def mates_recent(self, backend: str, n: int) -> list[tuple[int, float]]:
+        """The other workers' newest ledger entries on `backend`, now, as (age in their refresh epochs,
+        tokens), newest first over all of them (at most `n`, and `layout.recent` of each): with their
+        counts from `mates`, one moment's view of the host-mates (a published row's entries and counts
+        are as old as each other too: counts newer than entries were measured to hurt, scaleout.md 4b)."""
+        slot = self._slots.get(backend)
+        if slot is None or self.row is None or n <= 0:
+            return []
+        rows = self.layout.rows
+        parts = [self._ring(slot * rows + r, r, n) for r in range(rows) if r != self.row]
+        if len(parts) == 1:
+            return parts[0]
+        return list(islice(heapq.merge(*parts, key=lambda e: e[0]), n))
+
+    def _ring(self, cell: int, row: int, n: int) -> list[tuple[int, float]]:
+        """One worker's newest `n` entries on a slot (`cell`), newest first, as (age, tokens); the list is
+        shared with later answers (read-only)."""
+        rints, depth = self._rints, self.layout.recent
+        count = rints[self.layout.rows + cell]
+        k = min(n, count, depth)
+        if k <= 0:
+            return []
+        now = rints[row]
+        # A mate's entries change only when it records a request there or ticks: read them again only then
+        # (the newest entry in the key too: a restarted worker's row counts from 0 again).
+        base = cell * depth
+        last = (count - 1) % depth
+        key = (count, now, k, rints[self._stamps_at + base + last], self._rfloats[base + last])
+        cached = self._ring_cache.get(cell)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
+        toks = self._rfloats[base:base + depth].tolist()
+        end = count % depth  # the ring's oldest slot once full; newest first: end-1 .. 0, then depth-1 .. end
+        stamps = (stamps[:end][::-1] + stamps[end:][::-1])[:k]
+        toks = (toks[:end][::-1] + toks[end:][::-1])[:k]
+        got: list[tuple[int, float]] = [(now - e if now > e else 0, t) for e, t in zip(stamps, toks)]
+        self._ring_cache[cell] = (key, got)
+        return got
 
     def own(self, backend: str) -> Inflight | None:
         """This worker's own requests and tokens in flight on `backend` (its row only; None if none): what
@@ -332,6 +439,10 @@ def clear_row(buf: memoryview, layout: SharedLayout, row: int) -> None:
         ints[layout.slots * rows + i] = 0
         floats[i] = 0.0
     ints[2 * layout.slots * rows + row] = 0
+    rints, _ = layout.ring_views(buf)
+    rints[row] = 0
+    for slot in range(layout.slots):
+        rints[rows + slot * rows + row] = 0
 
 
 def slot_is_idle(buf: memoryview, layout: SharedLayout, slot: int) -> bool:

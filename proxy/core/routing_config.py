@@ -133,7 +133,7 @@ class PeerLoadConfig:
     input). A replica that stops publishing drops out after max(3 x refresh_ms, 1 s)."""
 
     redis_url: str | None = None  # redis://host:6379/0, rediss://... (TLS), unix:///path.sock; null: off
-    refresh_ms: int = field(default=20, metadata={"ge": 10, "le": 60000})
+    refresh_ms: int = field(default=10, metadata={"ge": 10, "le": 60000})  # 20 -> 10: scaleout.md Round 5
     key_prefix: str = field(default="affinity-proxy:peer-load", metadata={"min_len": 1})
     # This process's row name; null: hostname:pid (the --workers supervisor's pid in a worker, whose host
     # shares its load in memory and so publishes one host-wide row).

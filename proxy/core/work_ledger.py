@@ -32,15 +32,18 @@ time), `recent()` gives the newest entries as (age in epochs, tokens) for the pu
 the fleet's newest K, as one process holding every entry would.
 
 The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
-summed). With `routing.peer_load` each worker publishes its own part and reads its host-mates' rows as
-another replica's (proxy/control/peer_load.py), so `fleet_pending` is called with the worker's own row
-of the shared table as `own` and every other worker's entries, its host-mates' included, each once.
+summed). With `routing.peer_load` each worker publishes its own part for the other hosts
+(proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
+(`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
+worker's own row of the shared table as `own` and every other worker's entries, the mates' merged with
+the other hosts' (`merge_recent`), each once.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from itertools import islice
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 from proxy.core.decision import Inflight
@@ -48,6 +51,17 @@ from proxy.core.inflight import SharedInflight, SharedInflightTable, newest_sum,
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]
+_AGE = itemgetter(0)
+
+
+def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
+    """The newest `n` of two lists of entries each sorted by age, sorted by age (stable: `first`'s on a
+    tie): what `fleet_pending` reads of a worker's host-mates' entries and the other hosts'."""
+    if not first:
+        return second
+    if not second:
+        return first
+    return sorted([*first, *second], key=_AGE)[:n]
 
 
 class WorkLedger:

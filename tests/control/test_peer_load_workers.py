@@ -1,8 +1,9 @@
-"""The shared ledger (routing.peer_load) with a `--workers 2` host (issue 13, round 4b): each worker
-publishes its own part of the host (its own row of the shared table, its own ledger entries) under its
-own id and reads every other row, its host-mate's included, counting its own row of the shared table
-only. Then every process's estimate of a backend's queued prefill is the one a single process holding
-every ledger entry reads, and its in-flight count is the fleet's, each request counted once. (Before: a
+"""The shared ledger (routing.peer_load) with a `--workers 2` host (issue 13, rounds 4b and 5): each
+worker publishes its own part of the host (its own row of the shared table, its own ledger entries) under
+its own id; it reads the other hosts' rows from Redis and its host-mates' counts and entries from the
+host's shared block (round 5: instant, and there whether or not the mate's own exchange works). Then
+every process's estimate of a backend's queued prefill is the one a single process holding every ledger
+entry reads, and its in-flight count is the fleet's, each request counted once. (Before round 4b: a
 --workers host published its sums only, and its own workers read the sum of each one's newest k_w: not
 additive, loadtest/results/scaleout.md.)"""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.control.peer_load import encode_row, merge_rows, own_load, worker_replica_id
+from proxy.control.peer_load import encode_row, host_view, merge_rows, own_load, worker_replica_id
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight, Reason
 from proxy.core.inflight import InflightTable, SharedInflightTable, SharedLayout
@@ -46,6 +47,9 @@ class _World:
             while epoch < at:
                 for led in (self.one, *self.ledgers.values()):
                     led.tick()
+                for t in (self.tables["w0"], self.tables["w1"]):
+                    assert isinstance(t, SharedInflightTable)
+                    t.tick()  # the epoch of the shared block's entries, ticked with the ledger by own_load
                 epoch += 1
             for led, table in ((self.one, self.one_table), (self.ledgers[who], self.tables[who])):
                 led.record(backend, tokens, table)
@@ -64,9 +68,18 @@ class _World:
         return rows
 
 
+HOST = {"w0": "a", "w1": "a", "B": "B"}
+
+
 def views(rows: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """What each process reads: every other process's row."""
-    return {w: merge_rows([row for o, row in rows.items() if o != w]) for w in rows}
+    """What each process reads from Redis: every other host's rows (a worker's exchange skips its
+    host-mates', `peer_load._EXCHANGE`), for a worker with an empty entry for each of its backends
+    none of them published (`host_view`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for w in rows:
+        merged = merge_rows([row for o, row in rows.items() if HOST[o] != HOST[w]])
+        out[w] = merged if w == "B" else host_view(merged, merge_rows([rows[w]]))
+    return out
 
 
 def test_each_process_reads_the_one_ledger_estimate_and_counts_each_request_once() -> None:
@@ -88,8 +101,8 @@ def test_each_process_reads_the_one_ledger_estimate_and_counts_each_request_once
 
 
 def test_a_host_alone_reads_its_workers_entries_as_one_process() -> None:
-    """R = 1 x W = 2 with routing.peer_load on: the host-mate's row makes the workers' estimate the
-    single process's."""
+    """R = 1 x W = 2 with routing.peer_load on: no other host's row, the host-mate's entries from the
+    shared block make the workers' estimate the single process's."""
     world = _World("gpu", ["gpu"])
     rows = world.rows()
     # Without B: drop its request from the reference by reading the host's own entries only.
@@ -97,10 +110,32 @@ def test_a_host_alone_reads_its_workers_entries_as_one_process() -> None:
     for _at, who, tokens, _live in SENDS:
         if who != "B":
             host_only.record("gpu", tokens)
-    view = merge_rows([rows["w1"]])
+    view = host_view({}, merge_rows([rows["w0"]]))
+    assert view  # fresh and not empty: the policy reads it (an empty view reads as none)
+    for who in ("w0", "w1"):
+        merged, pending = AffinityPolicy._with_peers(view, world.tables[who], world.ledgers[who])
+        assert merged["gpu"].requests == 3, who
+        assert pending("gpu", merged["gpu"]) == host_only.pending("gpu", Inflight(3, 3 * TOKENS)) == 1200.0, who
+
+
+def test_a_mate_without_a_row_in_redis_still_counts() -> None:
+    """A worker whose exchange with Redis fails (its row expired after its TTL) used to vanish from its
+    host-mates' load: they counted their own row of the shared table plus the rows in Redis. Now the
+    mates' counts and entries come from the shared block: w0 reads only B's row and still sees w1's
+    live requests and their prefill, now, the one-ledger estimate (round 4b's code: 2 requests, 700)."""
+    world = _World("gpu", ["gpu", "other"])
+    rows = world.rows()
+    one = world.one.pending("gpu", world.one_table["gpu"])
+    view = host_view(merge_rows([rows["B"]]), merge_rows([rows["w0"]]))  # no row of w1 anywhere
     merged, pending = AffinityPolicy._with_peers(view, world.tables["w0"], world.ledgers["w0"])
-    assert merged["gpu"].requests == 3
-    assert pending("gpu", merged["gpu"]) == host_only.pending("gpu", Inflight(3, 3 * TOKENS)) == 1200.0
+    assert merged["gpu"].requests == 4 and merged["gpu"].tokens == 4 * TOKENS
+    assert pending("gpu", merged["gpu"]) == one == 1400.0
+    # And a request w1 sends now, before any refresh, is in w0's next pick at once.
+    w1 = world.tables["w1"]
+    world.ledgers["w1"].record("other", 900.0, w1)
+    w1.acquire("other", TOKENS)
+    merged, pending = AffinityPolicy._with_peers(view, world.tables["w0"], world.ledgers["w0"])
+    assert merged["other"].requests == 1 and pending("other", merged["other"]) == 900.0
 
 
 def test_the_workers_policy_keeps_a_new_prompt_home_where_the_host_sums_move_it() -> None:
@@ -111,14 +146,14 @@ def test_the_workers_policy_keeps_a_new_prompt_home_where_the_host_sums_move_it(
     rows = world.rows()
     # The other backends busy elsewhere (so that the request bound lets the home take one more).
     others = {n: (3, 300, 0.0, ((0, 0.0), (0, 0.0), (0, 0.0))) for n in snap.names if n != home}
-    view = {**merge_rows([rows["B"], rows["w1"]]), **others}
+    view = {**merge_rows([rows["B"]]), **others}  # w0's view: the other host; its mate w1 from the block
     pol = AffinityPolicy(RoutingConfig(), work=world.ledgers["w0"], peers=lambda: view)
     d = pol.pick(p, snap, world.tables["w0"])
     assert d.backend == home and d.reason is Reason.HASH
     # Rows without entries (the sums only: an older replica's, or round 4's --workers host's).
     world = _World(home, list(snap.names))  # afresh: the pick above recorded its request
     rows = world.rows()
-    sums = {n: v[:3] for n, v in {**merge_rows([rows["B"], rows["w1"]]), **others}.items()}
+    sums = {n: v[:3] for n, v in {**merge_rows([rows["B"]]), **others}.items()}
     old = AffinityPolicy(RoutingConfig(), work=world.ledgers["w0"], peers=lambda: sums)
     d2 = old.pick(p, snap, world.tables["w0"])
     assert d2.backend != home and d2.reason is Reason.OVERLOAD_FALLBACK

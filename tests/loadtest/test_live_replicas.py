@@ -28,7 +28,7 @@ def test_replica_config_parses_with_kv_events_for_every_backend() -> None:
     peers = parse_config(replica_config_yaml(LiveSpec(backends=3, load_view="peers", redis_url="redis://127.0.0.1:6400/0"),
                                              servers, 8080, 8081))
     assert peers.routing.shared_backends is True  # the fallback while Redis does not answer
-    assert peers.routing.peer_load.redis_url == "redis://127.0.0.1:6400/0" and peers.routing.peer_load.refresh_ms == 20
+    assert peers.routing.peer_load.redis_url == "redis://127.0.0.1:6400/0" and peers.routing.peer_load.refresh_ms == 10
 
 
 async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
