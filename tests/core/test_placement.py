@@ -7,6 +7,8 @@ from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight, Reason
 from proxy.core.kv_index import KVIndex, PreciseMatch
 from proxy.core.placement import oldest_lru
+from proxy.core.request import RequestSummary
+from proxy.core.snapshot import Snapshot
 from proxy.core.routing_config import AffinityConfig, RoutingConfig
 from proxy.core.work_ledger import WorkLedger
 
@@ -87,13 +89,18 @@ def _policy(band: int, match: PreciseMatch, work: WorkLedger | None = None) -> A
     return AffinityPolicy(cfg, precise=lambda req: match, work=work)
 
 
-def test_a_new_prompt_goes_where_the_oldest_kv_is_evicted() -> None:
+def _four_backends() -> tuple[Snapshot, list[str], RequestSummary, str, str, dict[str, int]]:
+    """A 4-backend fleet, a new prompt, its hash home, another backend evicting the oldest KV, the fronts."""
     snap = fleet(4)
     names = [b.name for b in snap.backends]
     req = prompt("word " * 400)
     home = AffinityPolicy().pick(req, snap, {}).backend
     oldest = next(n for n in names if n != home)
-    fronts = {n: (5 if n == oldest else 50) for n in names}
+    return snap, names, req, home, oldest, {n: (5 if n == oldest else 50) for n in names}
+
+
+def test_a_new_prompt_goes_where_the_oldest_kv_is_evicted() -> None:
+    snap, names, req, home, oldest, fronts = _four_backends()
     nothing = {n: 0 for n in names}
     d = _policy(2048, PreciseMatch(400, nothing, 16, fronts)).pick(req, snap, {})
     assert d.backend == oldest and d.reason is Reason.OVERLOAD_FALLBACK
@@ -107,12 +114,7 @@ def test_a_new_prompt_goes_where_the_oldest_kv_is_evicted() -> None:
 
 
 def test_the_band_bounds_the_queue_it_accepts_and_held_prompts_are_left_alone() -> None:
-    snap = fleet(4)
-    names = [b.name for b in snap.backends]
-    req = prompt("word " * 400)
-    home = AffinityPolicy().pick(req, snap, {}).backend
-    oldest = next(n for n in names if n != home)
-    fronts = {n: (5 if n == oldest else 50) for n in names}
+    snap, names, req, home, oldest, fronts = _four_backends()
     work = WorkLedger()
     work.record(oldest, 3000.0)
     inflight = {oldest: Inflight(1, 3000)}
