@@ -12,7 +12,8 @@ cost at the refresh's own rate.
 `--replay-check SUITE LOAD SEED` re-runs `loadtest/results/scaleout.py run SUITE --only mooncake --load LOAD
 --seed SEED` in this tree (or BENCH_TREE's) without writing, and compares every row with the one recorded in
 scaleout.jsonl: every field but the replay's own CPU time must be identical (a faster peer load must not
-change one decision).
+change one decision; rows recorded before round 5's fix of the LRU bound also differ in bound_* and
+hit_vs_bound). With REPLAY_CHECK_OUT=FILE every row is also appended to FILE, to compare two trees' runs.
 
 `--pick` measures the other side, a pick (`AffinityPolicy.pick`) with the peer view, in a --workers
 worker of one of 4 hosts x 2 workers (16 backends, `--live` requests in flight per backend and process,
@@ -296,6 +297,10 @@ def _replay_check(suite_name: str, load: str, seed: int) -> int:
             s = so.summarize(result, wl, label=f"{cfg.policy}{so.scaleout_label(cfg)}")
             row = {"reasons": result.meta["reasons"],
                    **{k: v for k, v in s.items() if isinstance(v, (int, float, str)) or v is None}}
+            dump = os.environ.get("REPLAY_CHECK_OUT")  # every field, to compare two trees' runs
+            if dump:
+                with open(dump, "a") as fh:
+                    fh.write(json.dumps({"key": key, **row}) + "\n")
             old = recorded.get(key)
             if old is None:
                 print(f"NOT RECORDED {key}")

@@ -801,13 +801,12 @@ class AffinityPolicy:
         refresh (R = 4 x W = 2 +9% TTFT mean with the mates' rows, scaleout.md Round 5), and a mate whose
         own exchange fails still counts. (The host-wide counts with the mates' *published* entries, tried
         in round 4b, cost +19%: counts newer than entries.)"""
+        fleet = work.fleet_view(view, inflight)  # `pending`: what it keeps between picks, see WorkLedger
         host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
-        memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
         if host is not None:
             # The bound: the host-wide counts now (its own row and its mates', every slot read at once)
             # plus the other hosts'.
-            rs, ts, own_rs, own_ts = host.slot_counts()
-            slots = host.slot_map
+            rs, ts = fleet.host_counts()
             out: dict[str, Inflight] = {n: sh for n, sh in host.items() if n not in view} if (
                 host.keys() - view.keys()) else {}
             for name, entry in view.items():
@@ -819,28 +818,7 @@ class AffinityPolicy:
                     out[name] = Inflight(rs[s] + entry[0], ts[s] + entry[1])
                 else:  # a backend without a slot: counted in this worker alone
                     out[name] = Inflight(sh.requests + entry[0], sh.tokens + entry[1])
-            own_of = host.own  # its own row, for the ledger
-
-            def pending(name: str, _merged: Inflight | None) -> float:
-                got = memo.get(name)
-                if got is not None:
-                    return got
-                peer = view.get(name)
-                s = slots.get(name)
-                # Its mates' counts now, and the other hosts'; their entries merged after its own
-                # (`WorkLedger.fleet_queued`: the mates' from the shared block, then the other hosts').
-                req, tok = (0, 0) if s is None else (rs[s] - own_rs[s], ts[s] - own_ts[s])
-                if peer is None:
-                    got = work.fleet_queued(name, own_of(name), req, tok, (), host)
-                else:
-                    got = work.fleet_queued(name, own_of(name), req + peer[0], tok + peer[1],
-                                            peer[3] if len(peer) > 3 else (), host)
-                    if len(peer) == 3:  # an older replica's row: its sum only
-                        got += peer[2]
-                memo[name] = got
-                return got
-
-            return out, pending
+            return out, fleet.queued
         out = dict(inflight)
         for name, entry in view.items():
             requests, tokens = entry[0], entry[1]
@@ -849,21 +827,4 @@ class AffinityPolicy:
                 out[name] = Inflight(requests, tokens)
             else:
                 out[name] = Inflight(own.requests + requests, own.tokens + tokens)
-        own_get = inflight.get
-
-        def pending_one(name: str, _merged: Inflight | None) -> float:
-            got = memo.get(name)
-            if got is not None:
-                return got
-            peer = view.get(name)
-            own = own_get(name)
-            if peer is None:
-                got = work.pending(name, own)
-            elif len(peer) > 3:
-                got = work.fleet_queued(name, own, peer[0], peer[1], peer[3], None)
-            else:
-                got = work.pending(name, own) + peer[2]
-            memo[name] = got
-            return got
-
-        return out, pending_one
+        return out, fleet.queued

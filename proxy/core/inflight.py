@@ -448,6 +448,13 @@ class SharedInflightTable(InflightTable):
             return host_req, host_tok, [0] * slots, [0] * slots
         return host_req, host_tok, req[self.row::rows], tok[self.row::rows]
 
+    def ring_state(self) -> tuple[list[int], list[int]]:
+        """Every ring's count (per cell: slot x rows + row) and every worker's epoch, now: two reads of
+        the block. A worker's entries on a backend have changed since a pick iff its count there or its
+        epoch has (a mate restarting from zero both: within a refresh it cannot reach them again)."""
+        rows = self.layout.rows
+        return self._rints[rows:rows + rows * self.layout.slots].tolist(), self._rints[0:rows].tolist()
+
     def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
         """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same
         entries and ages as `mates_recent`, which merges them), and a key that changes whenever any of
@@ -469,11 +476,14 @@ class SharedInflightTable(InflightTable):
                 continue
             base = cell * depth
             last = (count - 1) % depth
-            key = (count, rints[r], rints[self._stamps_at + base + last], rfloats[base + last])
+            now = rints[r]
+            key = (count, now, rints[self._stamps_at + base + last], rfloats[base + last])
             keys.append(key)
             cached = self._source_cache.get(cell)
-            if cached is not None and cached[0] == key:
-                out.append(cached[1])
+            if cached is not None and cached[0][0] == count and cached[0][2:] == key[2:]:
+                # Its entries are the same (a tick moves only their ages: its epoch now).
+                src = cached[1]
+                out.append(src if src[1] == now else (src[0], now, src[2]))
                 continue
             k = min(count, depth)
             stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
@@ -484,7 +494,7 @@ class SharedInflightTable(InflightTable):
                 toks = toks[end:] + toks[:end]
             else:
                 stamps, toks = stamps[:k], toks[:k]
-            source: MateSource = (stamps, key[1], list(accumulate(reversed(toks), initial=0.0)))
+            source: MateSource = (stamps, now, list(accumulate(reversed(toks), initial=0.0)))
             self._source_cache[cell] = (key, source)
             out.append(source)
         return tuple(keys), out
