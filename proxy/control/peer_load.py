@@ -24,12 +24,15 @@ proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one p
 entries at 20 ms +0-2% (loadtest/results/scaleout.md, Round 4). Why 10 ms: at 50 ms the entries' ages
 and the others' live counts are too coarse (+7-11%), and at 20 ms R = 4 hosts of --workers 2 still miss
 by +8% on one multi-turn seed (Round 5). Its cost (`loadtest/bench_peer_load.py`, a real redis-server, 8
-processes x 16 backends, on a busy 2-core machine): per exchange ~2.5 ms of a worker's CPU and ~0.2 ms of
-Redis's with full rows (64 entries a backend), ~1.1 / ~0.09 ms with 16; so at 10 ms a worker spends
-~25% (full rows) / ~11% of a core, Redis ~15% / ~7%. That is what rows are parsed with msgspec for (one
-checked decode per row, ~7x cheaper than json + entry-by-entry checks): with json, 20 ms cost ~35%.
+processes x 16 backends, full rows of 64 entries a backend, a busy 2-core machine; Round 5b): per
+exchange ~1.8 ms of a worker's CPU and ~0.13 ms of Redis's, so at 10 ms ~18% / ~11% of a core (round 5's
+JSON rows, sorted at every refresh: ~3.1 / ~0.17 ms). Rows are packed (`encode_row_packed`, a few
+`struct` calls to read one; JSON rows of a previous version are still read, and while any is seen this
+replica publishes JSON too, so that both versions read each other during a rolling upgrade); the rest of
+an exchange is mostly redis-py and asyncio.
 
-The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
+The rows are summed into a fresh dict swapped in whole (the entries of every row kept as one part each,
+`PeerRecent`: nothing is sorted per refresh, a pick bisects them): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
 view is used until it is older than the TTL; then `peers()` returns None and the policy falls back to the
 engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures are counted
@@ -183,6 +186,7 @@ PACKED_MAGIC = b"\xffPL2"
 _HEAD = struct.Struct("<4sIIB")
 _NO_ENTRIES = 0xFFFFFFFF
 _F32 = 1
+_NAMES: dict[bytes, list[str]] = {}  # a packed row's block of names -> the names (read-only once in)
 
 
 def encode_row_packed(load: Load) -> bytes:
@@ -214,10 +218,21 @@ def parse_packed(raw: bytes) -> dict[str, PeerEntry] | None:
         at = _HEAD.size
         lens = struct.unpack_from(f"<{b}H", raw, at)
         at += 2 * b
-        names = []
-        for n in lens:
-            names.append(raw[at:at + n].decode("utf-8", "surrogatepass"))
-            at += n
+        size = sum(lens)
+        block = raw[at:at + size]
+        names = _NAMES.get(block)  # a replica publishes the same names at every refresh
+        if names is None:
+            names = []
+            o = 0
+            for n in lens:
+                names.append(block[o:o + n].decode("utf-8", "surrogatepass"))
+                o += n
+            if o != len(block):
+                return None
+            if len(_NAMES) >= 256:
+                _NAMES.clear()
+            _NAMES[block] = names
+        at += size
         sums = struct.unpack_from(f"<{b}q{b}q{b}d{b}I", raw, at)
         at += 28 * b
         tok_fmt = "f" if flags & _F32 else "d"

@@ -800,7 +800,10 @@ class AffinityPolicy:
         are not in it: peer_load's exchange skips them): instant where a published row lags by up to a
         refresh (R = 4 x W = 2 +9% TTFT mean with the mates' rows, scaleout.md Round 5), and a mate whose
         own exchange fails still counts. (The host-wide counts with the mates' *published* entries, tried
-        in round 4b, cost +19%: counts newer than entries.)"""
+        in round 4b, cost +19%: counts newer than entries.) The estimates come from one
+        `WorkLedger.fleet_view` per pick, which reads the shared block once and keeps each backend's
+        estimate between picks until one of its inputs changes (round 5b: the same numbers, a fraction
+        of the CPU)."""
         fleet = work.fleet_view(view, inflight)  # `pending`: what it keeps between picks, see WorkLedger
         host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
         if host is not None:

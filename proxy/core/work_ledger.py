@@ -55,7 +55,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate, chain, islice, repeat
-from operator import add, getitem, itemgetter, le, sub
+from operator import getitem, itemgetter, le, sub
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
@@ -399,7 +399,7 @@ class WorkLedger:
             i += 1
         ages, los, _his, cums, base, _n = cols
         if ages:
-            total += sum(map(getitem, cums, map(add, los, islice(counts, i, None)))) - base
+            total += sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, i, None))]) - base
         return total, sum(counts)
 
     def discard(self, backend: str) -> None:
