@@ -25,8 +25,8 @@ entries at 20 ms +0-2% (loadtest/results/scaleout.md, Round 4). Why 10 ms: at 50
 and the others' live counts are too coarse (+7-11%), and at 20 ms R = 4 hosts of --workers 2 still miss
 by +8% on one multi-turn seed (Round 5). Its cost (`loadtest/bench_peer_load.py`, a real redis-server, 8
 processes x 16 backends, full rows of 64 entries a backend, a busy 2-core machine; Round 5b): per
-exchange ~1.8 ms of a worker's CPU and ~0.13 ms of Redis's, so at 10 ms ~18% / ~11% of a core (round 5's
-JSON rows, sorted at every refresh: ~3.1 / ~0.17 ms). Rows are packed (`encode_row_packed`, a few
+exchange ~1.6 ms of a worker's CPU and ~0.125 ms of Redis's, so at 10 ms ~16% / ~10% of a core (round 5's
+JSON rows, sorted at every refresh: ~2.9 / ~0.165 ms). Rows are packed (`encode_row_packed`, a few
 `struct` calls to read one; JSON rows of a previous version are still read, and while any is seen this
 replica publishes JSON too, so that both versions read each other during a rolling upgrade); the rest of
 an exchange is mostly redis-py and asyncio.
