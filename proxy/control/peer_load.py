@@ -24,12 +24,15 @@ proxy/core/work_ledger.py); summing them cost R = 4 +11% TTFT mean against one p
 entries at 20 ms +0-2% (loadtest/results/scaleout.md, Round 4). Why 10 ms: at 50 ms the entries' ages
 and the others' live counts are too coarse (+7-11%), and at 20 ms R = 4 hosts of --workers 2 still miss
 by +8% on one multi-turn seed (Round 5). Its cost (`loadtest/bench_peer_load.py`, a real redis-server, 8
-processes x 16 backends, on a busy 2-core machine): per exchange ~2.5 ms of a worker's CPU and ~0.2 ms of
-Redis's with full rows (64 entries a backend), ~1.1 / ~0.09 ms with 16; so at 10 ms a worker spends
-~25% (full rows) / ~11% of a core, Redis ~15% / ~7%. That is what rows are parsed with msgspec for (one
-checked decode per row, ~7x cheaper than json + entry-by-entry checks): with json, 20 ms cost ~35%.
+processes x 16 backends, full rows of 64 entries a backend, a busy 2-core machine; Round 5b): per
+exchange ~1.6 ms of a worker's CPU and ~0.125 ms of Redis's, so at 10 ms ~16% / ~10% of a core (round 5's
+JSON rows, sorted at every refresh: ~2.9 / ~0.165 ms). Rows are packed (`encode_row_packed`, a few
+`struct` calls to read one; JSON rows of a previous version are still read, and while any is seen this
+replica publishes JSON too, so that both versions read each other during a rolling upgrade); the rest of
+an exchange is mostly redis-py and asyncio.
 
-The rows are summed into a fresh dict swapped in whole (the entries put together): `peers()` (the policy's input, called on every
+The rows are summed into a fresh dict swapped in whole (the entries of every row kept as one part each,
+`PeerRecent`: nothing is sorted per refresh, a pick bisects them): `peers()` (the policy's input, called on every
 pick) only reads an attribute, the data plane never awaits Redis. While Redis does not answer, the last
 view is used until it is older than the TTL; then `peers()` returns None and the policy falls back to the
 engines' counts (`routing.shared_backends`, if on) until Redis is back. Failures are counted
@@ -58,12 +61,15 @@ import asyncio
 import json
 import logging
 import math
-import operator
 import os
 import socket
+import struct
 import time
+from array import array
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Iterable, Mapping
+from itertools import accumulate, chain
+from operator import itemgetter
+from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -71,7 +77,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proxy.core.affinity import PeerEntry
 from proxy.core.decision import Inflight
 from proxy.core.inflight import SharedInflightTable
-from proxy.core.work_ledger import RecentEntry, WorkLedger
+from proxy.core.work_ledger import EntryColumns, PeerRecent, RecentEntry, WorkLedger
 from proxy.core.routing_config import PeerLoadConfig
 
 log = logging.getLogger("affinity_proxy.peer_load")
@@ -101,7 +107,8 @@ return out
 """
 
 _LOG_EVERY_S = 30.0
-_AGE = operator.itemgetter(0)
+_AGE = itemgetter(0)
+_TOK = itemgetter(1)
 
 
 def default_replica_id(host_shared: bool) -> str:
@@ -166,6 +173,103 @@ _FULL_ROW = msgspec.json.Decoder(dict[str, tuple[_Count, _Count, _Tokens, Annota
     list[tuple[_Count, _Tokens]], msgspec.Meta(max_length=PEER_RECENT_MAX)]]])
 
 
+# A row packed (round 5b; the JSON rows of round 5 and before are still read, and written while any
+# replica publishing them is seen, `PeerLoadExchange`): little-endian, the magic, then the number of
+# backends B, of entries E and the flags (1: tokens as float32, when every one of the row's is exactly
+# one), B name lengths (uint16), the names (UTF-8), B requests and B tokens (int64), B queued (float64),
+# B entry counts (uint32; _NO_ENTRIES: a backend without entries, the sums only), then every backend's
+# entries: E ages (uint32, ascending within a backend: not checked, a row out of order gives a wrong
+# estimate, never an error) and E tokens. A reader turns it into columns with a few C calls, no Python
+# object per entry. A round-5 reader takes it for malformed JSON (its first
+# byte is not UTF-8) and skips it, without an error.
+PACKED_MAGIC = b"\xffPL2"
+_HEAD = struct.Struct("<4sIIB")
+_NO_ENTRIES = 0xFFFFFFFF
+_F32 = 1
+_NAMES: dict[bytes, list[str]] = {}  # a packed row's block of names -> the names (read-only once in)
+
+
+def encode_row_packed(load: Load) -> bytes:
+    """A row as this version publishes it (see PACKED_MAGIC)."""
+    names = [n.encode("utf-8", "surrogatepass") for n in load]
+    values = list(load.values())
+    recents = [v[3] if len(v) > 3 else None for v in values]
+    counts = [_NO_ENTRIES if r is None else len(r) for r in recents]
+    flat = list(chain.from_iterable(r for r in recents if r))
+    ages = list(map(_AGE, flat))
+    toks = list(map(_TOK, flat))
+    b, e = len(names), len(flat)
+    narrow = array("f", toks)
+    f32 = narrow.tolist() == toks
+    out = [_HEAD.pack(PACKED_MAGIC, b, e, _F32 if f32 else 0), struct.pack(f"<{b}H", *map(len, names)), *names,
+           struct.pack(f"<{b}q{b}q{b}d{b}I", *(v[0] for v in values), *(v[1] for v in values),
+                       *(float(v[2]) for v in values), *counts),
+           struct.pack(f"<{e}I", *ages), struct.pack(f"<{e}{'f' if f32 else 'd'}", *toks)]
+    return b"".join(out)
+
+
+def parse_packed(raw: bytes) -> dict[str, PeerEntry] | None:
+    """A packed row (PACKED_MAGIC) as load, or None if it is malformed in any way (the whole row: only
+    this version writes them)."""
+    try:
+        magic, b, e, flags = _HEAD.unpack_from(raw, 0)
+        if magic != PACKED_MAGIC:
+            return None
+        at = _HEAD.size
+        lens = struct.unpack_from(f"<{b}H", raw, at)
+        at += 2 * b
+        size = sum(lens)
+        block = raw[at:at + size]
+        names = _NAMES.get(block)  # a replica publishes the same names at every refresh
+        if names is None:
+            names = []
+            o = 0
+            for n in lens:
+                names.append(block[o:o + n].decode("utf-8", "surrogatepass"))
+                o += n
+            if o != len(block):
+                return None
+            if len(_NAMES) >= 256:
+                _NAMES.clear()
+            _NAMES[block] = names
+        at += size
+        sums = struct.unpack_from(f"<{b}q{b}q{b}d{b}I", raw, at)
+        at += 28 * b
+        tok_fmt = "f" if flags & _F32 else "d"
+        ages = struct.unpack_from(f"<{e}I", raw, at)
+        at += 4 * e
+        toks = struct.unpack_from(f"<{e}{tok_fmt}", raw, at)
+        at += (4 if flags & _F32 else 8) * e
+    except (struct.error, UnicodeDecodeError):
+        return None
+    if at != len(raw) or len(set(names)) != b:
+        return None
+    reqs, tokens, queued, counts = sums[:b], sums[b:2 * b], sums[2 * b:3 * b], sums[3 * b:]
+    if b and (min(reqs) < 0 or min(tokens) < 0 or not _finite_non_negative(queued)):
+        return None
+    if e and not _finite_non_negative(toks):
+        return None
+    cum = list(accumulate(toks, initial=0.0))  # the running sums the picks read (one pass for the row)
+    out: dict[str, PeerEntry] = {}
+    o = 0
+    for name, req, tok, q, n in zip(names, reqs, tokens, queued, counts):
+        if n == _NO_ENTRIES:
+            out[name] = (req, tok, q)
+            continue
+        if n > PEER_RECENT_MAX:
+            return None
+        out[name] = (req, tok, q, EntryColumns(ages, toks, cum, o, n))
+        o += n
+    return out if o == e else None
+
+
+def _finite_non_negative(values: Sequence[float]) -> bool:
+    try:
+        return min(values) >= 0.0 and math.isfinite(math.fsum(values))  # a NaN or an infinity: not finite
+    except (OverflowError, ValueError):
+        return False
+
+
 def _recent(raw: Any) -> list[RecentEntry] | None:
     """A row's published ledger entries ([[age, tokens], ...]), or None if malformed."""
     if not isinstance(raw, list) or len(raw) > PEER_RECENT_MAX:
@@ -184,9 +288,12 @@ def _recent(raw: Any) -> list[RecentEntry] | None:
 
 
 def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
-    """One published row (JSON: backend -> [requests, tokens, queued] or [requests, tokens, queued,
-    [[age, tokens], ...]]) as load, or None if it is not a JSON object; a malformed backend entry is
-    dropped (raises nothing: it comes from the network)."""
+    """One published row as load: packed (PACKED_MAGIC, this version's), or JSON (backend -> [requests,
+    tokens, queued] or [requests, tokens, queued, [[age, tokens], ...]], round 5's and before: a replica
+    of a previous version, during a rolling upgrade); None if it is neither; a malformed backend entry of
+    a JSON row is dropped (raises nothing: it comes from the network)."""
+    if isinstance(raw, (bytes, bytearray)) and raw[:4] == PACKED_MAGIC:
+        return parse_packed(bytes(raw))
     try:
         return _FULL_ROW.decode(raw)  # type: ignore[return-value]  # the entries as a list: a Sequence
     except (msgspec.DecodeError, UnicodeDecodeError, TypeError):  # ValidationError is a DecodeError
@@ -217,27 +324,28 @@ def parse_row(raw: Any) -> dict[str, PeerEntry] | None:
 
 def merge_loads(loads: Iterable[Load]) -> dict[str, PeerEntry]:
     """The sum, per backend, of the loads other replicas published, with the entries of every one put
-    together, sorted by age (stable: each load's order kept among equal ages); a backend some load
+    together (a `PeerRecent`: as a sequence their merge by age, stable, each load's order kept among
+    equal ages; a pick bisects each load's entries instead, nothing is sorted here); a backend some load
     published without entries gets the sums only (the estimate from entries needs every replica's)."""
     out: dict[str, tuple[int, int, float]] = {}
-    recent: dict[str, list[RecentEntry] | None] = {}
+    recent: dict[str, list[Sequence[RecentEntry]] | None] = {}
     for load in loads:
         for name, entry in load.items():
-            first = name not in out
-            r0, t0, q0 = out.get(name, (0, 0, 0.0))
-            out[name] = (r0 + entry[0], t0 + entry[1], q0 + entry[2])
-            so_far = recent.get(name)
+            sums = out.get(name)
+            if sums is None:
+                out[name] = (entry[0], entry[1], entry[2])
+                recent[name] = [entry[3]] if len(entry) > 3 else None
+                continue
+            out[name] = (sums[0] + entry[0], sums[1] + entry[1], sums[2] + entry[2])
+            so_far = recent[name]
             if len(entry) < 4:
                 recent[name] = None
-            elif first:
-                recent[name] = list(entry[3])
             elif so_far is not None:
-                so_far.extend(entry[3])
+                so_far.append(entry[3])
     merged: dict[str, PeerEntry] = {}
     for name, sums in out.items():
-        entries = recent.get(name)
-        # Sorted by age once per refresh, so that each pick merges two sorted lists (WorkLedger.fleet_pending).
-        merged[name] = sums if entries is None else (*sums, tuple(sorted(entries, key=_AGE)))
+        parts = recent[name]
+        merged[name] = sums if parts is None else (*sums, PeerRecent(parts))
     return merged
 
 
@@ -369,19 +477,23 @@ class PeerLoadExchange:
         keys = [f"{cfg.key_prefix}:replicas", row_prefix + replica_id]
         mates = replica_id.rpartition("/")[0] + "/" if self._worker is not None else ""
         period = cfg.refresh_ms / 1000.0
+        legacy = False  # a replica of a previous version is publishing JSON rows: publish JSON too
         try:
             while True:
                 began = self._clock()
                 try:
                     load = self._load()
+                    row: bytes | str = encode_row(load) if legacy else encode_row_packed(load)
                     rows = await asyncio.wait_for(
-                        exchange(keys=keys, args=[replica_id, encode_row(load), ttl_ms, row_prefix, mates]), timeout)
+                        exchange(keys=keys, args=[replica_id, row, ttl_ms, row_prefix, mates]), timeout)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - any failure of the optional component: fall back
                     self._failed(cfg, exc)
                 else:
-                    merged = merge_rows(list(rows))
+                    rows = list(rows)
+                    legacy = not all(isinstance(r, bytes) and r[:4] == PACKED_MAGIC for r in rows)
+                    merged = merge_rows(rows)
                     self._view = host_view(merged, load) if self._worker is not None else merged
                     self._fresh_until = self._clock() + timeout
                     self._metrics.peers.set(len(rows))

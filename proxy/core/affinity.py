@@ -94,7 +94,7 @@ import xxhash
 
 from proxy.core.decision import Decision, Inflight, NoBackendAvailable, Reason
 from proxy.core.fingerprint import Fingerprinter
-from proxy.core.inflight import SharedInflightTable
+from proxy.core.inflight import SharedInflight, SharedInflightTable
 from proxy.core.kv_index import PreciseMatch
 from proxy.core.load import effective_load, assumed_score, telemetry_score
 from proxy.core.placement import place_new
@@ -104,7 +104,7 @@ from proxy.core.prefix_index import GenerationalMap, PrefixIndex, holding
 from proxy.core.request import BYTES_PER_TOKEN_ESTIMATE, RequestSummary
 from proxy.core.routing_config import RoutingConfig
 from proxy.core.snapshot import BackendSpec, BackendState, Snapshot
-from proxy.core.work_ledger import RecentEntry, WorkLedger, merge_recent
+from proxy.core.work_ledger import RecentEntry, WorkLedger
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _SESSION_DOMAIN = b"affinity-proxy/session/v1\xff"
@@ -800,51 +800,34 @@ class AffinityPolicy:
         are not in it: peer_load's exchange skips them): instant where a published row lags by up to a
         refresh (R = 4 x W = 2 +9% TTFT mean with the mates' rows, scaleout.md Round 5), and a mate whose
         own exchange fails still counts. (The host-wide counts with the mates' *published* entries, tried
-        in round 4b, cost +19%: counts newer than entries.)"""
+        in round 4b, cost +19%: counts newer than entries.) The estimates come from one
+        `WorkLedger.fleet_view` per pick, which reads the shared block once and keeps each backend's
+        estimate between picks until one of its inputs changes (round 5b: the same numbers, a fraction
+        of the CPU)."""
+        fleet = work.fleet_view(view, inflight)  # `pending`: what it keeps between picks, see WorkLedger
         host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
         if host is not None:
-            # The bound: the host-wide counts now (its own row and its mates') plus the other hosts'.
-            out: dict[str, Inflight] = {n: sh for n, sh in host.items() if n not in view}
+            # The bound: the host-wide counts now (its own row and its mates', every slot read at once)
+            # plus the other hosts'.
+            rs, ts = fleet.host_counts()
+            out: dict[str, Inflight] = {n: sh for n, sh in host.items() if n not in view} if (
+                host.keys() - view.keys()) else {}
             for name, entry in view.items():
                 sh = host.get(name)
-                out[name] = Inflight(entry[0], entry[1]) if sh is None else Inflight(
-                    sh.requests + entry[0], sh.tokens + entry[1])
-            inflight = {n: o for n in host if (o := host.own(n)) is not None}  # its own row, for the ledger
-        else:
-            out = dict(inflight)
-            for name, entry in view.items():
-                requests, tokens = entry[0], entry[1]
-                own = inflight.get(name)
-                if own is None:
-                    out[name] = Inflight(requests, tokens)
-                else:
-                    out[name] = Inflight(own.requests + requests, own.tokens + tokens)
-        own_get = inflight.get
-        memo: dict[str, float] = {}  # one pick asks for a backend's queue up to twice (primary, candidates)
-
-        def pending(name: str, _merged: Inflight | None) -> float:
-            got = memo.get(name)
-            if got is not None:
-                return got
-            peer = view.get(name)
-            own = own_get(name)
-            if host is not None:  # the mates' entries now, and the other hosts' (sorted by age, ties mates first)
-                req, tok = host.mates(name)
-                rest: Sequence[RecentEntry] = peer[3] if peer is not None and len(peer) > 3 else ()
-                if peer is not None:
-                    req, tok = req + peer[0], tok + peer[1]
-                live = req + (own.requests if own is not None else 0)
-                recent = merge_recent(host.mates_recent(name, live), rest, live)
-                got = work.fleet_pending(name, own, req, tok, recent)
-                if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
-                    got += peer[2]
-            elif peer is None:
-                got = work.pending(name, own)
-            elif len(peer) > 3:
-                got = work.fleet_pending(name, own, peer[0], peer[1], peer[3])
+                if sh is None:
+                    out[name] = Inflight(entry[0], entry[1])
+                elif type(sh) is SharedInflight:
+                    s = sh.slot
+                    out[name] = Inflight(rs[s] + entry[0], ts[s] + entry[1])
+                else:  # a backend without a slot: counted in this worker alone
+                    out[name] = Inflight(sh.requests + entry[0], sh.tokens + entry[1])
+            return out, fleet.queued
+        out = dict(inflight)
+        for name, entry in view.items():
+            requests, tokens = entry[0], entry[1]
+            own = inflight.get(name)
+            if own is None:
+                out[name] = Inflight(requests, tokens)
             else:
-                got = work.pending(name, own) + peer[2]
-            memo[name] = got
-            return got
-
-        return out, pending
+                out[name] = Inflight(own.requests + requests, own.tokens + tokens)
+        return out, fleet.queued

@@ -27,7 +27,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice
+from itertools import accumulate, islice
+from operator import add
 from typing import Mapping
 
 from proxy.core.decision import Inflight
@@ -106,6 +107,11 @@ class RecentWork:
             return with_unrecorded(total, known, live, tokens)
         return total
 
+
+# One host-mate's ring of one backend as a pick reads it (`SharedInflightTable.mate_sources`): its entries'
+# epochs oldest first, its epoch now (an entry's age: max(0, now - its epoch)), and the prefix sums of its
+# tokens newest first (pre[0] = 0.0, pre[c] the sum of its newest c).
+MateSource = tuple[list[int], int, list[float]]
 
 # The ledger entries of each worker a host-mate can read (the fleet's newest K rarely needs more of one
 # process's; the same bound as a published row's, proxy/control/peer_load.py PEER_RECENT_MAX).
@@ -237,6 +243,8 @@ class SharedInflightTable(InflightTable):
         # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
         # `_ring`'s last answer.
         self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
+        # cell -> ((its count, its worker's epoch, newest stamp and tokens), the ring as a MateSource)
+        self._source_cache: dict[int, tuple[tuple[int, int, int, float], MateSource]] = {}
 
     # -- reading
 
@@ -270,6 +278,7 @@ class SharedInflightTable(InflightTable):
                 # A slot new to this name: its ring in this worker's row may hold another backend's entries.
                 self._rints[self.layout.rows + slot * self.layout.rows + self.row] = 0
                 self._ring_cache.clear()
+                self._source_cache.clear()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -413,6 +422,82 @@ class SharedInflightTable(InflightTable):
         got: list[tuple[int, float]] = [(now - e if now > e else 0, t) for e, t in zip(stamps, toks)]
         self._ring_cache[cell] = (key, got)
         return got
+
+    @property
+    def slot_map(self) -> Mapping[str, int]:
+        """Backend name -> slot, as last assigned (the table's own dict: read it, do not change it)."""
+        return self._slots
+
+    def slot_counts(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Per slot, now: every worker's requests and tokens in flight summed, and this worker's own
+        (its row; zeros for the supervisor's view). Two reads of the block for every backend at once,
+        where `SharedInflight.requests`/`.tokens` and `mates` read one backend each."""
+        rows, slots = self.layout.rows, self.layout.slots
+        n = rows * slots
+        req = self._ints[0:n].tolist()
+        tok = self._ints[n:2 * n].tolist()
+        if rows == 1:
+            host_req, host_tok = req, tok
+        elif rows == 2:
+            host_req = list(map(add, req[0::2], req[1::2]))
+            host_tok = list(map(add, tok[0::2], tok[1::2]))
+        else:
+            host_req = list(map(sum, zip(*[req[r::rows] for r in range(rows)])))
+            host_tok = list(map(sum, zip(*[tok[r::rows] for r in range(rows)])))
+        if self.row is None:
+            return host_req, host_tok, [0] * slots, [0] * slots
+        return host_req, host_tok, req[self.row::rows], tok[self.row::rows]
+
+    def ring_state(self) -> tuple[list[int], list[int]]:
+        """Every ring's count (per cell: slot x rows + row) and every worker's epoch, now: two reads of
+        the block. A worker's entries on a backend have changed since a pick iff its count there or its
+        epoch has (a mate restarting from zero both: within a refresh it cannot reach them again)."""
+        rows = self.layout.rows
+        return self._rints[rows:rows + rows * self.layout.slots].tolist(), self._rints[0:rows].tolist()
+
+    def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
+        """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same
+        entries and ages as `mates_recent`, which merges them), and a key that changes whenever any of
+        them does (a record or a tick of that mate: its count, epoch and newest entry), so that a pick
+        can keep what it computed from them until then. Each ring is re-read only when it changed."""
+        slot = self._slots.get(backend)
+        if slot is None or self.row is None:
+            return (), []
+        rows, depth = self.layout.rows, self.layout.recent
+        rints, rfloats = self._rints, self._rfloats
+        keys: list[tuple[int, int, int, float]] = []
+        out: list[MateSource] = []
+        for r in range(rows):
+            if r == self.row:
+                continue
+            cell = slot * rows + r
+            count = rints[rows + cell]
+            if count <= 0:
+                continue
+            base = cell * depth
+            last = (count - 1) % depth
+            now = rints[r]
+            key = (count, now, rints[self._stamps_at + base + last], rfloats[base + last])
+            keys.append(key)
+            cached = self._source_cache.get(cell)
+            if cached is not None and cached[0][0] == count and cached[0][2:] == key[2:]:
+                # Its entries are the same (a tick moves only their ages: its epoch now).
+                src = cached[1]
+                out.append(src if src[1] == now else (src[0], now, src[2]))
+                continue
+            k = min(count, depth)
+            stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
+            toks = rfloats[base:base + depth].tolist()
+            end = count % depth
+            if count > depth:  # the oldest entry at `end`: oldest first, end .. depth-1, then 0 .. end-1
+                stamps = stamps[end:] + stamps[:end]
+                toks = toks[end:] + toks[:end]
+            else:
+                stamps, toks = stamps[:k], toks[:k]
+            source: MateSource = (stamps, now, list(accumulate(reversed(toks), initial=0.0)))
+            self._source_cache[cell] = (key, source)
+            out.append(source)
+        return tuple(keys), out
 
     def own(self, backend: str) -> Inflight | None:
         """This worker's own requests and tokens in flight on `backend` (its row only; None if none): what

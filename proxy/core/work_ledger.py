@@ -37,21 +37,234 @@ summed). With `routing.peer_load` each worker publishes its own part for the oth
 (`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
 worker's own row of the shared table as `own` and every other worker's entries, the mates' merged with
 the other hosts' (`merge_recent`), each once.
+
+What a pick pays for that (round 5b, loadtest/results/scaleout.md): nothing is merged entry by entry. The
+other replicas' entries stay one part per published row (`PeerRecent`: each row's ages ascending and the
+prefix sums of its tokens, cut once per refresh when a pick first asks); this ledger's own entries, the
+mates' rings (`SharedInflightTable.mate_sources`) and those parts are sources sorted by age, and the
+newest K of their merge (ties: own, the mates by row, the rows in the order they came: the order round
+5's merges had) is found by bisecting each for the K-th entry's age (`newest_k`, starting from the last
+answer's), the sum read off the prefix sums. And a pick (`FleetView`) keeps each backend's answer until one of
+its inputs changes (the live count, a record or tick here, a mate's record or tick, a new view). The sum
+is the entry-by-entry merge's exactly when the entries are, like the policy's estimates, multiples of a
+power of two (here quarters of a token: every partial sum is exact, in any order).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
-from itertools import islice
-from operator import itemgetter
-from typing import Mapping, Sequence
+from itertools import accumulate, chain, islice, repeat
+from operator import getitem, itemgetter, le, sub
+from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
-from proxy.core.inflight import SharedInflight, SharedInflightTable, newest_sum, with_unrecorded
+from proxy.core.inflight import (MateSource, SharedInflight, SharedInflightTable, newest_sum,
+                                 with_unrecorded)
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]
 _AGE = itemgetter(0)
+_TOK = itemgetter(1)
+# One source of entries sorted by age (newest first): ages[lo:hi] ascending, and running sums of their
+# tokens in that order, cum[lo] before the first (the sum of its newest c: cum[lo + c] - cum[lo]). A
+# packed row's backends share the row's arrays (one pass per row, none per backend or entry).
+Part = tuple[Sequence[int], int, int, Sequence[float]]
+
+
+def part_of(entries: Sequence[RecentEntry]) -> Part:
+    """The ages and running sums of one replica's published entries (sorted by age first, stably, if
+    they are not: what merging them into the others' by a stable sort did)."""
+    ages = list(map(_AGE, entries))
+    if not all(map(le, ages, islice(ages, 1, None))):
+        entries = sorted(entries, key=_AGE)
+        ages = list(map(_AGE, entries))
+    return ages, 0, len(ages), list(accumulate(map(_TOK, entries), initial=0.0))
+
+
+class EntryColumns(Sequence[RecentEntry]):
+    """One backend's entries of a packed row (proxy/control/peer_load.py `parse_packed`): its slice of
+    the row's ages, tokens and running sums (`part`, for a pick); as a sequence, (age, tokens) pairs."""
+
+    __slots__ = ("_ages", "_toks", "_cum", "_at", "_n")
+
+    def __init__(self, ages: Sequence[int], toks: Sequence[float], cum: Sequence[float], at: int, n: int) -> None:
+        self._ages, self._toks, self._cum, self._at, self._n = ages, toks, cum, at, n
+
+    def part(self) -> Part:
+        return self._ages, self._at, self._at + self._n, self._cum
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> RecentEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RecentEntry]: ...
+    def __getitem__(self, i: int | slice) -> RecentEntry | Sequence[RecentEntry]:
+        return list(self)[i]
+
+    def __iter__(self) -> Iterator[RecentEntry]:
+        a, n = self._at, self._n
+        return zip(self._ages[a:a + n], self._toks[a:a + n])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, list, EntryColumns)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # compares equal to a tuple, not hashable
+
+    def __repr__(self) -> str:
+        return f"EntryColumns({list(self)!r})"
+
+
+# Parts as `newest_k` reads them: their ages, los, his and running sums as four lists, the sum of
+# cum[lo] over them and how many entries they hold.
+Columns = tuple[list[Sequence[int]], list[int], list[int], list[Sequence[float]], float, int]
+_NO_COLUMNS: Columns = ([], [], [], [], 0.0, 0)
+
+
+def columns_of(parts: Sequence[Part]) -> Columns:
+    if not parts:
+        return _NO_COLUMNS
+    ages = [p[0] for p in parts]
+    los = [p[1] for p in parts]
+    his = [p[2] for p in parts]
+    cums = [p[3] for p in parts]
+    return ages, los, his, cums, sum(map(getitem, cums, los)), sum(his) - sum(los)
+
+
+class PeerRecent(Sequence[RecentEntry]):
+    """The other replicas' newest entries of one backend, as the exchange read them: one part per
+    published row, each sorted by age, in the order the rows came. As a sequence it is their merge by
+    age (stable: the rows' order on a tie), what round 5 sorted at every refresh; a pick reads the parts
+    instead (`columns`: each one's ages and prefix sums, built at the first pick that asks, once per
+    refresh), so nothing is merged or sorted per refresh and a pick bisects each part."""
+
+    __slots__ = ("parts", "_columns", "_vector", "_merged")
+
+    def __init__(self, parts: list[Sequence[RecentEntry]]) -> None:
+        self.parts = parts
+        self._columns: list[Part] | None = None
+        self._vector: Columns | None = None
+        self._merged: tuple[RecentEntry, ...] | None = None
+
+    def columns(self) -> list[Part]:
+        cols = self._columns
+        if cols is None:
+            cols = self._columns = [p.part() if isinstance(p, EntryColumns) else part_of(p) for p in self.parts if p]
+        return cols
+
+    def vector(self) -> Columns:
+        """`columns` as `Columns` (what `newest_k` reads), built once."""
+        vec = self._vector
+        if vec is None:
+            vec = self._vector = columns_of(self.columns())
+        return vec
+
+    def _all(self) -> tuple[RecentEntry, ...]:
+        merged = self._merged
+        if merged is None:
+            merged = self._merged = tuple(sorted(chain.from_iterable(self.parts), key=_AGE))
+        return merged
+
+    def __len__(self) -> int:
+        return sum(map(len, self.parts))
+
+    @overload
+    def __getitem__(self, i: int) -> RecentEntry: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[RecentEntry]: ...
+    def __getitem__(self, i: int | slice) -> RecentEntry | Sequence[RecentEntry]:
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[RecentEntry]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PeerRecent):
+            return self._all() == other._all()
+        if isinstance(other, (tuple, list)):
+            return list(self._all()) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence: equal to a tuple, not hashable
+
+    def __repr__(self) -> str:
+        return f"PeerRecent({self._all()!r})"
+
+
+def newest_k(k: int, seqs: list[Sequence[int]], nows: list[int], cols: Columns,
+             hint: int) -> tuple[list[int], int]:
+    """How many entries of each source the newest `k` over all of them take (their merge by age; on a
+    tie the earlier source first, and within a source its newest first), and the age of the k-th.
+
+    `seqs`/`nows`: sources in epochs (ascending, oldest first) with their current epoch (an entry's age
+    is max(0, epoch now - its epoch)): this process's ledger, then its host-mates' rings; `cols`: the
+    parts, sources in ages (`Columns`). `hint`: where to look first for the k-th age (the last answer
+    for this backend: it moves little between picks). Returns the counts in the order seqs + parts (and
+    -1 for the age when k takes every entry). Each count stays within its source even for a part whose
+    ages are out of order (a malformed row: its estimate is then wrong, never an error)."""
+    ages, los, his, _cums, _base, n_parts = cols
+    lens = list(map(len, seqs))
+    if k >= sum(lens) + n_parts:
+        return [*lens, *map(sub, his, los)], -1
+
+    def upto(a: int) -> list[int]:  # per source, its entries of age <= a (a >= 0)
+        out = list(map(sub, lens, map(bisect_left, seqs, map(sub, nows, repeat(a)))))
+        out += map(sub, map(bisect_right, ages, repeat(a), los, his), los)
+        return out
+
+    a = hint if hint > 0 else 0
+    at = upto(a)
+    if sum(at) >= k:
+        if a == 0:
+            return _fill(k, [0] * len(at), at), 0
+        below = upto(a - 1)
+        if sum(below) < k:
+            return _fill(k, below, at), a
+        hi, step = a - 1, 1  # the k-th is younger than the hint: in by doubling steps
+        while True:
+            lo = hi - step
+            if lo < 0:
+                lo = -1
+                break
+            if sum(upto(lo)) < k:
+                break
+            hi = lo
+            step *= 2
+    else:
+        above = upto(a + 1)
+        if sum(above) >= k:
+            return _fill(k, at, above), a + 1
+        lo, hi, step = a + 1, a + 2, 2  # older: out by doubling steps
+        while sum(upto(hi)) < k:
+            lo = hi
+            step *= 2
+            hi = lo + step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if sum(upto(mid)) >= k:
+            hi = mid
+        else:
+            lo = mid
+    return _fill(k, upto(hi - 1) if hi > 0 else [0] * (len(seqs) + len(ages)), upto(hi)), hi
+
+
+def _fill(k: int, younger: list[int], same: list[int]) -> list[int]:
+    """Every entry younger than the k-th's age, then of its age in source order, up to k."""
+    left = k - sum(younger)
+    got: list[int] = []
+    for y, upto in zip(younger, same):
+        take = upto - y
+        if take > left:
+            take = left
+        if take < 0:  # only with ages out of order
+            take = 0
+        got.append(y + take)
+        left -= take
+    return got
 
 
 def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
@@ -67,7 +280,7 @@ def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n:
 class WorkLedger:
     """Per backend, the estimated uncached prompt tokens of the most recent requests routed there."""
 
-    __slots__ = ("_depth", "_entries", "_epochs", "_epoch")
+    __slots__ = ("_depth", "_entries", "_epochs", "_epoch", "_serial", "_last", "_kept", "_memo", "_hints", "_plain")
 
     def __init__(self, depth: int = 1024) -> None:
         if depth < 1:
@@ -76,6 +289,17 @@ class WorkLedger:
         self._entries: dict[str, deque[float]] = {}
         self._epochs: dict[str, deque[int]] = {}  # the epoch each entry was recorded in (see `tick`)
         self._epoch = 0
+        # What a `FleetView` keeps between picks: the records so far and the serial of each backend's
+        # last (its entries changed iff that did); what the kept answers hold for (the view, the host,
+        # this ledger's epoch, the mates' epochs); per backend its last answer with the rest of what it
+        # was computed from, the k-th entry's last age, and a plain sequence of the others' entries as
+        # columns.
+        self._serial = 0
+        self._last: dict[str, int] = {}
+        self._kept: tuple[object, object, int, object] = (None, None, -1, None)
+        self._memo: dict[str, tuple[int, int, object, object, float, int]] = {}
+        self._hints: dict[str, tuple[int, int]] = {}
+        self._plain: dict[str, Columns] = {}
 
     def record(self, backend: str, tokens: float, inflight: Mapping[str, Inflight] | None = None) -> None:
         """Remember a request routed to `backend`; `inflight` is the mapping the policy picked with (a
@@ -86,6 +310,8 @@ class WorkLedger:
             self._epochs[backend] = deque(maxlen=self._depth)
         entries.append(tokens)
         self._epochs[backend].append(self._epoch)
+        self._serial += 1
+        self._last[backend] = self._serial
         if isinstance(inflight, SharedInflightTable) and inflight.row is not None:
             inflight.record_queued(backend, tokens)
 
@@ -107,42 +333,172 @@ class WorkLedger:
         entries = self._entries.get(backend)
         if entries is None or n <= 0:
             return ()
-        now = self._epoch
-        return tuple((now - e, t) for t, e in zip(islice(reversed(entries), n), reversed(self._epochs[backend])))
+        ages = map(self._epoch.__sub__, islice(reversed(self._epochs[backend]), n))
+        return tuple(zip(ages, islice(reversed(entries), n)))
 
     def fleet_pending(self, backend: str, own: Inflight | None, peer_requests: int, peer_tokens: int,
                       peer_recent: Sequence[RecentEntry]) -> float:
         """The fleet's queued prefill on `backend`, as one process holding every entry would estimate it:
         the newest K entries of this process's own and the other replicas' published ones merged by age
         (ties: this process's first), K = this process's live requests + the others'; live requests
-        beyond the entries at the per-request average. `peer_recent`: the others' entries, best sorted by
-        age (`peer_load.merge_rows` does; otherwise they are sorted here)."""
+        beyond the entries at the per-request average. `peer_recent`: the others' entries (sorted by age
+        here if they are not; a `PeerRecent` as the exchange reads them). A pick reads the same through
+        `fleet_view`, which also merges a host's mates and keeps what it computed."""
         live = (own.requests if own is not None else 0) + peer_requests
         if live <= 0:
             return 0.0
         tokens = (own.tokens if own is not None else 0) + peer_tokens
-        if any(peer_recent[k][0] > peer_recent[k + 1][0] for k in range(len(peer_recent) - 1)):
-            peer_recent = sorted(peer_recent, key=lambda e: e[0])
-        entries = self._entries.get(backend)
-        mine = zip(reversed(entries), reversed(self._epochs[backend])) if entries is not None else iter(())
-        now = self._epoch
-        total, known, p, n_peer = 0.0, 0, 0, len(peer_recent)
-        nxt = next(mine, None)
-        while known < live and (nxt is not None or p < n_peer):
-            # The newer of the two heads (own first on a tie): a two-way merge of lists sorted by age.
-            if nxt is not None and (p >= n_peer or now - nxt[1] <= peer_recent[p][0]):
-                total += nxt[0]
-                nxt = next(mine, None)
-            else:
-                total += peer_recent[p][1]
-                p += 1
-            known += 1
+        if isinstance(peer_recent, PeerRecent):
+            cols = peer_recent.vector()
+        else:
+            cols = columns_of([part_of(peer_recent)]) if peer_recent else _NO_COLUMNS
+        total, known = self._newest(backend, live, [], cols)
         return with_unrecorded(total, known, live, tokens)
+
+    def fleet_view(self, view: Mapping[str, Any], inflight: Mapping[str, Inflight]) -> "FleetView":
+        """One pick's reader of the fleet's queued prefill with the peer `view` and this process's
+        `inflight` (a --workers worker's shared table: its own row, and its mates' counts and entries
+        now); see `FleetView`."""
+        host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
+        ring = host.ring_state() if host is not None else None
+        state = (view, host, self._epoch, ring[1] if ring is not None else None)
+        kept = self._kept
+        if kept[0] is not view or kept[1] is not host or kept[2] != state[2] or kept[3] != state[3]:
+            self._kept = state
+            self._memo = {}
+            if kept[0] is not view:
+                self._plain = {}
+        return FleetView(self, view, host, ring[0] if ring is not None else None,
+                         host.own if host is not None else inflight.get)
+
+    def _newest(self, backend: str, k: int, mates: Sequence[MateSource], cols: Columns) -> tuple[float, int]:
+        """The sum of the newest `k` entries of this ledger's, the mates' and the parts' merged by age
+        (ties in that order), and how many there were (fewer than k if that is all)."""
+        entries = self._entries.get(backend)
+        if entries:
+            seqs: list[Sequence[int]] = [self._epochs[backend]]
+            nows = [self._epoch]
+        else:
+            seqs, nows = [], []
+        for m in mates:
+            seqs.append(m[0])
+            nows.append(m[1])
+        # Where the k-th was last, moved by the refreshes since (every age has grown by about as many).
+        hint = self._hints.get(backend)
+        counts, age = newest_k(k, seqs, nows, cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
+        if age >= 0:
+            self._hints[backend] = (age, self._epoch)
+        total = 0.0
+        i = 0
+        if entries:
+            if counts[0]:
+                total += sum(islice(reversed(entries), counts[0]))
+            i = 1
+        for m in mates:
+            total += m[2][counts[i]]
+            i += 1
+        ages, los, _his, cums, base, _n = cols
+        if ages:
+            total += sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, i, None))]) - base
+        return total, sum(counts)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""
         self._entries.pop(backend, None)
         self._epochs.pop(backend, None)
+        self._serial += 1
+        self._last[backend] = self._serial
 
     def __len__(self) -> int:
         return sum(len(e) for e in self._entries.values())
+
+
+class FleetView:
+    """One pick's reader of the fleet's queued prefill (`WorkLedger.fleet_view`; `queued` is the
+    policy's `pending`): per backend `fleet_pending`, for a --workers worker with its host-mates'
+    counts now and their entries merged after its own and before the other hosts' (what round 5's
+    `fleet_pending` of `merge_recent` of `mates_recent` and the view's entries read), and an older
+    replica's sum (a row without entries) added. The answer is kept (in the ledger) until one of its
+    inputs changes: the live count, a record here or by a mate on that backend, a tick here or of a
+    mate, a new view; most picks see none of that for most backends."""
+
+    __slots__ = ("_work", "_view", "_host", "_counts", "_slots", "_rows", "_own_of", "_req", "_tok", "_own_req",
+                 "_own_tok", "_asked")
+
+    def __init__(self, work: WorkLedger, view: Mapping[str, Any], host: SharedInflightTable | None,
+                 counts: list[int] | None, own_of: Callable[[str], Inflight | None]) -> None:
+        self._work = work
+        self._view = view
+        self._host = host
+        self._own_of = own_of  # this process's own in-flight work on a backend (a worker: its own row)
+        self._counts = counts  # the ring counts per cell, now
+        self._asked: dict[str, float] = {}  # one pick asks for a backend's queue up to twice
+        if host is not None:
+            self._req, self._tok, self._own_req, self._own_tok = host.slot_counts()
+            self._slots = host.slot_map
+            self._rows = host.layout.rows
+
+    def host_counts(self) -> tuple[list[int], list[int]]:
+        """Per slot, every worker's requests and tokens in flight, as this pick read them."""
+        return self._req, self._tok
+
+    def queued(self, name: str, _merged: Inflight | None) -> float:
+        got = self._asked.get(name)
+        if got is not None:
+            return got
+        work = self._work
+        host = self._host
+        peer = self._view.get(name)
+        if host is not None:
+            own = self._own_of(name)
+            s = self._slots.get(name)
+            if s is None:
+                req = tok = 0
+                key: object = None
+            else:
+                req = self._req[s] - self._own_req[s]
+                tok = self._tok[s] - self._own_tok[s]
+                key = self._counts[s * self._rows:(s + 1) * self._rows]  # type: ignore[index]  # with a host
+        else:
+            if peer is None or len(peer) < 4:
+                got = work.pending(name, self._own_of(name))
+                if peer is not None:
+                    got += peer[2]
+                self._asked[name] = got
+                return got
+            own = self._own_of(name)
+            req = tok = 0
+            key = None
+        recent: Sequence[RecentEntry] = ()
+        if peer is not None:
+            req += peer[0]
+            tok += peer[1]
+            if len(peer) > 3:
+                recent = peer[3]
+        live = req + (own.requests if own is not None else 0)
+        if live <= 0:
+            got = 0.0
+        else:
+            serial = work._last.get(name, 0)
+            memo = work._memo.get(name)
+            if (memo is not None and memo[0] == live and memo[1] == serial and memo[3] is recent
+                    and memo[2] == key):
+                total, known = memo[4], memo[5]
+            else:
+                if isinstance(recent, PeerRecent):
+                    cols = recent.vector()
+                elif not recent:
+                    cols = _NO_COLUMNS
+                else:
+                    plain = work._plain.get(name)
+                    if plain is None:
+                        plain = work._plain[name] = columns_of([part_of(recent)])
+                    cols = plain
+                mates = host.mate_sources(name)[1] if host is not None and key is not None else []
+                total, known = work._newest(name, live, mates, cols)
+                work._memo[name] = (live, serial, key, recent, total, known)
+            got = with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok)
+        if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
+            got += peer[2]
+        self._asked[name] = got
+        return got

@@ -114,12 +114,11 @@ async def test_each_worker_of_one_proxy_publishes_its_own_part_of_the_host(tmp_p
     row, `<hostname>:<supervisor pid>/<worker index>`, holding its own requests and its own newest
     ledger entries (a --workers host's entries reach the fleet-wide merge), so another replica sums the
     host's load once over the two rows and merges every worker's entries."""
-    import json
     import socket
 
     import redis.asyncio as aioredis
 
-    from proxy.control.peer_load import merge_rows
+    from proxy.control.peer_load import merge_rows, parse_row
     from tests.deploy.procs import AFFINITY_PROXY, start_proxy
     from tests.deploy.test_workers_shared_load import _connection_to, _open_stream
     from tests.support import FakeBackend
@@ -153,7 +152,7 @@ async def test_each_worker_of_one_proxy_publishes_its_own_part_of_the_host(tmp_p
             if keys != worker_rows:
                 return None
             raw = [await client.get(k) or b"{}" for k in worker_rows]
-            parsed = [json.loads(r) for r in raw]
+            parsed = [parse_row(r) or {} for r in raw]  # packed rows (round 5b)
             # Each worker: its own 2 streams and its own 2 newest ledger entries (over both backends).
             if [sum(v[0] for v in row.values()) for row in parsed] != [2, 2]:
                 return None
