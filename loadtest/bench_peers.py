@@ -30,12 +30,13 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff",
            "ap-rr-nolog", "ap-aff-nolog"]
@@ -48,6 +49,44 @@ def load_harness(peers_dir: str):  # type: ignore[no-untyped-def]  # the harness
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class RunEnv(NamedTuple):
+    """What every benchmark of this file starts from (`run_env`)."""
+    hz: int  # clock ticks per second of /proc's CPU times
+    py: str  # the Python of --ap-bin's venv (runs the proxies under test)
+    venv: str  # the peers' venv (the Rust routers, the fake backends)
+    fake_py: str
+    run_dir: str
+    harness: Any  # the peers' bench.py, its fake tokenizer made under run_dir
+
+
+def write_ap_config(path: str, port: int, admin_port: int, backend_urls: list[str], policy: str, *,
+                    listen_extra: str = "", tail: str = "") -> str:
+    """An affinity-proxy config for a benchmark target: listen on `port` (plus `listen_extra` inside the
+    listen map, e.g. its TLS files), admin on `admin_port`, the backends be0.. at `backend_urls`, `policy`,
+    then `tail` (more top-level YAML). Returns `path`."""
+    with open(path, "w") as f:
+        f.write(f"listen: {{host: 127.0.0.1, port: {port}{listen_extra}}}\n"
+                f"admin: {{host: 127.0.0.1, port: {admin_port}}}\nbackends:\n"
+                + "".join(f"  - {{name: be{i}, url: '{u}'}}\n" for i, u in enumerate(backend_urls))
+                + f"routing: {{policy: {policy}}}\n" + tail)
+    return path
+
+
+def run_env(peers_dir: str, ap_bin: str, name: str, *, fresh: bool = False) -> RunEnv:
+    """The run folder `name` under $PEERS_RUN (emptied first when `fresh`), the interpreters, and the peers'
+    harness with its fake tokenizer there."""
+    venv = os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv"))
+    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), name)
+    if fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir, exist_ok=True)
+    b = load_harness(peers_dir)
+    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
+    b.ensure_tokenizer()
+    return RunEnv(os.sysconf("SC_CLK_TCK"), os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python"), venv,
+                  os.path.join(venv, "bin", "python"), run_dir, b)
 
 
 def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type: ignore[no-untyped-def]
@@ -200,12 +239,8 @@ def ab_arms_up(start: Callable[..., int], peers_dir: str, py: str, fake_py: str,
                "--model-path", tokdir], "1")
     pids = {}
     for name, tree in trees.items():
-        cfg = os.path.join(run_dir, f"{name}.yaml")
-        with open(cfg, "w") as f:
-            f.write(f"listen: {{host: 127.0.0.1, port: {ports[name]}{listen_extra}}}\n"
-                    f"admin: {{host: 127.0.0.1, port: {ports[name] + 100}}}\nbackends:\n"
-                    + "".join(f"  - {{name: be{i}, url: 'http://127.0.0.1:{p}'}}\n" for i, p in enumerate(backends))
-                    + f"routing: {{policy: {policy}}}\n")
+        cfg = write_ap_config(os.path.join(run_dir, f"{name}.yaml"), ports[name], ports[name] + 100,
+                              [f"http://127.0.0.1:{p}" for p in backends], policy, listen_extra=listen_extra)
         pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
                            dict(os.environ, PYTHONPATH=tree))
     time.sleep(6)
@@ -217,16 +252,9 @@ def ab_cpu(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, c
     them (ABBA order); CPU µs per request of each proxy's process tree (/proc) and wrk's p50, medians.
     Both share every disturbance of a busy machine, so their ratio is steadier than the full run's."""
 
-    hz = os.sysconf("SC_CLK_TCK")
-    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
-    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
+    hz, py, _venv, fake_py, run_dir, b = run_env(peers_dir, ap_bin, f"ab-{base_port}")
     lua = os.path.join(peers_dir, "post_completions.lua")
-    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"ab-{base_port}")
-    os.makedirs(run_dir, exist_ok=True)
-    tok = os.path.join(run_dir, "fake-tokenizer")
-    b = load_harness(peers_dir)
-    b.TOKDIR = tok
-    b.ensure_tokenizer()
+    tok = b.TOKDIR
     procs: list[subprocess.Popen[bytes]] = []
     logf = open(os.path.join(run_dir, "ab.log"), "a")
 
@@ -397,14 +425,7 @@ def ab_h2(peers_dir: str, baseline: str, ap_bin: str, policy: str, reps: int, co
     tree (/proc). Printed: the medians and the median of the per-round ratios (the least swayed by a round
     a burst of foreign load hit). Returns the raw rounds."""
 
-    hz = os.sysconf("SC_CLK_TCK")
-    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
-    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
-    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"ab-h2-{base_port}")
-    os.makedirs(run_dir, exist_ok=True)
-    b = load_harness(peers_dir)
-    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
-    b.ensure_tokenizer()
+    hz, py, _venv, fake_py, run_dir, b = run_env(peers_dir, ap_bin, f"ab-h2-{base_port}")
     body_file = os.path.join(run_dir, "body.json")
     with open(body_file, "wb") as bf:
         bf.write(H2_BODY)
@@ -498,19 +519,9 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
     `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one; `ap-rr-nolog` and
     `ap-aff-nolog` run this tree without its access log (`logging.access_log.enabled: false`), as the peers
     here run (nginx `access_log off`, the Rust routers at warn level: no line per request)."""
-    import shutil
-
-    hz = os.sysconf("SC_CLK_TCK")
-    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
-    venv = os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv"))
-    fake_py = os.path.join(venv, "bin", "python")
+    hz, py, venv, fake_py, run_dir, b = run_env(peers_dir, ap_bin, f"extra-{base_port}", fresh=True)
     lua = os.path.join(peers_dir, "post_completions.lua")
-    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"extra-{base_port}")
-    shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir + "/nginx/logs", exist_ok=True)
-    b = load_harness(peers_dir)
-    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
-    b.ensure_tokenizer()
     cert, key = os.path.join(run_dir, "cert.pem"), os.path.join(run_dir, "key.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
                     "-nodes", "-keyout", key, "-out", cert, "-days", "2", "-subj", "/CN=127.0.0.1",
@@ -530,15 +541,10 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
         return p.pid
 
     def ap_config(name: str, policy: str, port: int, tls: bool) -> str:
-        path = os.path.join(run_dir, name + ".yaml")
-        tls_line = f", tls: {{cert_file: '{cert}', key_file: '{key}'}}" if tls else ""
-        with open(path, "w") as f:
-            f.write(f"listen: {{host: 127.0.0.1, port: {port}{tls_line}}}\n"
-                    f"admin: {{host: 127.0.0.1, port: {port + 1000}}}\nbackends:\n"
-                    + "".join(f"  - {{name: be{i}, url: '{u}'}}\n" for i, u in enumerate(workers))
-                    + f"routing: {{policy: {policy}}}\n"
-                    + ("logging: {access_log: {enabled: false}}\n" if "-nolog" in name else ""))
-        return path
+        return write_ap_config(
+            os.path.join(run_dir, name + ".yaml"), port, port + 1000, list(workers), policy,
+            listen_extra=f", tls: {{cert_file: '{cert}', key_file: '{key}'}}" if tls else "",
+            tail="logging: {access_log: {enabled: false}}\n" if "-nolog" in name else "")
 
     # name -> {protocol: (port, pid)}; direct: the first backend (plain HTTP/1.1 only).
     ports: dict[str, dict[str, tuple[int, int]]] = {"direct": {}}
@@ -759,14 +765,7 @@ def ab_c1(peers_dir: str, ap_bin: str, arms: list[tuple[str, str, dict[str, str]
     every process of the run, this client included, at that niceness, so that on a machine shared with
     other work a woken proxy is scheduled ahead of it and the tail measured is the proxies' own."""
 
-    hz = os.sysconf("SC_CLK_TCK")
-    py = os.path.join(os.path.dirname(os.path.abspath(ap_bin)), "python")
-    fake_py = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cache/peers/venv")), "bin", "python")
-    run_dir = os.path.join(os.environ.get("PEERS_RUN", os.path.expanduser("~/.cache/peers")), f"abc1-{base_port}")
-    os.makedirs(run_dir, exist_ok=True)
-    b = load_harness(peers_dir)
-    b.TOKDIR = os.path.join(run_dir, "fake-tokenizer")
-    b.ensure_tokenizer()
+    hz, py, _venv, fake_py, run_dir, b = run_env(peers_dir, ap_bin, f"abc1-{base_port}")
     procs: list[subprocess.Popen[bytes]] = []
     logf = open(os.path.join(run_dir, "abc1.log"), "a")
 
@@ -789,12 +788,8 @@ def ab_c1(peers_dir: str, ap_bin: str, arms: list[tuple[str, str, dict[str, str]
                    "--model-path", b.TOKDIR], "1")
         for i, (name, tree, env) in enumerate(arms):
             port = ports[name] = base_port + 10 + 10 * i
-            cfg = os.path.join(run_dir, f"{name}.yaml")
-            with open(cfg, "w") as f:
-                f.write(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                        f"admin: {{host: 127.0.0.1, port: {port + 1}}}\nbackends:\n"
-                        + "".join(f"  - {{name: be{j}, url: 'http://127.0.0.1:{p}'}}\n" for j, p in enumerate(backends))
-                        + f"routing: {{policy: {policy}}}\n")
+            cfg = write_ap_config(os.path.join(run_dir, f"{name}.yaml"), port, port + 1,
+                                  [f"http://127.0.0.1:{p}" for p in backends], policy)
             pids[name] = start([py, "-P", "-m", "proxy", "run", "--config", cfg, "--workers", "1"], "0",
                                dict(os.environ, PYTHONPATH=tree, **env))
             res[name] = []
