@@ -35,8 +35,8 @@ The host-wide shared sum above has the same flaw within one `--workers` host (ea
 summed). With `routing.peer_load` each worker publishes its own part for the other hosts
 (proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
 (`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
-worker's own row of the shared table as `own` and every other worker's entries, the mates' merged with
-the other hosts' (`merge_recent`), each once.
+worker's own row of the shared table as `own` and every other worker's entries, the mates' before the
+other hosts' on a tie, each once.
 
 What a pick pays for that (round 5b, loadtest/results/scaleout.md): nothing is merged entry by entry. The
 other replicas' entries stay one part per published row (`PeerRecent`: each row's ages ascending and the
@@ -267,16 +267,6 @@ def _fill(k: int, younger: list[int], same: list[int]) -> list[int]:
     return got
 
 
-def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
-    """The newest `n` of two lists of entries each sorted by age, sorted by age (stable: `first`'s on a
-    tie): what `fleet_pending` reads of a worker's host-mates' entries and the other hosts'."""
-    if not first:
-        return second
-    if not second:
-        return first
-    return sorted([*first, *second], key=_AGE)[:n]
-
-
 class WorkLedger:
     """Per backend, the estimated uncached prompt tokens of the most recent requests routed there."""
 
@@ -417,7 +407,7 @@ class FleetView:
     """One pick's reader of the fleet's queued prefill (`WorkLedger.fleet_view`; `queued` is the
     policy's `pending`): per backend `fleet_pending`, for a --workers worker with its host-mates'
     counts now and their entries merged after its own and before the other hosts' (what round 5's
-    `fleet_pending` of `merge_recent` of `mates_recent` and the view's entries read), and an older
+    `fleet_pending` of the mates' ring entries merged with the view's by age read), and an older
     replica's sum (a row without entries) added. The answer is kept (in the ledger) until one of its
     inputs changes: the live count, a record here or by a mate on that backend, a tick here or of a
     mate, a new view; most picks see none of that for most backends."""

@@ -14,7 +14,17 @@ from proxy.control.peer_load import merge_loads
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight
 from proxy.core.inflight import SharedInflightTable, SharedLayout, with_unrecorded
-from proxy.core.work_ledger import PeerRecent, RecentEntry, WorkLedger, merge_recent
+from proxy.core.work_ledger import PeerRecent, RecentEntry, WorkLedger
+
+
+def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
+    """Round 5's merge of a worker's host-mates' entries (`first`) with the other hosts' (`second`), each
+    sorted by age: the newest `n`, sorted by age (stable: `first`'s on a tie). Part of the reference."""
+    if not first:
+        return second
+    if not second:
+        return first
+    return sorted([*first, *second], key=lambda e: e[0])[:n]
 
 
 def _old_fleet_pending(work: WorkLedger, backend: str, own: Inflight | None, peer_requests: int,
