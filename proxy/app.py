@@ -251,7 +251,13 @@ class AffinityProxy:
         # The other replicas' load through Redis (routing.peer_load, optional): a data-plane service in each
         # routing process, built even while off so that a reload can turn it on (proxy/control/peer_load.py).
         self.peer_load: PeerLoadExchange | None = None
-        self._work: WorkLedger | None = None  # the current affinity policy's work ledger, which it publishes
+        # The process's one work ledger (proxy/core/work_ledger.py): the queued prefill of every request this
+        # process routes, whichever policy routed it (the main one, an experiment arm's) and whichever
+        # config was in force (it outlives a reload, like the requests it counts). Load belongs to the
+        # backends, not to a policy: a ledger per policy would miss the requests the others sent while the
+        # in-flight counts it is read against include them, and with routing.peer_load an arm's requests
+        # would never be published. Only a routing process has one (the supervisor routes nothing).
+        self._work: WorkLedger | None = WorkLedger() if data else None
         if data:
             worker = self.inflight.row if isinstance(self.inflight, SharedInflightTable) else None
             self.peer_load = PeerLoadExchange(config.routing.peer_load, self._own_load, worker=worker,
@@ -260,9 +266,8 @@ class AffinityProxy:
 
         def make_policy(routing: RoutingConfig) -> Policy:  # at start and on every reload
             if self.peer_load is not None and routing.peer_load.enabled:
-                self._work = WorkLedger()
                 return build_policy(routing, precise=matcher, work=self._work, peers=self.peer_load.peers)
-            return build_policy(routing, precise=matcher)
+            return build_policy(routing, precise=matcher, work=self._work)
 
         monitor = HealthMonitor(self.store, config.health_checks, config.outlier_detection, metrics=resilience_metrics)
         queue = AdmissionQueue(config.overload, resilience_metrics)
@@ -271,9 +276,10 @@ class AffinityProxy:
         # Live experiments (proxy/experiments): arms of policies or canary groups, judged by guardrails; the
         # runtime runs where requests are routed (each worker of --workers N judges its own traffic).
         def make_arm_policy(routing: RoutingConfig) -> Policy:
-            # An arm's policy reads what the main one reads: the KV-event lookup and the other replicas'
-            # load (None while routing.peer_load is off: the exchange then holds no view).
-            return build_policy(routing, precise=matcher,
+            # An arm's policy reads what the main one reads: the KV-event lookup, the other replicas' load
+            # (None while routing.peer_load is off: the exchange then holds no view) and the process's work
+            # ledger, which it records into, so that its requests are counted and published like the rest.
+            return build_policy(routing, precise=matcher, work=self._work,
                                 peers=self.peer_load.peers if self.peer_load is not None else None)
 
         self.experiments = ExperimentRuntime(config.experiments, build_policy=make_arm_policy,
