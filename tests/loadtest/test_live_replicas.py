@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadtest.live_replicas import LiveSpec, build_parser, main_async, replica_config_yaml
+from loadtest.live_replicas import LiveSpec, build_parser, main_async, replica_config_yaml, tail_table
 from proxy.config import parse_config
 
 # 24 requests over ~3 s sharing two system prompts: short prompts, so the test stays a few seconds long,
@@ -34,7 +34,7 @@ def test_replica_config_parses_with_kv_events_for_every_backend() -> None:
 async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     out = tmp_path / "live.json"
     argv = ["--workload", TINY, "--seed", "3", "--backends", "2", "--replicas", "2", "--index", "precise",
-            "--max-model-len", "8192", "--no-progress", "--out", str(out)]
+            "--max-model-len", "8192", "--no-progress", "--out", str(out), "--records", str(tmp_path / "rec.json")]
     doc = await main_async(build_parser().parse_args(argv), argv)
     assert json.loads(out.read_text())["table"] == doc["table"]
     (run,) = doc["runs"]
@@ -52,3 +52,9 @@ async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     assert live["hit_ratio"] and live["hit_ratio"] > 0 and rep["hit_ratio"] and rep["hit_ratio"] > 0
     assert run["ratios"]["ttft_mean"] is not None and run["ratios"]["ttft_mean"] > 0
     assert "| TTFT p99 |" in doc["table"] and "live / replay" in doc["table"]
+    # --records: every request of both sides, paired by index, and the tail table built from them.
+    (pair,) = json.loads((tmp_path / "rec.json").read_text())
+    assert sorted(r["index"] for r in pair["live"]) == sorted(r["index"] for r in pair["replay"]) == list(range(24))
+    table = tail_table([pair], top=3)
+    slowest = max(r["ttft"] for r in pair["live"] if r["ttft"] is not None)
+    assert table.count("\n") == 5 and f"| {slowest * 1e3:,.0f} |" in table.splitlines()[3]
