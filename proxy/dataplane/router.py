@@ -163,8 +163,9 @@ class Lease:
         if self.arm is not None:
             ttft = None if self.first_byte_at is None else self.first_byte_at - self.received_at
             self.arm.finished(status, self.outcome, elapsed, ttft, self.body)
-        if router.queue is not None:
-            router.queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
+        queue = router.queue
+        if queue is not None and queue.waiters:
+            queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
         report = router.on_outcome
         if report is not None:
             outcome = self.outcome
