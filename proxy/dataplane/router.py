@@ -51,7 +51,8 @@ class Overloaded(NoBackendAvailable):
 class _ModelIndex:
     """Per snapshot version: which backends cannot serve a model (to exclude) and which models exist."""
 
-    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters")
+    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters",
+                 "adapter_names")
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.version = snapshot.version
@@ -70,6 +71,7 @@ class _ModelIndex:
                 holders.setdefault(a, set()).add(b.name)
         self.holders = {a: frozenset(n) for a, n in holders.items()}
         self.adapters = frozenset(holders)
+        self.adapter_names: frozenset[str] | None = None  # with the router's catalog: `Router.adapter_names`
 
     def excluded_for(self, snapshot: Snapshot, model: str) -> frozenset[str]:
         ex = self.exclude.get(model)
@@ -315,8 +317,12 @@ class Router:
     def adapter_names(self) -> frozenset[str]:
         """The LoRA adapters loaded anywhere in the fleet now, and the pool's catalog (for
         `summary_from_openai(adapters=...)`)."""
-        loaded = self._index(self.store.current).adapters
-        return loaded | self.adapter_catalog if self.adapter_catalog else loaded
+        index = self._index(self.store.current)
+        names = index.adapter_names
+        if names is None:  # once per snapshot (the catalog is fixed for the router's life)
+            loaded = index.adapters
+            names = index.adapter_names = loaded | self.adapter_catalog if self.adapter_catalog else loaded
+        return names
 
     def take_adapter_demand(self) -> dict[str, int]:
         """Requests per LoRA adapter routed since the last call (the adapter pool's input)."""
