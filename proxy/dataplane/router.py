@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy, Reason
-from proxy.core.overload import OverloadConfig, PanicView, saturated
+from proxy.core.overload import OverloadConfig, PanicView, may_saturate, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
 from proxy.core.inflight import InflightTable
@@ -270,6 +270,10 @@ class Router:
         self._models = _ModelIndex(store.current)
         # Defaults keep the plain behaviour (spec.max_inflight only, no queue, no panic routing).
         self.overload = overload if overload is not None else OverloadConfig()
+        # Per (snapshot, overload config): the backends `saturated` could ever call saturated (an in-flight
+        # limit, or fresh telemetry with a queue/KV threshold set); for the others it is False.
+        self._limits_for: tuple[Snapshot, OverloadConfig] | None = None
+        self._may_saturate: frozenset[str] = frozenset()
         self.panic = panic
         self.queue = queue
         self.on_outcome = on_outcome
@@ -382,6 +386,12 @@ class Router:
                 decision = Decision(home, Reason.SESSION, policy.name)
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, state
+        limits_for = self._limits_for
+        overload = self.overload
+        if limits_for is None or limits_for[0] is not snapshot or limits_for[1] is not overload:
+            self._limits_for = (snapshot, overload)
+            self._may_saturate = may_saturate(snapshot, overload)
+        capped = self._may_saturate
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:
@@ -394,7 +404,7 @@ class Router:
             backend = snapshot.get(decision.backend)
             if backend is None:
                 raise RuntimeError(f"policy {policy.name} picked {decision.backend!r}, not in the snapshot")
-            if not saturated(backend, self.inflight.get(backend.name), self.overload):
+            if decision.backend not in capped or not saturated(backend, self.inflight.get(backend.name), overload):
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, backend
             exclude = exclude | {backend.name}
