@@ -78,7 +78,8 @@ class SessionFirst(abc.ABC):
     @abc.abstractmethod
     def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> str:
-        """The backend this policy's own rule picks among `states` (eligible, never empty)."""
+        """The backend this policy's own rule picks among `states` (eligible, never empty; read it, never
+        change it: the list is kept for the snapshot's later picks)."""
 
 
 class RoundRobin(SessionFirst):
