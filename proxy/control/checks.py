@@ -100,6 +100,9 @@ class HealthMonitor:
 
     def report(self, name: str, outcome: Outcome) -> None:
         """Called by the data planes after every attempt on a backend (passive outlier detection)."""
+        if outcome is Outcome.SUCCESS:  # the usual report: no change of health can come of it
+            self.fleet.on_success(name)
+            return
         change = self.fleet.on_outcome(name, outcome, self.clock())
         if change is not None:
             self.metrics.ejections.labels(name).inc()

@@ -337,6 +337,14 @@ class FleetHealth:
                 out.release()
         return self._change(name, before, f"check_{result.value}")
 
+    def on_success(self, name: str) -> None:
+        """`on_outcome(name, Outcome.SUCCESS, now)`, which never changes health: the failure streaks of
+        `name` end (the data plane's usual report, without a clock read)."""
+        if self.outliers.enabled:
+            out = self._outlier.get(name)
+            if out is not None:
+                out.c5xx = out.cconnect = out.cstream = 0
+
     def on_outcome(self, name: str, outcome: Outcome, now: float) -> HealthChange | None:
         """The data plane finished an attempt on `name`. Returns the change of combined health, if any."""
         if not self.outliers.enabled or name not in self._outlier:

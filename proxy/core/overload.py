@@ -63,6 +63,17 @@ def saturated(state: BackendState, inflight: Inflight | None, cfg: OverloadConfi
     return False
 
 
+def may_saturate(snapshot: Snapshot, cfg: OverloadConfig) -> frozenset[str]:
+    """The backends of `snapshot` that `saturated` can call saturated under `cfg`, whatever their in-flight
+    counts: those with an in-flight limit, and those whose fresh telemetry a queue or KV threshold reads.
+    For every other backend `saturated` is False (the data plane skips asking it)."""
+    thresholds = cfg.max_waiting is not None or cfg.max_kv_usage is not None
+    return frozenset(
+        b.name for b in snapshot.backends
+        if backend_limit(b, cfg) is not None or (thresholds and b.signals is not None and not b.stale)
+    )
+
+
 def saturated_names(snapshot: Snapshot, inflight: Mapping[str, Inflight], cfg: OverloadConfig) -> frozenset[str]:
     return frozenset(b.name for b in snapshot.backends if b.routable and saturated(b, inflight.get(b.name), cfg))
 

@@ -37,6 +37,12 @@ class SessionFirst(abc.ABC):
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
         self._cfg = cfg
+        # Per snapshot (immutable, so its eligible backends for a model never change): model -> the
+        # eligible backends when nothing is excluded (the usual first attempt), and backend -> its
+        # BALANCED decision (an immutable value), so a pick builds neither list nor Decision.
+        self._for: Snapshot | None = None
+        self._eligible: dict[str | None, list[BackendState]] = {}
+        self._balanced: dict[str, Decision] = {}
 
     def pick(
         self,
@@ -45,16 +51,35 @@ class SessionFirst(abc.ABC):
         inflight: Mapping[str, Inflight],
         exclude: frozenset[str] = frozenset(),
     ) -> Decision:
-        states = eligible(req, snapshot, exclude)
-        home = session_home(req, states, inflight, self._cfg)
-        if home is not None:
-            return Decision(home, Reason.SESSION, self.name)
-        return Decision(self._place(req, states, snapshot, inflight), Reason.BALANCED, self.name)
+        if snapshot is not self._for:
+            self._for = snapshot
+            self._eligible = {}
+            self._balanced = {}
+        if exclude:
+            states = eligible(req, snapshot, exclude)
+        else:
+            cached = self._eligible.get(req.model)
+            if cached is None:
+                cached = eligible(req, snapshot, exclude)  # raises NoBackendAvailable when none
+                if len(self._eligible) >= 1024:  # model names come from clients: keep the cache bounded
+                    self._eligible.clear()
+                self._eligible[req.model] = cached
+            states = cached
+        if req.session_key is not None:
+            home = session_home(req, states, inflight, self._cfg)
+            if home is not None:
+                return Decision(home, Reason.SESSION, self.name)
+        name = self._place(req, states, snapshot, inflight)
+        decision = self._balanced.get(name)
+        if decision is None:
+            decision = self._balanced[name] = Decision(name, Reason.BALANCED, self.name)
+        return decision
 
     @abc.abstractmethod
     def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> str:
-        """The backend this policy's own rule picks among `states` (eligible, never empty)."""
+        """The backend this policy's own rule picks among `states` (eligible, never empty; read it, never
+        change it: the list is kept for the snapshot's later picks)."""
 
 
 class RoundRobin(SessionFirst):
@@ -68,10 +93,9 @@ class RoundRobin(SessionFirst):
 
     def _place(self, req: RequestSummary, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> str:
-        names = [b.name for b in states]
-        i = self._pos % len(names)
+        i = self._pos % len(states)
         self._pos = (self._pos + 1) % (1 << 62)
-        return names[i]
+        return states[i].spec.name
 
 
 class WeightedRoundRobin(SessionFirst):

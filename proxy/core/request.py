@@ -390,12 +390,24 @@ def summary_from_openai(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")
-    out = _Content()
     summarise = SUMMARISERS.get(endpoint)
-    if summarise is not None:
-        summarise(body, out)
-    texts = out.texts
-    prompt = texts[0] if len(texts) == 1 else "".join(texts)
+    key_end: int | None = None
+    shared_end: int | None = None
+    media: tuple[int, ...] = ()
+    implied_session: str | None = None
+    previous_response: str | None = None
+    if summarise is _completions and type(text := body.get("prompt")) is str:
+        prompt = text  # a completion's one string prompt (what `_completions` would make of it, no _Content)
+    else:
+        out = _Content()
+        if summarise is not None:
+            summarise(body, out)
+        texts = out.texts
+        prompt = texts[0] if len(texts) == 1 else "".join(texts)
+        key_end, shared_end, implied_session, previous_response = (
+            out.key_end, out.shared_end, out.session, out.previous_response)
+        if out.media:
+            media = tuple(out.media)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", "stream")
@@ -403,7 +415,9 @@ def summary_from_openai(
     if type(max_tokens) is not int:  # absent, or the others (and each one's error) in `_opt_int`'s order
         max_tokens = _opt_int(body, "max_tokens", "max_completion_tokens", "max_output_tokens")
     temperature = body.get("temperature")
-    if type(temperature) is not float:
+    if type(temperature) is int:  # (not a bool: its type is bool) what `_opt_float` makes of it
+        temperature = float(temperature)
+    elif type(temperature) is not float:
         temperature = _opt_float(body, "temperature")
     # Positional, in field order (proxy/core/frozen.py: the cheapest call).
     return RequestSummary(
@@ -413,12 +427,12 @@ def summary_from_openai(
         max_tokens,
         temperature,
         stream,
-        session_key if session_key is not None else out.session,
+        session_key if session_key is not None else implied_session,
         estimate_tokens(prompt),  # prompt_tokens_est
         endpoint,
-        out.key_end,  # key_prefix_chars
-        tuple(out.media) if out.media else (),
-        out.shared_end,  # shared_prefix_chars
+        key_end,  # key_prefix_chars
+        media,
+        shared_end,  # shared_prefix_chars
         tuple(body["messages"]) if endpoint.endswith("/chat/completions") else None,
-        out.previous_response,  # previous_response_id
+        previous_response,  # previous_response_id
     )

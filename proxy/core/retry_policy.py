@@ -77,6 +77,12 @@ class RetryBudget:
         return self._buckets[-1]
 
     def on_request(self, now: float) -> None:
+        buckets = self._buckets
+        if buckets and buckets[-1][0] == math.floor(now / self._width):
+            # Still the newest bucket: whatever expired was dropped when it was opened (`_advance`).
+            buckets[-1][1] += 1
+            self._requests += 1
+            return
         bucket = self._advance(now)
         bucket[1] += 1
         self._requests += 1

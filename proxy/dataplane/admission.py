@@ -26,7 +26,8 @@ class AdmissionQueue:
     def __init__(self, cfg: OverloadConfig, metrics: ResilienceMetrics | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics if metrics is not None else ResilienceMetrics()
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        # Requests waiting for capacity; Lease.finish reads it to skip `notify_one` when none waits.
+        self.waiters: deque[asyncio.Future[None]] = deque()
         self.admitted_after_wait = 0
         self.timed_out = 0
 
@@ -35,18 +36,18 @@ class AdmissionQueue:
         return self.cfg.action == "queue"
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self.waiters)
 
     def notify_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
+        while self.waiters:
+            fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
                 return
 
     def notify_all(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
+        while self.waiters:
+            fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_result(None)
 
@@ -55,7 +56,7 @@ class AdmissionQueue:
 
         Re-raises `first` (the overload answer) when the queue is full or the bounded wait is over.
         """
-        if len(self._waiters) >= self.cfg.queue_size:
+        if len(self.waiters) >= self.cfg.queue_size:
             self.metrics.shed.labels("queue_full").inc()
             raise first
         overloaded = type(first)
@@ -68,14 +69,14 @@ class AdmissionQueue:
                 self.metrics.shed.labels("queue_timeout").inc()
                 raise first
             fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
+            self.waiters.append(fut)
             try:
                 await asyncio.wait_for(fut, remaining)
             except asyncio.TimeoutError:
                 pass
             finally:
                 try:
-                    self._waiters.remove(fut)
+                    self.waiters.remove(fut)
                 except ValueError:
                     pass
             try:

@@ -348,7 +348,7 @@ class OpenAIPipeline(Generic[T]):
                         attempts = Attempts(self.retries)
                         while True:
                             try:
-                                lease = router.route(summary, attempts.exclude, received_at=req.received_at)
+                                lease = Lease(router, summary, attempts.exclude, req.received_at)  # router.route
                                 waiting = lease.enter()
                                 if waiting is not None:
                                     await waiting
@@ -425,7 +425,8 @@ class OpenAIPipeline(Generic[T]):
         finally:
             if task is not None:
                 self._active.discard(task)
-                self._expired.discard(task)
+                if self._expired:
+                    self._expired.discard(task)
         if ob is not None:
             ob.finish_as_recorded()
         return result
@@ -476,8 +477,9 @@ class OpenAIPipeline(Generic[T]):
                 headers["x-affinity-backend"] = backend.name
                 if lease.arm is not None:
                     headers["x-affinity-arm"] = f"{lease.arm.experiment}/{lease.arm.name}"
-            lease.status = up.status
-            if self.retries is not None and self.retries.retry_status(up.status):
+            status = lease.status = up.status
+            retries = self.retries
+            if retries is not None and status in retries.held_statuses:  # retries.retry_status(status)
                 # Held back, not forwarded: if another backend is tried, the client never sees this one.
                 held = Answer(up.status, up.reason, headers, await up.read())
                 if ob is not None:

@@ -54,17 +54,19 @@ class RetryController:
         self.rng = rng if rng is not None else random.Random()
         self.clock = clock
         self.retried = 0
-        self._statuses = cfg.retry_statuses
+        # The statuses whose answers are held back for a retry (none when retries are off or one attempt
+        # is all there is): one set lookup per answer (`retry_status`).
+        self.held_statuses = _held_statuses(cfg)
 
     def reconfigure(self, cfg: RetryConfig) -> None:
         if cfg != self.cfg:
             self.cfg = cfg
             self.budget = RetryBudget(cfg)
-            self._statuses = cfg.retry_statuses
+            self.held_statuses = _held_statuses(cfg)
 
     def retry_status(self, status: int) -> bool:
         """Should an upstream answer with this status be held back (read, not forwarded) for a retry?"""
-        return self.cfg.enabled and self.cfg.max_attempts > 1 and status in self._statuses
+        return status in self.held_statuses
 
     def on_request(self) -> None:
         self.budget.on_request(self.clock())
@@ -82,6 +84,10 @@ class RetryController:
 
     def backoff(self, retry_number: int) -> float:
         return backoff_s(self.cfg, retry_number, self.rng.random())
+
+
+def _held_statuses(cfg: RetryConfig) -> frozenset[int]:
+    return cfg.retry_statuses if cfg.enabled and cfg.max_attempts > 1 else frozenset()
 
 
 class Attempts:

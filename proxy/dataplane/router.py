@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Mapping
 
 from proxy.control.store import SnapshotStore
 from proxy.core.decision import Decision, NoBackendAvailable, Outcome, Policy, Reason
-from proxy.core.overload import OverloadConfig, PanicView, saturated
+from proxy.core.overload import OverloadConfig, PanicView, may_saturate, saturated
 from proxy.core.request import RequestSummary
 from proxy.core.snapshot import BackendState, Snapshot
 from proxy.core.inflight import InflightTable
@@ -51,7 +51,8 @@ class Overloaded(NoBackendAvailable):
 class _ModelIndex:
     """Per snapshot version: which backends cannot serve a model (to exclude) and which models exist."""
 
-    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters")
+    __slots__ = ("version", "any_model", "known", "exclude", "no_grpc", "names", "holders", "adapters",
+                 "adapter_names")
 
     def __init__(self, snapshot: Snapshot) -> None:
         self.version = snapshot.version
@@ -70,6 +71,7 @@ class _ModelIndex:
                 holders.setdefault(a, set()).add(b.name)
         self.holders = {a: frozenset(n) for a, n in holders.items()}
         self.adapters = frozenset(holders)
+        self.adapter_names: frozenset[str] | None = None  # with the router's catalog: `Router.adapter_names`
 
     def excluded_for(self, snapshot: Snapshot, model: str) -> frozenset[str]:
         ex = self.exclude.get(model)
@@ -163,8 +165,9 @@ class Lease:
         if self.arm is not None:
             ttft = None if self.first_byte_at is None else self.first_byte_at - self.received_at
             self.arm.finished(status, self.outcome, elapsed, ttft, self.body)
-        if router.queue is not None:
-            router.queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
+        queue = router.queue
+        if queue is not None and queue.waiters:
+            queue.notify_one()  # capacity freed: wake one request waiting in the overload queue
         report = router.on_outcome
         if report is not None:
             outcome = self.outcome
@@ -267,6 +270,10 @@ class Router:
         self._models = _ModelIndex(store.current)
         # Defaults keep the plain behaviour (spec.max_inflight only, no queue, no panic routing).
         self.overload = overload if overload is not None else OverloadConfig()
+        # Per (snapshot, overload config): the backends `saturated` could ever call saturated (an in-flight
+        # limit, or fresh telemetry with a queue/KV threshold set); for the others it is False.
+        self._limits_for: tuple[Snapshot, OverloadConfig] | None = None
+        self._may_saturate: frozenset[str] = frozenset()
         self.panic = panic
         self.queue = queue
         self.on_outcome = on_outcome
@@ -314,8 +321,12 @@ class Router:
     def adapter_names(self) -> frozenset[str]:
         """The LoRA adapters loaded anywhere in the fleet now, and the pool's catalog (for
         `summary_from_openai(adapters=...)`)."""
-        loaded = self._index(self.store.current).adapters
-        return loaded | self.adapter_catalog if self.adapter_catalog else loaded
+        index = self._index(self.store.current)
+        names = index.adapter_names
+        if names is None:  # once per snapshot (the catalog is fixed for the router's life)
+            loaded = index.adapters
+            names = index.adapter_names = loaded | self.adapter_catalog if self.adapter_catalog else loaded
+        return names
 
     def take_adapter_demand(self) -> dict[str, int]:
         """Requests per LoRA adapter routed since the last call (the adapter pool's input)."""
@@ -375,6 +386,12 @@ class Router:
                 decision = Decision(home, Reason.SESSION, policy.name)
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, state
+        limits_for = self._limits_for
+        overload = self.overload
+        if limits_for is None or limits_for[0] is not snapshot or limits_for[1] is not overload:
+            self._limits_for = (snapshot, overload)
+            self._may_saturate = may_saturate(snapshot, overload)
+        capped = self._may_saturate
         limited = False
         for _ in range(len(snapshot.backends) + 1):
             try:
@@ -387,7 +404,7 @@ class Router:
             backend = snapshot.get(decision.backend)
             if backend is None:
                 raise RuntimeError(f"policy {policy.name} picked {decision.backend!r}, not in the snapshot")
-            if not saturated(backend, self.inflight.get(backend.name), self.overload):
+            if decision.backend not in capped or not saturated(backend, self.inflight.get(backend.name), overload):
                 self.metrics.decision(decision.policy, decision.reason)
                 return decision, backend
             exclude = exclude | {backend.name}

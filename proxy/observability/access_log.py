@@ -186,7 +186,7 @@ class AccessLog:
             self._in_second += 1
         sink = self._sink
         if self._json:
-            buf = sink.buffer
+            buf = sink._buf
             start = len(buf)
             try:
                 self._encoder.encode_into(record, buf, -1)
@@ -196,7 +196,10 @@ class AccessLog:
                 del buf[start:]
                 self._encoder.encode_into(_printable(record), buf, -1)
             buf += b"\n"
-            sink.commit(start, now)
+            # `sink.commit(start, now)` only when it has something to do (a flush is due): most lines
+            # just stay in the buffer.
+            if len(buf) >= PIPE_BUF or now - sink._last_flush >= sink._interval:
+                sink.commit(start, now)
         else:
             sink.write_line(self._text(record), now)
         self.written += 1

@@ -90,7 +90,7 @@ class RequestObservation:
             if summary.session_key:
                 trace.set_attribute("affinity.session", summary.session_key)
 
-    def picked(self, lease: Any, url: str) -> list[tuple[bytes, bytes]]:
+    def picked(self, lease: Any, url: str) -> Sequence[tuple[bytes, bytes]]:
         """One attempt's pick (`lease`: proxy.dataplane.router.Lease). Returns the trace-context headers the
         backend request must carry (empty with tracing off)."""
         r = self.record
@@ -110,7 +110,7 @@ class RequestObservation:
             observer.on_pick(r)
         trace = self.trace
         if trace is None:
-            return []
+            return ()
         if self.attempt is not None:  # the previous attempt ended without saying how (cancelled)
             self.attempt.finish(error="abandoned")
         if trace.sampled:

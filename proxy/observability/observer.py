@@ -37,7 +37,7 @@ from proxy.core.hotspots import (
 )
 from proxy.observability.access_log import AccessLog, LineSink
 from proxy.observability.config import LoggingConfig
-from proxy.observability.record import RequestRecord
+from proxy.observability.record import GRPC_SERVER_ERRORS, RequestRecord
 
 log = logging.getLogger("proxy.hotspots")
 
@@ -126,7 +126,10 @@ class Observer:
         bw = cur.backends.get(backend)
         if bw is None:
             bw = cur.backend(backend)
-        bw.add(record.duration_s, record.ttft_s, record.failed, record.load_score, record.inflight)
+        status, grpc_status = record.status, record.grpc_status
+        # `record.failed`, spelled out (a property call per request)
+        failed = status >= 500 or (grpc_status is not None and grpc_status in GRPC_SERVER_ERRORS)
+        bw.add(record.duration_s, record.ttft_s, failed, record.load_score, record.inflight)
 
     # ------------------------------------------------------------------ windows and rules
 

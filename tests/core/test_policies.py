@@ -207,3 +207,29 @@ def test_every_policy_retries_elsewhere_until_the_fleet_is_exhausted():
             tried |= {d.backend}
         with pytest.raises(NoBackendAvailable):
             policy.pick(REQ, snap, {}, tried)
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if n != "affinity"])
+def test_one_policy_follows_each_new_snapshot_and_model(name):
+    # A policy keeps each snapshot's eligible backends per model (nothing excluded): a later snapshot, a
+    # retry's exclusion or another model must each see their own set, never the one kept before.
+    policy = build_policy(RoutingConfig(policy=name))
+    snap = Snapshot.initial([BackendSpec("a", "http://a", models=("llama",)), BackendSpec("b", "http://b"),
+                             BackendSpec("c", "http://c")])
+    llama, qwen = prompt("x", model="llama"), prompt("x", model="qwen")
+    for _ in range(6):
+        assert policy.pick(llama, snap, {}).backend in {"a", "b", "c"}
+        assert policy.pick(qwen, snap, {}).backend in {"b", "c"}
+        assert policy.pick(llama, snap, {}, frozenset({"a", "b"})).backend == "c"
+    sick = with_state(snap, "b", health=Health.UNHEALTHY)
+    for _ in range(6):
+        assert policy.pick(llama, sick, {}).backend in {"a", "c"}
+        assert policy.pick(qwen, sick, {}).backend == "c"
+    gone = with_state(sick, "c", weight=0.0)
+    with pytest.raises(NoBackendAvailable):
+        policy.pick(qwen, gone, {})
+    assert policy.pick(llama, gone, {}).backend == "a"
+    back = with_state(gone, "b", health=Health.HEALTHY)
+    assert {policy.pick(qwen, back, {}).backend for _ in range(6)} == {"b"}
+    d1, d2 = policy.pick(llama, back, {}), policy.pick(llama, back, {})
+    assert d1.reason is Reason.BALANCED and d1.policy == name and d2.reason is Reason.BALANCED

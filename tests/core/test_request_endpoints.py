@@ -93,3 +93,24 @@ def test_an_image_changes_the_fingerprint_not_the_prompt() -> None:
 
 def test_every_table_entry_is_a_path() -> None:
     assert all(p.startswith("/") for p in SUMMARISERS)
+
+
+@pytest.mark.parametrize("prompt", ["plain text", "", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completions_summary_is_the_summariser_s_whatever_the_prompt(prompt: Any) -> None:
+    # A one-string prompt skips the summariser's bookkeeping: the summary must be the one it would give.
+    from proxy.core.request import _Content
+
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    s = summary_from_openai("/v1/completions", body, session_key="k")
+    out = _Content()
+    SUMMARISERS["/v1/completions"](body, out)
+    assert s.prompt == out.prompt and s.key_prefix_chars is None and s.shared_prefix_chars is None
+    assert s.media == () and s.previous_response_id is None and s.session_key == "k" and s.messages is None
+    assert summary_from_openai("/v1/completions", body).session_key is None
+    # an integer temperature is read as the float it means, a bool is refused as before
+    assert s.temperature == 0.0 and type(s.temperature) is float
+    assert type(summary_from_openai("/v1/completions", {**body, "temperature": 1}).temperature) is float
+    with pytest.raises(RequestError, match="temperature"):
+        summary_from_openai("/v1/completions", {**body, "temperature": True})
+    with pytest.raises(RequestError, match="'prompt' is required"):
+        summary_from_openai("/v1/completions", {"model": "m"})

@@ -260,3 +260,19 @@ def test_dropped_lines_are_counted_in_the_metric():
     assert obs.access_log is not None and obs.access_log.dropped > 0
     text = generate_latest(registry).decode()
     assert f'affinity_proxy_access_log_lines_total{{outcome="dropped"}} {float(obs.access_log.dropped)}' in text
+
+
+@pytest.mark.parametrize("body, expected", [
+    (b'{"usage": {"prompt_tokens": 8, "completion_tokens": 6}}', (8, None)),
+    (b'{"usage":{"prompt_tokens" :\r\n 12,"prompt_tokens_details":{"cached_tokens":\t3}}}', (12, 3)),
+    (b'data: {"usage": {"prompt_tokens": 1}}\n\ndata: {"usage": {"prompt_tokens": 40}}\n\n', (40, None)),  # the last
+    (b'{"prompt_tokens": -1, "cached_tokens": null}', (None, None)),
+    (b'{"prompt_tokens":', (None, None)),
+    (b'{"prompt_tokens": "7"}', (None, None)),
+    (b'{"prompt_tokens": \xd9\xa3}', (None, None)),  # a non-ASCII digit is no number here
+    (b'{"choices": []}', (None, None)),
+])
+def test_usage_is_read_off_the_answer_bytes(body: bytes, expected: tuple[int | None, int | None]) -> None:
+    from proxy.observability.lifecycle import usage_of
+
+    assert usage_of(body) == expected

@@ -116,6 +116,23 @@ async def test_monitor_ejects_on_reports_and_never_overwrites_draining() -> None
     assert store.current.get("b").health is Health.DRAINING
 
 
+async def test_monitor_success_report_ends_every_failure_streak() -> None:
+    # The data plane's usual report (SUCCESS) takes a short path: it must still reset each streak.
+    specs = [BackendSpec(n, f"http://127.0.0.1:{i + 1}") for i, n in enumerate("abcd")]
+    store, monitor, _ = make(specs, outliers=OutlierConfig(
+        consecutive_5xx=2, consecutive_connect_failures=2, consecutive_stream_failures=2))
+    v = store.current.version
+    for failure in (Outcome.STATUS_5XX, Outcome.CONNECT_FAILURE, Outcome.STREAM_FAILURE):
+        for _ in range(3):
+            monitor.report("a", failure)
+            monitor.report("a", Outcome.SUCCESS)
+    monitor.report("zz", Outcome.SUCCESS)  # a backend the monitor does not know: nothing happens
+    assert store.current.version == v and store.current.get("a").health is Health.UNKNOWN
+    monitor.report("a", Outcome.STATUS_5XX)
+    monitor.report("a", Outcome.STATUS_5XX)
+    assert store.current.get("a").health is Health.UNHEALTHY
+
+
 async def test_ejection_expires_without_active_checks() -> None:
     import asyncio
 

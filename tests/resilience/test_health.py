@@ -11,7 +11,7 @@ from proxy.core.bounds import ConfigValueError, config_errors
 from proxy.core.decision import Inflight, Outcome
 from proxy.core.health import ActiveHealth, CheckResult, FleetHealth, HealthCheckConfig, OutlierConfig
 from proxy.core.health import nearest_rank_percentile
-from proxy.core.overload import OverloadConfig, PanicView, in_panic, saturated, saturated_names
+from proxy.core.overload import OverloadConfig, PanicView, in_panic, may_saturate, saturated, saturated_names
 from proxy.core.retry_policy import RetryBudget, RetryConfig, backoff_s, retryable
 from proxy.core.snapshot import BackendSpec, BackendState, Health, Signals, Snapshot
 
@@ -390,6 +390,24 @@ def test_saturation_by_inflight_queue_and_kv() -> None:
     assert not saturated(state("a", signals=Signals(scraped_at=0)), None, cfg)  # unreported is not zero nor full
     snap = Snapshot(1, (state("a"), state("b", health=Health.UNHEALTHY), state("c")))
     assert saturated_names(snap, {"a": Inflight(4), "b": Inflight(9)}, cfg) == {"a"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(limit=st.one_of(st.none(), st.integers(1, 4)), own=st.one_of(st.none(), st.integers(1, 4)),
+       waiting=st.one_of(st.none(), st.floats(0, 20)), kv=st.one_of(st.none(), st.floats(0, 1)),
+       max_waiting=st.one_of(st.none(), st.integers(0, 20)), max_kv=st.one_of(st.none(), st.floats(0.01, 1)),
+       signals=st.booleans(), stale=st.booleans(), inflight=st.one_of(st.none(), st.integers(0, 6)))
+def test_may_saturate_holds_every_backend_saturated_can_call_saturated(
+        limit, own, waiting, kv, max_waiting, max_kv, signals, stale, inflight) -> None:
+    # The router asks `saturated` only about the backends `may_saturate` names: it must never miss one.
+    cfg = OverloadConfig(max_inflight_per_backend=limit, max_waiting=max_waiting, max_kv_usage=max_kv)
+    b = state("a", max_inflight=own, stale=stale,
+              signals=Signals(scraped_at=0, waiting=waiting, kv_usage=kv) if signals else None)
+    capped = may_saturate(Snapshot(1, (b,)), cfg)
+    if saturated(b, None if inflight is None else Inflight(inflight), cfg):
+        assert capped == {"a"}
+    if limit is None and own is None and (not signals or stale or (max_waiting is None and max_kv is None)):
+        assert capped == frozenset()
 
 
 def test_panic_routes_to_all_below_threshold() -> None:
