@@ -350,7 +350,12 @@ def main() -> None:
         print(json.dumps(res) if args.json else res)
         return
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = {"base": os.path.abspath(args.ab), "this": here}
+    base = os.path.abspath(args.ab)
+    if not os.path.isfile(os.path.join(base, "proxy", "app.py")):
+        # PYTHONPATH naming a folder without the package would fall through to the installed (editable) tree:
+        # this tree against itself, silently.
+        raise SystemExit(f"--ab {args.ab}: no source tree there (expected {os.path.join(base, 'proxy', 'app.py')})")
+    trees = {"base": base, "this": here}
     res: dict[str, list[float]] = {n: [] for n in trees}
     for r in range(args.rounds):
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
