@@ -199,6 +199,74 @@ class Response(Target):
                 pass
 
 
+class RequestDiff(Target):
+    doc = ("client HTTP/1.1 requests: the data path's parser (proxy/wire/http1_llhttp.py, llhttp) against the "
+           "reference RequestParser (proxy/wire/http1.py); the same events, states and errors at any split")
+
+    def setup(self) -> None:
+        from proxy.wire import http1, http1_llhttp
+
+        self.http1 = http1
+        self.reference = http1.RequestParser
+        self.candidate = http1_llhttp.LlhttpRequestParser
+
+    def seeds(self) -> list[bytes]:
+        post = (b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 7\r\n\r\n{\"a\":1}")
+        # Parameter bytes: one read whole; one split in three, limit 100 bytes, then the end of the stream.
+        return [params + w for params in (b"\x00\x00\x00", b"\x0d\x40\xc0") for w in (
+            post,
+            post + b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" + post,
+            b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n"
+            b"5;e=1\r\nhello\r\n0\r\nX-T: 1\r\n\r\n",
+            b"\r\nOPTIONS * HTTP/1.1\r\nConnection: close, Upgrade\r\nUpgrade: h2c\r\n\r\n",
+            b"PROPFIND /a\xe9 HTTP/1.1\r\nX: caf\xe9 \t\r\nContent-Length: 1, 1\r\n\r\nz",
+        )]
+
+    def _run(self, cls: Any, pieces: list[bytes], max_head: int, eof: bool) -> list[Any]:
+        p = cls(max_head=max_head, max_chunk=4096)
+        out: list[Any] = []
+        try:
+            for piece in pieces:
+                events = p.feed(piece)
+                while True:
+                    out.extend(_request_event(e) for e in events)
+                    if p.state is not self.http1.DONE or not events:
+                        break
+                    events = p.next()
+                out.append((p.state, p.buffered, p.started))
+            if eof:
+                p.feed_eof()
+                out.append(("eof", p.state))
+        except self.http1.ProtocolError as exc:
+            out.append(("error", type(exc).__name__, str(exc), p.state))
+        return out
+
+    def one(self, data: bytes) -> None:
+        # Three bytes of parameters (read plainly, so a mutation of the request keeps them), then the wire.
+        if len(data) < 3:
+            return
+        flags, a, b = data[0], data[1], data[2]
+        wire = data[3:]
+        max_head = (64 * 1024, 100, 30, 64 * 1024)[flags & 3]
+        eof = bool(flags & 4)
+        cuts = sorted({a * len(wire) // 256, b * len(wire) // 256}) if flags & 8 else []
+        pieces = [wire[i:j] for i, j in zip([0, *cuts], [*cuts, len(wire)])]
+        ref = self._run(self.reference, pieces, max_head, eof)
+        new = self._run(self.candidate, pieces, max_head, eof)
+        assert new == ref, f"the llhttp parser differs from the reference on {pieces!r}:\n{new!r}\n{ref!r}"
+
+
+def _request_event(ev: Any) -> Any:
+    name = type(ev).__name__
+    if name == "Request":
+        return (name, ev.method, ev.target, ev.http_version, ev.headers, ev.framing, ev.content_length,
+                ev.keep_alive, ev.expect_continue, ev.header_bytes)
+    if name == "Data":
+        return (name, ev.data)
+    return (name, ev.trailers)
+
+
 def _normalise(events: list[Any]) -> list[Any]:
     """Events with consecutive Data joined: how bytes are split into Data events is not a property."""
     out: list[Any] = []
@@ -579,6 +647,7 @@ TARGETS: dict[str, Callable[[], Target]] = {
     "http1": Http1,
     "h2": H2,
     "response": Response,
+    "request_diff": RequestDiff,
     "summary": Summary,
     "config": ConfigLoader,
     "metrics": Metrics,

@@ -1,7 +1,8 @@
 """The HTTP/1.1 data plane: an asyncio protocol on the sans-I/O request parser, driving the OpenAI pipeline.
 
-Per connection one `HttpConnection` (an `asyncio.Protocol`): the bytes go to `RequestParser`
-(proxy/wire/http1.py); a complete request (head and body, bounded) becomes an `InboundRequest` for the
+Per connection one `HttpConnection` (an `asyncio.Protocol`): the bytes go to `LlhttpRequestParser`
+(proxy/wire/http1_llhttp.py: the reference `RequestParser` of proxy/wire/http1.py, with the header fields split
+by llhttp); a complete request (head and body, bounded) becomes an `InboundRequest` for the
 shared OpenAI pipeline (proxy/dataplane/openai.py), which routes it, forwards the ORIGINAL bytes and maps
 failures to OpenAI-shaped errors; the connection itself is the pipeline's `Responder` and writes the answer.
 
@@ -56,9 +57,8 @@ from proxy.dataplane.request_ids import new_request_id
 from proxy.listen import ProtocolFactory, sniffing
 from proxy.metrics import ProxyMetrics
 from proxy.upstream.http1 import Exchange
-from proxy.wire.http1 import (
-    BODY, DONE, ERROR, Data, EndOfMessage, HeadTooLarge, ProtocolError, Request, RequestParser,
-)
+from proxy.wire.http1 import BODY, DONE, ERROR, Data, EndOfMessage, HeadTooLarge, ProtocolError, Request
+from proxy.wire.http1_llhttp import LlhttpRequestParser
 
 log = logging.getLogger("affinity_proxy.http")
 
@@ -143,7 +143,7 @@ class HttpConnection(asyncio.Protocol):
         self.loop = plane.loop
         self.limits = plane.limits
         self.transport: asyncio.Transport | None = None
-        self.parser = RequestParser(max_head=self.limits.max_header_bytes + _REQUEST_LINE_ALLOWANCE)
+        self.parser = LlhttpRequestParser(max_head=self.limits.max_header_bytes + _REQUEST_LINE_ALLOWANCE)
         self.peer: str | None = None
         self.request: Request | None = None
         self.received_at = 0.0

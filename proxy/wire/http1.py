@@ -539,6 +539,10 @@ _READERS: dict[str, _Reader] = {
 # (request smuggling): whitespace before a colon, folded lines, both Content-Length and Transfer-Encoding,
 # a transfer coding other than a final chunked are all errors (400). A head larger than `max_head` raises
 # `HeadTooLarge` (431).
+#
+# The data plane runs `LlhttpRequestParser` (proxy/wire/http1_llhttp.py): this parser with the header fields
+# split by llhttp; it falls back to `_head` here for anything unusual, and this one stays the reference its
+# differential test (tests/wire/test_http1_differential.py) compares it with.
 
 IDLE = "idle"  # between requests: nothing of the next one has arrived (a request parser state)
 
@@ -761,10 +765,15 @@ class RequestParser:
         else:
             framing = NO_BODY
             length = None
-        request = Request(method, target, version, fields, framing, length, keep_alive, expect, size)
+        return self._begin(Request(method, target, version, fields, framing, length, keep_alive, expect, size),
+                           data, end + 4, events)
+
+    def _begin(self, request: Request, data: bytes, pos: int, events: list[RequestEvent]) -> list[RequestEvent]:
+        """The head is parsed (the body starts at data[pos]): report it and read what of the body is here."""
         self.request = request
         events.append(request)
-        pos = end + 4
+        framing = request.framing
+        length = request.content_length
         if framing is NO_BODY:
             return self._done(data, pos, events, _END)
         if framing is CONTENT_LENGTH:

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # A few seconds each on an idle machine (inputs per second differ a hundredfold between targets).
 RUNS = {"http1": 3000, "h2": 5000, "config": 5000, "metrics": 10000, "response": 30000, "summary": 30000,
-        "kv_events": 30000}
+        "kv_events": 30000, "request_diff": 30000}
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
