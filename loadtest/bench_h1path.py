@@ -15,6 +15,8 @@ per-round ratios (this / baseline) and how many rounds were lower. `--profile FI
 one run; `--count` prints loop turns (epoll-less: callbacks scheduled), tasks and futures per request;
 `--without PIECE` (repeatable) runs without one piece (observability, the access log, the hot-spot windows,
 the summary, the outlier report, the retry controller): what it costs where it runs, not timed alone.
+`--headers sdk` sends the 16-field head of the OpenAI Python SDK instead of wrk's 3 fields (a per-field cost, as
+the request parser's, weighs more for a real client).
 It is a guide, not the contract: a change is kept on `bench_peers.py --ab` (real sockets, wrk).
 """
 
@@ -30,8 +32,19 @@ import sys
 import time
 from typing import Any
 
-REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\n"
-           b"Content-Length: %d\r\n\r\n%s")
+# The head wrk sends in bench_peers (3 fields), and the head the OpenAI Python SDK sends (16 fields; what a
+# per-field cost, e.g. the request parser's, weighs for a real client): --headers wrk|sdk.
+HEADS = {
+    "wrk": (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s"),
+    "sdk": (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nAccept-Encoding: gzip, deflate\r\n"
+            b"Connection: keep-alive\r\nAccept: application/json\r\nContent-Type: application/json\r\n"
+            b"User-Agent: OpenAI/Python 1.51.0\r\nX-Stainless-Lang: python\r\nX-Stainless-Package-Version: 1.51.0\r\n"
+            b"X-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\nX-Stainless-Runtime: CPython\r\n"
+            b"X-Stainless-Runtime-Version: 3.11.9\r\nAuthorization: Bearer sk-xxxxxxxxxxxxxxxx\r\n"
+            b"X-Stainless-Async: false\r\nx-stainless-retry-count: 0\r\nContent-Length: %d\r\n\r\n%s"),
+}
+REQUEST = HEADS["wrk"]
 PREFIX = "System prompt %d: You are a helpful assistant. " + "x" * 150
 ANSWER_BODY = json.dumps({
     "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake-model",
@@ -337,8 +350,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--without", action="append", default=[], choices=WITHOUT,
                     help="run without this piece (repeatable): what it costs in situ")
+    ap.add_argument("--headers", choices=sorted(HEADS), default="wrk",
+                    help="the request head: wrk's 3 fields (as bench_peers sends) or the OpenAI Python SDK's 16")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global REQUEST
+    REQUEST = HEADS[args.headers]
     if args.ab is None:
         fd = os.open(os.devnull, os.O_WRONLY)
         out = os.dup(1)
@@ -361,7 +378,7 @@ def main() -> None:
         for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
             out = subprocess.run(
                 [sys.executable, "-P", os.path.abspath(__file__), "--policy", args.policy, "--requests",
-                 str(args.requests), "--conns", str(args.conns), "--json",
+                 str(args.requests), "--conns", str(args.conns), "--headers", args.headers, "--json",
                  *(f"--without={w}" for w in args.without)],
                 env=dict(os.environ, PYTHONPATH=trees[name]), capture_output=True, text=True, check=True).stdout
             res[name].append(json.loads(out.strip().splitlines()[-1])["us_per_request"])
