@@ -22,4 +22,10 @@ def sse_error_event(message: str, code: str, type_: str = "server_error") -> byt
     return b"\n\ndata: " + error_body(message, type_, code) + b"\n\n"
 
 
-__all__ = ["error_body", "sse_error_event"]
+class ClientGone(ConnectionResetError):
+    """The client left while its request was being answered (its connection was closing when the answer's
+    first bytes were written): nothing is answered, and nothing is said of the backend. A ConnectionError, so
+    that the protocol adapters end the connection as they do for any write to a departed client."""
+
+
+__all__ = ["ClientGone", "error_body", "sse_error_event"]

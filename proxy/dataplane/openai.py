@@ -34,7 +34,7 @@ from proxy.control.orca import HEADER as ORCA_HEADER
 from proxy.core.decision import NoBackendAvailable
 from proxy.core.decision import Outcome
 from proxy.core.request import SUMMARISERS, RequestError, RequestSummary, summary_from_openai
-from proxy.dataplane.errors import error_body, sse_error_event
+from proxy.dataplane.errors import ClientGone, error_body, sse_error_event
 from proxy.dataplane.response_homes import RESPONSES_PATH, CreatedSniffer, ResponseHomes, response_id_from_json
 from proxy.dataplane.retry import Attempts, RetryController, RetryableFailure
 from proxy.dataplane.router import Lease, Overloaded, Router, UnknownModel
@@ -374,6 +374,8 @@ class OpenAIPipeline(Generic[T]):
                                 break
                             if delay > 0:
                                 await asyncio.sleep(delay)
+                    except ConnectionError:
+                        raise  # the client left (ClientGone, or a write to its closing connection): below
                     except UnknownModel as exc:
                         error = "model_not_found"
                         outcome = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
@@ -418,6 +420,12 @@ class OpenAIPipeline(Generic[T]):
                 if ob is not None:
                     ob.finish(500, error="internal_error")
                 raise
+        except ConnectionError:
+            # The client left while its answer was being written (its connection was already closing): a
+            # 499 like a cancellation, not a fault of the proxy's (nor, in the hot-spot windows, the backend's).
+            if ob is not None:
+                ob.finish(499, error="client_gone")
+            raise
         except BaseException:
             if ob is not None:
                 ob.finish(500, error="internal_error")
@@ -502,6 +510,12 @@ class OpenAIPipeline(Generic[T]):
             lease.status = 499
             raise
         except UPSTREAM_ERRORS as exc:
+            if responder.gone():
+                # The client left: a write to its closing connection raised (the streamed answer's head), or
+                # it went while the backend was asked. No answer, no retry elsewhere, and nothing said of
+                # the backend (a 502 here reported it to the outlier detection for a client's departure).
+                lease.status = 499
+                raise ClientGone("the client left before its answer started") from exc
             # Only reachable before anything was sent to the client (connecting, sending, reading a held or
             # JSON body): once _relay has started answering it handles failures itself.
             if ob is not None:
