@@ -627,6 +627,44 @@ def _parse_request_line(line: bytes) -> tuple[str, bytes, bytes]:
 RequestEvent = Union[Request, Data, EndOfMessage]
 
 
+def request_framing(picked: list[tuple[bytes, bytes]], version: bytes) -> tuple[str, int | None, bool, bool]:
+    """RFC 9112 6: a request's framing from its fields that may set it (`picked`: Content-Length,
+    Transfer-Encoding, Connection and Expect, in order; others are ignored) and its version: (framing,
+    content length or None, keep-alive, Expect: 100-continue). Raises ProtocolError for what a request
+    must not do (conflicting lengths, a length and a coding, a coding that does not end in chunked, a chunked
+    HTTP/1.0 body). The one copy of these rules, for `RequestParser` and `LlhttpRequestParser`."""
+    keep_alive = version == b"1.1"
+    length: int | None = None
+    transfer: bytes | None = None
+    expect = False
+    for name, value in picked:
+        lname = name.lower()
+        if lname == b"content-length":
+            v = int(value) if value.isdigit() else _content_length(value)
+            if length is not None and v != length:
+                raise ProtocolError("conflicting Content-Length fields")
+            length = v
+        elif lname == b"transfer-encoding":
+            transfer = value.lower() if transfer is None else transfer + b", " + value.lower()
+        elif lname == b"connection":
+            tokens = {t.strip() for t in value.lower().split(b",")}
+            if b"close" in tokens:
+                keep_alive = False
+            elif b"keep-alive" in tokens and version == b"1.0":
+                keep_alive = True
+        elif lname == b"expect":
+            expect = value.lower() == b"100-continue"
+    if transfer is not None:
+        if length is not None:
+            raise ProtocolError("both Content-Length and Transfer-Encoding")
+        if transfer.rsplit(b",", 1)[-1].strip() != b"chunked" or version == b"1.0":
+            raise ProtocolError(f"unsupported Transfer-Encoding {transfer[:40]!r}")
+        return CHUNKED, None, keep_alive, expect
+    if length:
+        return CONTENT_LENGTH, length, keep_alive, expect
+    return NO_BODY, None, keep_alive, expect
+
+
 class RequestParser:
     """Parses the requests of one client connection; see the block comment above."""
 
@@ -720,12 +758,9 @@ class RequestParser:
         method, target, version = known if known is not None else _request_line(line)
         if _FIELD_CTL.search(head, len(line)):
             raise ProtocolError("control character in a header field")
-        keep_alive = version == b"1.1"
-        length: int | None = None
-        transfer: bytes | None = None
-        expect = False
         fields: list[tuple[bytes, bytes]] = []
         append = fields.append
+        picked: list[tuple[bytes, bytes]] = []  # the fields that may set the framing
         size = 0
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
@@ -734,37 +769,13 @@ class RequestParser:
                     raise ProtocolError("folded header line in a request")
                 raise ProtocolError(f"malformed header line {line[:80]!r}")
             value = value.strip()
-            append((name, value))
+            field = (name, value)
+            append(field)
             n = len(name)
             size += n + len(value) + 4
             if n == 14 or n == 17 or n == 10 or n == 6:  # content-length, transfer-encoding, connection, expect
-                lname = name.lower()
-                if lname == b"content-length":
-                    v = int(value) if value.isdigit() else _content_length(value)
-                    if length is not None and v != length:
-                        raise ProtocolError("conflicting Content-Length fields")
-                    length = v
-                elif lname == b"transfer-encoding":
-                    transfer = value.lower() if transfer is None else transfer + b", " + value.lower()
-                elif lname == b"connection":
-                    tokens = {t.strip() for t in value.lower().split(b",")}
-                    if b"close" in tokens:
-                        keep_alive = False
-                    elif b"keep-alive" in tokens and version == b"1.0":
-                        keep_alive = True
-                elif lname == b"expect":
-                    expect = value.lower() == b"100-continue"
-        if transfer is not None:
-            if length is not None:
-                raise ProtocolError("both Content-Length and Transfer-Encoding")
-            if transfer.rsplit(b",", 1)[-1].strip() != b"chunked" or version == b"1.0":
-                raise ProtocolError(f"unsupported Transfer-Encoding {transfer[:40]!r}")
-            framing = CHUNKED
-        elif length:
-            framing = CONTENT_LENGTH
-        else:
-            framing = NO_BODY
-            length = None
+                picked.append(field)
+        framing, length, keep_alive, expect = request_framing(picked, version)
         return self._begin(Request(method, target, version, fields, framing, length, keep_alive, expect, size),
                            data, end + 4, events)
 

@@ -40,8 +40,7 @@ from typing import Any
 import httptools
 
 from proxy.wire.http1 import (
-    CHUNKED, CONTENT_LENGTH, NO_BODY, _REQUEST_LINES, ProtocolError, Request, RequestEvent, RequestParser,
-    _content_length, _request_line,
+    _REQUEST_LINES, ProtocolError, Request, RequestEvent, RequestParser, _request_line, request_framing,
 )
 
 __all__ = ["LlhttpRequestParser"]
@@ -86,37 +85,6 @@ class LlhttpRequestParser(RequestParser):
         except _LLHTTP_ERRORS:
             return RequestParser._head(self, data, events)  # llhttp refuses it: the reference decides
         method, target, version = known
-        keep_alive = version == b"1.1"
-        length: int | None = None
-        transfer: bytes | None = None
-        expect = False
-        for name, value in picked:  # the reference's framing rules, field by field
-            lname = name.lower()
-            if lname == b"content-length":
-                v = int(value) if value.isdigit() else _content_length(value)
-                if length is not None and v != length:
-                    raise ProtocolError("conflicting Content-Length fields")
-                length = v
-            elif lname == b"transfer-encoding":
-                transfer = value.lower() if transfer is None else transfer + b", " + value.lower()
-            elif lname == b"connection":
-                tokens = {t.strip() for t in value.lower().split(b",")}
-                if b"close" in tokens:
-                    keep_alive = False
-                elif b"keep-alive" in tokens and version == b"1.0":
-                    keep_alive = True
-            elif lname == b"expect":
-                expect = value.lower() == b"100-continue"
-        if transfer is not None:
-            if length is not None:
-                raise ProtocolError("both Content-Length and Transfer-Encoding")
-            if transfer.rsplit(b",", 1)[-1].strip() != b"chunked" or version == b"1.0":
-                raise ProtocolError(f"unsupported Transfer-Encoding {transfer[:40]!r}")
-            framing = CHUNKED
-        elif length:
-            framing = CONTENT_LENGTH
-        else:
-            framing = NO_BODY
-            length = None
+        framing, length, keep_alive, expect = request_framing(picked, version)  # the reference's rules
         return self._begin(Request(method, target, version, fields, framing, length, keep_alive, expect, self._size),
                            data, end + 4, events)
