@@ -955,8 +955,8 @@ def main() -> None:
     configure(b, a.port_base, os.path.abspath(a.ap_bin), run_dir, a.other_max,
               os.path.abspath(a.baseline) if a.baseline else None)
     targets = a.targets
-    if a.baseline and "ap-rr-base" not in targets:
-        targets += ",ap-rr-base,ap-aff-base"
+    if a.baseline:  # each baseline target once (naming one alone used to start the other twice)
+        targets += "".join(f",{t}" for t in ("ap-rr-base", "ap-aff-base") if t not in targets.split(","))
     b.RESULTS = a.results
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = os.path.join(a.results, f"peers-raw-{stamp}.json")
