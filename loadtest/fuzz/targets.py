@@ -204,9 +204,10 @@ class RequestDiff(Target):
            "reference RequestParser (proxy/wire/http1.py); the same events, states and errors at any split")
 
     def setup(self) -> None:
+        from loadtest.fuzz.differential import observe
         from proxy.wire import http1, http1_llhttp
 
-        self.http1 = http1
+        self.observe = observe
         self.reference = http1.RequestParser
         self.candidate = http1_llhttp.LlhttpRequestParser
 
@@ -223,25 +224,6 @@ class RequestDiff(Target):
             b"PROPFIND /a\xe9 HTTP/1.1\r\nX: caf\xe9 \t\r\nContent-Length: 1, 1\r\n\r\nz",
         )]
 
-    def _run(self, cls: Any, pieces: list[bytes], max_head: int, eof: bool) -> list[Any]:
-        p = cls(max_head=max_head, max_chunk=4096)
-        out: list[Any] = []
-        try:
-            for piece in pieces:
-                events = p.feed(piece)
-                while True:
-                    out.extend(_request_event(e) for e in events)
-                    if p.state is not self.http1.DONE or not events:
-                        break
-                    events = p.next()
-                out.append((p.state, p.buffered, p.started))
-            if eof:
-                p.feed_eof()
-                out.append(("eof", p.state))
-        except self.http1.ProtocolError as exc:
-            out.append(("error", type(exc).__name__, str(exc), p.state))
-        return out
-
     def one(self, data: bytes) -> None:
         # Three bytes of parameters (read plainly, so a mutation of the request keeps them), then the wire.
         if len(data) < 3:
@@ -252,19 +234,9 @@ class RequestDiff(Target):
         eof = bool(flags & 4)
         cuts = sorted({a * len(wire) // 256, b * len(wire) // 256}) if flags & 8 else []
         pieces = [wire[i:j] for i, j in zip([0, *cuts], [*cuts, len(wire)])]
-        ref = self._run(self.reference, pieces, max_head, eof)
-        new = self._run(self.candidate, pieces, max_head, eof)
+        ref = self.observe(self.reference, pieces, max_head, eof)
+        new = self.observe(self.candidate, pieces, max_head, eof)
         assert new == ref, f"the llhttp parser differs from the reference on {pieces!r}:\n{new!r}\n{ref!r}"
-
-
-def _request_event(ev: Any) -> Any:
-    name = type(ev).__name__
-    if name == "Request":
-        return (name, ev.method, ev.target, ev.http_version, ev.headers, ev.framing, ev.content_length,
-                ev.keep_alive, ev.expect_continue, ev.header_bytes)
-    if name == "Data":
-        return (name, ev.data)
-    return (name, ev.trailers)
 
 
 def _normalise(events: list[Any]) -> list[Any]:

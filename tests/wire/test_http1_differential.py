@@ -9,43 +9,9 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from proxy.wire.http1 import DONE, Data, EndOfMessage, ProtocolError, Request, RequestParser
+from loadtest.fuzz.differential import observe as run
+from proxy.wire.http1 import RequestParser
 from proxy.wire.http1_llhttp import LlhttpRequestParser
-
-
-def _event(ev: Any) -> Any:
-    if isinstance(ev, Request):
-        return ("request", ev.method, ev.target, ev.http_version, ev.headers, ev.framing, ev.content_length,
-                ev.keep_alive, ev.expect_continue, ev.header_bytes)
-    if isinstance(ev, Data):
-        return ("data", ev.data)
-    assert isinstance(ev, EndOfMessage)
-    return ("end", ev.trailers)
-
-
-def run(cls: type[RequestParser], pieces: list[bytes], max_head: int, eof: bool) -> list[Any]:
-    """Everything observable, in order: events, state after each piece, the error (and state after it)."""
-    p = cls(max_head=max_head, max_chunk=4096)
-    out: list[Any] = []
-    try:
-        for piece in pieces:
-            events = p.feed(piece)
-            while True:
-                out += [_event(e) for e in events]
-                if p.state is not DONE or not events:
-                    break
-                events = p.next()
-            out.append((p.state, p.buffered, p.started))
-        if eof:
-            p.feed_eof()
-            out.append(("eof", p.state))
-    except ProtocolError as exc:
-        out.append(("error", type(exc).__name__, str(exc), p.state))
-        try:  # a failed parser raises the same error again
-            p.feed(b"x")
-        except ProtocolError as again:
-            out.append(("again", again is exc))
-    return out
 
 
 # Each part of a request is drawn from the usual values mostly and from odd ones sometimes, so most requests
