@@ -343,7 +343,7 @@ class FleetHealth:
         if self.outliers.enabled:
             out = self._outlier.get(name)
             if out is not None:
-                out.c5xx = out.cconnect = out.cstream = 0
+                out.record(Outcome.SUCCESS)  # the streaks' one rule; a success never reaches a threshold
 
     def on_outcome(self, name: str, outcome: Outcome, now: float) -> HealthChange | None:
         """The data plane finished an attempt on `name`. Returns the change of combined health, if any."""
