@@ -181,7 +181,8 @@ class AffinityProxy:
 
     def _own_load(self) -> dict[str, PeerEntry]:
         """This process's load per backend, as routing.peer_load publishes it (`peer_load.own_load`)."""
-        work = self._work if self._work is not None else WorkLedger(1)
+        work = self._work
+        assert work is not None  # a routing process's, made with the exchange that calls this
         seen = self.peer_load.peers() if self.peer_load is not None else None
         return own_load(work, self.inflight, [b.name for b in self.store.current.backends], seen)
 
@@ -265,9 +266,8 @@ class AffinityProxy:
             self.add_service(self.peer_load, data_plane=True)
 
         def make_policy(routing: RoutingConfig) -> Policy:  # at start and on every reload
-            if self.peer_load is not None and routing.peer_load.enabled:
-                return build_policy(routing, precise=matcher, work=self._work, peers=self.peer_load.peers)
-            return build_policy(routing, precise=matcher, work=self._work)
+            peers = self.peer_load.peers if self.peer_load is not None and routing.peer_load.enabled else None
+            return build_policy(routing, precise=matcher, work=self._work, peers=peers)
 
         monitor = HealthMonitor(self.store, config.health_checks, config.outlier_detection, metrics=resilience_metrics)
         queue = AdmissionQueue(config.overload, resilience_metrics)
