@@ -107,15 +107,7 @@ def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type
         f.write(conf)
     aps = {}
     for name, policy, port in (("ap-rr", "round_robin", 18108), ("ap-aff", "affinity", 18109)):
-        path = os.path.join(run_dir, name + ".yaml")
-        with open(path, "w") as f:
-            f.write(
-                f"listen: {{host: 127.0.0.1, port: {port + shift}}}\n"
-                f"admin: {{host: 127.0.0.1, port: {port + 100 + shift}}}\n"
-                f"backends:\n  - {{name: be0, url: 'http://127.0.0.1:{b.BACKENDS[0]}'}}\n"
-                f"  - {{name: be1, url: 'http://127.0.0.1:{b.BACKENDS[1]}'}}\n"
-                f"routing: {{policy: {policy}}}\n"
-            )
+        path = write_ap_config(os.path.join(run_dir, name + ".yaml"), port + shift, port + 100 + shift, b.W, policy)
         aps[name] = (port + shift, [ap_bin, "run", "--config", path, "--workers", "1"], "absdtc")
         # The same config on other ports, run from another source tree (python -P: the current folder, this
         # tree, must not come before PYTHONPATH on sys.path).

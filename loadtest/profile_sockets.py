@@ -28,26 +28,19 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # run as a script: the tree's loadtest package
+from loadtest.bench_peers import load_harness, write_ap_config  # noqa: E402  # after the path
+
 PEERS = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "peers"))
 STEPS = ("HttpConnection.data_received", "OpenAIPipeline.summarise", "Lease.enter", "OpenAIPipeline._exchange",
          "UpstreamPool._start", "_Connection.data_received", "HttpConnection._write_answer", "Lease.finish",
          "RequestObservation.answered", "RequestObservation.finish_as_recorded", "create_task")
 
 
-def _ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime (fields 14 and 15 of stat)
-
-
-def _wrk(port: int, secs: float) -> int:
-    out = subprocess.run(["taskset", "-c", "1", "wrk", "-t2", "-c64", f"-d{max(1, round(secs))}s", "-s",
-                          os.path.join(PEERS, "post_completions.lua"), f"http://127.0.0.1:{port}/"],
-                         capture_output=True, text=True, check=True).stdout
-    m = re.search(r"(\d+) requests in", out)
-    if m is None:
-        raise SystemExit(f"wrk said: {out}")
-    return int(m.group(1))
+def _wrk_cmd(port: int, secs: float) -> list[str]:
+    """wrk -c64 on core 1 with the peers' small-POST script, as bench_peers.py's CPU row runs it."""
+    return ["taskset", "-c", "1", "wrk", "-t2", "-c64", f"-d{max(1, round(secs))}s", "-s",
+            os.path.join(PEERS, "post_completions.lua"), f"http://127.0.0.1:{port}/"]
 
 
 def _shares(raw: str, top: int) -> None:
@@ -90,15 +83,12 @@ def main() -> None:
     py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(a.ap_bin), "py-spy")
     if not os.path.exists(py_spy):
         raise SystemExit("py-spy not found: .venv/bin/pip install py-spy")
+    b = load_harness(PEERS)
     work = tempfile.mkdtemp(prefix="profile-sockets-")
     base = a.port_base
-    config = os.path.join(work, "proxy.yaml")
-    with open(config, "w") as f:
-        f.write(f"listen: {{host: 127.0.0.1, port: {base + 10}}}\nadmin: {{host: 127.0.0.1, port: {base + 11}}}\n"
-                f"backends:\n  - {{name: be0, url: 'http://127.0.0.1:{base + 1}'}}\n"
-                f"  - {{name: be1, url: 'http://127.0.0.1:{base + 2}'}}\nrouting: {{policy: {a.policy}}}\n")
-        if a.access_log == "off":
-            f.write("logging: {access_log: {enabled: false}}\n")
+    config = write_ap_config(os.path.join(work, "proxy.yaml"), base + 10, base + 11,
+                             [f"http://127.0.0.1:{base + 1}", f"http://127.0.0.1:{base + 2}"], a.policy,
+                             tail="logging: {access_log: {enabled: false}}\n" if a.access_log == "off" else "")
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for port in (base + 1, base + 2):
@@ -113,18 +103,17 @@ def main() -> None:
         procs.append(proxy)
         time.sleep(3)
         print(f"warm-up, then {a.secs:g} s of wrk -c64 ...", file=sys.stderr)
-        _wrk(base + 10, 2)
-        t0 = _ticks(proxy.pid)
-        n = _wrk(base + 10, a.secs)
-        t1 = _ticks(proxy.pid)
-        hz = os.sysconf("SC_CLK_TCK")
+        subprocess.run(_wrk_cmd(base + 10, 2), capture_output=True, check=True)
+        t0 = b.cpu_ticks(b.tree(proxy.pid))
+        n = int(b.parse_result(subprocess.run(_wrk_cmd(base + 10, a.secs), capture_output=True, text=True,
+                                              check=True).stdout)["requests"])
+        t1 = b.cpu_ticks(b.tree(proxy.pid))
+        hz = b.HZ
         print(f"{a.policy}, access log {a.access_log}: {n} requests, proxy CPU "
               f"{(t1 - t0) / hz * 1e6 / n:.1f} µs per request ({100 * (t1 - t0) / hz / a.secs:.0f}% of its core)")
         print(f"py-spy for {a.profile_secs:g} s under the same load ...", file=sys.stderr)
         raw = os.path.join(work, "py-spy.txt")
-        load = subprocess.Popen(["taskset", "-c", "1", "wrk", "-t2", "-c64", f"-d{max(1, round(a.profile_secs + 3))}s", "-s",
-                                 os.path.join(PEERS, "post_completions.lua"), f"http://127.0.0.1:{base + 10}/"],
-                                stdout=subprocess.DEVNULL)
+        load = subprocess.Popen(_wrk_cmd(base + 10, a.profile_secs + 3), stdout=subprocess.DEVNULL)
         time.sleep(1)
         subprocess.run([py_spy, "record", "--native", "-r", "200", "-d", f"{a.profile_secs:g}", "-f", "raw",
                         "-o", raw, "-p", str(proxy.pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
