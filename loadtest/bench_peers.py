@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 COLUMNS = ["nginx", "vllm-rr", "sglang-rr", "sglang-cache", "vllm-cache", "ap-rr-base", "ap-aff-base", "ap-rr", "ap-aff",
-           "ap-rr-nolog", "ap-aff-nolog"]
+           "ap-rr-nolog", "ap-aff-nolog", "ap-rr-alt", "ap-aff-alt", "ap-rr-nolog-alt", "ap-aff-nolog-alt"]
 DEFAULT_TARGETS = "direct,nginx,vllm-rr,sglang-rr,sglang-cache,ap-rr,ap-aff"
 
 
@@ -72,6 +72,22 @@ def write_ap_config(path: str, port: int, admin_port: int, backend_urls: list[st
                 + "".join(f"  - {{name: be{i}, url: '{u}'}}\n" for i, u in enumerate(backend_urls))
                 + f"routing: {{policy: {policy}}}\n" + tail)
     return path
+
+
+def ap_target(name: str) -> tuple[str, bool, str] | None:
+    """An affinity-proxy target's (policy, access log off, variant) from its name: `ap-rr` / `ap-aff`, then
+    optionally `-nolog`, then optionally `-base` (the --baseline tree) or `-alt` (the --alt-python
+    interpreter); variant "" is this tree on --ap-bin's interpreter. None: not an affinity-proxy target."""
+    parts = name.split("-")
+    if len(parts) < 2 or parts[0] != "ap" or parts[1] not in ("rr", "aff"):
+        return None
+    rest = parts[2:]
+    nolog = bool(rest) and rest[0] == "nolog"
+    if nolog:
+        rest = rest[1:]
+    if len(rest) > 1 or (rest and rest[0] not in ("base", "alt")):
+        return None
+    return ("round_robin" if parts[1] == "rr" else "affinity"), nolog, rest[0] if rest else ""
 
 
 def run_env(peers_dir: str, ap_bin: str, name: str, *, fresh: bool = False) -> RunEnv:
@@ -496,7 +512,8 @@ def stop_groups(procs: list[subprocess.Popen[Any]], paused: bool = False) -> Non
 
 def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: int, load_secs: int,
                names: list[str], rows: frozenset[str] = frozenset({"c1", "cpu", "h2c", "tls"}),
-               baseline: str | None = None, pause_idle: bool = False) -> dict[str, object]:
+               baseline: str | None = None, pause_idle: bool = False,
+               alt_python: str | None = None) -> dict[str, object]:
     """The rows the main run lacks, side by side in one run (each proxy pinned alone on core 0; backends and
     load on core 1; targets alternate their order every repetition):
 
@@ -510,7 +527,9 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
     c1 (HTTP/1.1 at one connection), cpu (HTTP/1.1 at 64), h2c, tls to measure. `ap-rr-base` and
     `ap-aff-base` run the source tree `baseline` (e.g. the branch point) beside this one; `ap-rr-nolog` and
     `ap-aff-nolog` run this tree without its access log (`logging.access_log.enabled: false`), as the peers
-    here run (nginx `access_log off`, the Rust routers at warn level: no line per request)."""
+    here run (nginx `access_log off`, the Rust routers at warn level: no line per request). A target with
+    the suffix `-alt` (`ap-rr-alt`, `ap-aff-nolog-alt`, ...) runs this tree on the interpreter `alt_python`
+    (another build of Python, e.g. the distribution's PGO+LTO one) instead of `--ap-bin`'s."""
     hz, py, venv, fake_py, run_dir, b = run_env(peers_dir, ap_bin, f"extra-{base_port}", fresh=True)
     lua = os.path.join(peers_dir, "post_completions.lua")
     os.makedirs(run_dir + "/nginx/logs", exist_ok=True)
@@ -577,19 +596,23 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                 tls_pid = start(cmd_of(p + 2) + ["--tls-cert-path", cert, "--tls-key-path", key], "0")
                 ports[name]["tls"] = (p + 2, tls_pid)
         this_tree = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        for name, policy in (("ap-rr", "round_robin"), ("ap-aff", "affinity"), ("ap-rr-base", "round_robin"),
-                             ("ap-aff-base", "affinity"), ("ap-rr-nolog", "round_robin"),
-                             ("ap-aff-nolog", "affinity")):
-            if name not in names:
+        for name in names:
+            target = ap_target(name)
+            if target is None:
                 continue
-            if name.endswith("-base") and baseline is None:
+            policy, _nolog, variant = target
+            if variant == "base" and baseline is None:
                 raise SystemExit(f"{name} needs --baseline")
+            if variant == "alt" and alt_python is None:
+                raise SystemExit(f"{name} needs --alt-python")
             p += 10
-            env = dict(os.environ, PYTHONPATH=baseline if name.endswith("-base") else this_tree)
-            pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name, policy, p, False), "--workers", "1"],
-                        "0", env)
-            tls_pid = start([py, "-P", "-m", "proxy", "run", "--config", ap_config(name + "-tls", policy, p + 2, True),
-                             "--workers", "1"], "0", env)
+            env = dict(os.environ, PYTHONPATH=baseline if variant == "base" and baseline else this_tree)
+            interp = alt_python if variant == "alt" else py
+            assert interp is not None  # checked above
+            pid = start([interp, "-P", "-m", "proxy", "run", "--config", ap_config(name, policy, p, False),
+                         "--workers", "1"], "0", env)
+            tls_pid = start([interp, "-P", "-m", "proxy", "run", "--config",
+                             ap_config(name + "-tls", policy, p + 2, True), "--workers", "1"], "0", env)
             ports[name] = {"h1": (p, pid), "h2c": (p, pid), "tls": (p + 2, tls_pid)}
         time.sleep(12)
 
@@ -859,6 +882,8 @@ def main() -> None:
     ap.add_argument("--label", default="this tree")
     ap.add_argument("--baseline", help="a source tree (e.g. `git archive main proxy | tar -x -C DIR`) run "
                     "beside this one as ap-rr-base / ap-aff-base, with --ap-bin's Python")
+    ap.add_argument("--alt-python", help="--extra: another interpreter with this project installed (e.g. a venv "
+                    "on the distribution's python3) for the `-alt` targets (ap-rr-alt, ap-aff-nolog-alt, ...)")
     ap.add_argument("--targets", default=DEFAULT_TARGETS)
     ap.add_argument("--scenarios", default="a,c,d,t")
     ap.add_argument("--reps", type=int, default=3)
@@ -916,8 +941,12 @@ def main() -> None:
     if a.extra:
         raw = extra_rows(a.peers_dir, a.ap_bin, a.reps, a.port_base + 700, a.c1_secs, a.duration,
                          a.extra_targets.split(","), frozenset(a.extra_rows.split(",")),
-                         os.path.abspath(a.baseline) if a.baseline else None, a.extra_pause_idle)
+                         os.path.abspath(a.baseline) if a.baseline else None, a.extra_pause_idle,
+                         a.alt_python)
         raw["pause_idle"] = a.extra_pause_idle
+        if a.alt_python:
+            raw["alt_python"] = {"path": a.alt_python, "version": subprocess.run(
+                [a.alt_python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True).stdout.strip()}
         out = os.path.join(a.results, "peers-extra-raw-%s.json" % time.strftime("%Y%m%d-%H%M%S"))
         with open(out, "w") as f:
             json.dump(raw, f, indent=1)

@@ -80,3 +80,14 @@ def test_ab_c1_table_gives_medians_of_per_round_ratios_against_the_first_arm() -
     assert cells[4].rstrip(" |") == "0.500× (2/3)"
     medians = next(line for line in lines if line.startswith("| this | 90"))
     assert [c.rstrip(" |") for c in medians.split(" | ")[5:7]] == ["80", "200"]  # minus direct, same round
+
+
+def test_an_affinity_proxy_target_name_says_policy_log_and_which_tree_or_interpreter() -> None:
+    from loadtest.bench_peers import ap_target
+
+    assert ap_target("ap-rr") == ("round_robin", False, "")
+    assert ap_target("ap-aff-nolog") == ("affinity", True, "")
+    assert ap_target("ap-rr-base") == ("round_robin", False, "base")
+    assert ap_target("ap-aff-nolog-alt") == ("affinity", True, "alt")
+    for other in ("vllm-rr", "nginx", "ap-x", "ap-rr-alt-base", "ap-rr-gc", "ap"):
+        assert ap_target(other) is None
