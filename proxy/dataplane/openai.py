@@ -447,7 +447,8 @@ class OpenAIPipeline(Generic[T]):
         backend = lease.backend
         url = backend.spec.url
         load_report = self.load_report
-        extra = ORCA_ASK if load_report is not None and not req.asked_orca else ()
+        asked_orca = load_report is not None and not req.asked_orca  # the proxy asks for the report, not the client
+        extra = ORCA_ASK if asked_orca else ()
         raw_headers = req.raw_headers
         ob = req.observation
         if ob is not None:
@@ -477,7 +478,7 @@ class OpenAIPipeline(Generic[T]):
                 report = headers.get(ORCA_HEADER)
                 if report is not None:
                     load_report(backend.name, report)
-                    if extra:
+                    if asked_orca:
                         # The proxy asked for this report, not the client: it stops here.
                         headers.popall(ORCA_HEADER)
             headers["x-request-id"] = req.request_id

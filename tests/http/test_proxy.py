@@ -356,3 +356,26 @@ async def test_orca_report_the_proxy_asked_for_stops_at_the_proxy(backends: list
         assert reports == 3  # every report still refreshed the backend's signals
     finally:
         await proxy.stop()
+
+
+async def test_a_client_that_asked_for_the_orca_report_gets_it_with_tracing_on(backends: list[FakeBackend]) -> None:
+    """With tracing on the backend request carries the proxy's trace context as well: the report the client
+    asked for is still the client's (it was once dropped whenever the proxy added any header of its own)."""
+    fake = backends[0]
+    fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.kv_cache_usage_perc=0.4"}
+    text = ("listen: {port: 0}\nadmin: {port: 0}\nhealth_checks: {enabled: false}\n"
+            "telemetry: {enabled: true, orca: true}\ntracing: {enabled: true, sampler: always_off}\n"
+            f"routing: {{policy: round_robin}}\nbackends:\n  - {{name: {fake.name}, url: '{fake.url}'}}\n")
+    proxy = AffinityProxy(parse_config(text))
+    await proxy.start()
+    url = proxy.http_url + "/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, json=CHAT, headers={"endpoint-load-metrics-format": "TEXT"}) as resp:
+                assert resp.status == 200
+                assert resp.headers["endpoint-load-metrics"] == "TEXT named_metrics.kv_cache_usage_perc=0.4"
+            async with s.post(url, json=CHAT) as resp:
+                assert resp.status == 200
+                assert "endpoint-load-metrics" not in resp.headers  # the proxy's own ask still stops here
+    finally:
+        await proxy.stop()
