@@ -329,16 +329,23 @@ async def test_slow_client_backpressures_the_backend(backends: list[FakeBackend]
     assert fake.written == fake.events
 
 
+async def _orca_proxy(fake: FakeBackend, more_yaml: str = "") -> AffinityProxy:
+    """A started proxy with `telemetry.orca` on (plus `more_yaml`) in front of `fake`, which answers every
+    request with an ORCA report."""
+    fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.kv_cache_usage_perc=0.4"}
+    text = ("listen: {port: 0}\nadmin: {port: 0}\nhealth_checks: {enabled: false}\n"
+            "telemetry: {enabled: true, orca: true}\nrouting: {policy: round_robin}\n" + more_yaml +
+            f"backends:\n  - {{name: {fake.name}, url: '{fake.url}'}}\n")
+    proxy = AffinityProxy(parse_config(text))
+    await proxy.start()
+    return proxy
+
+
 async def test_orca_report_the_proxy_asked_for_stops_at_the_proxy(backends: list[FakeBackend]) -> None:
     """telemetry.orca makes the proxy ask backends for `endpoint-load-metrics`: that report is the proxy's,
     so the client gets it only when it asked for one itself."""
     fake = backends[0]
-    fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.kv_cache_usage_perc=0.4"}
-    text = ("listen: {port: 0}\nadmin: {port: 0}\nhealth_checks: {enabled: false}\n"
-            "telemetry: {enabled: true, orca: true}\nrouting: {policy: round_robin}\n"
-            f"backends:\n  - {{name: {fake.name}, url: '{fake.url}'}}\n")
-    proxy = AffinityProxy(parse_config(text))
-    await proxy.start()
+    proxy = await _orca_proxy(fake)
     url = proxy.http_url + "/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as s:
@@ -361,13 +368,7 @@ async def test_orca_report_the_proxy_asked_for_stops_at_the_proxy(backends: list
 async def test_a_client_that_asked_for_the_orca_report_gets_it_with_tracing_on(backends: list[FakeBackend]) -> None:
     """With tracing on the backend request carries the proxy's trace context as well: the report the client
     asked for is still the client's (it was once dropped whenever the proxy added any header of its own)."""
-    fake = backends[0]
-    fake.response_headers = {"endpoint-load-metrics": "TEXT named_metrics.kv_cache_usage_perc=0.4"}
-    text = ("listen: {port: 0}\nadmin: {port: 0}\nhealth_checks: {enabled: false}\n"
-            "telemetry: {enabled: true, orca: true}\ntracing: {enabled: true, sampler: always_off}\n"
-            f"routing: {{policy: round_robin}}\nbackends:\n  - {{name: {fake.name}, url: '{fake.url}'}}\n")
-    proxy = AffinityProxy(parse_config(text))
-    await proxy.start()
+    proxy = await _orca_proxy(backends[0], "tracing: {enabled: true, sampler: always_off}\n")
     url = proxy.http_url + "/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as s:
