@@ -161,17 +161,36 @@ async def start_replicas(spec: LiveSpec, servers: Sequence[dict[str, Any]], work
     return procs
 
 
-async def kv_index_blocks(admin_url: str) -> dict[str, float]:
-    """affinity_proxy_kv_index_blocks per backend from a replica's admin /metrics ({} without KV events)."""
-    out: dict[str, float] = {}
+async def replica_metrics(admin_url: str) -> dict[str, Any]:
+    """What one replica's admin /metrics (merged over its workers) says about its routing after a run:
+    `kv_index_blocks` per backend ({} without KV events), `reasons` (routing decisions by reason, to set
+    beside the replay's), and `precise_wait` (the precise lookup's waits for a long prompt's tokenisation:
+    how many, seconds in all, how many ran into precise_wait_ms, how many did not wait because
+    precise_wait_concurrency were running; the last two were routed by the learned index)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with aiohttp.ClientSession() as s:
         async with s.get(admin_url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
             text = await resp.text()
-    for line in text.splitlines():
-        m = re.match(r'^affinity_proxy_kv_index_blocks\{backend="([^"]+)"\} (\S+)$', line)
-        if m:
-            out[m[1]] = float(m[2])
-    return out
+    blocks: dict[str, float] = {}
+    reasons: dict[str, int] = {}
+    wait = {"waits": 0, "wait_s": 0.0, "timeouts": 0, "skipped": 0}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "affinity_proxy_kv_index_blocks":
+                blocks[labels["backend"]] = value
+            elif name == "affinity_proxy_routing_decisions_total":
+                reasons[labels["reason"]] = reasons.get(labels["reason"], 0) + int(value)
+            elif name == "affinity_proxy_precise_wait_seconds_count":
+                wait["waits"] = int(value)
+            elif name == "affinity_proxy_precise_wait_seconds_sum":
+                wait["wait_s"] = value
+            elif name == "affinity_proxy_precise_wait_timeouts_total":
+                wait["timeouts"] = int(value)
+            elif name == "affinity_proxy_precise_wait_skipped_total":
+                wait["skipped"] = int(value)
+    return {"kv_index_blocks": blocks, "reasons": reasons, "precise_wait": wait}
 
 
 # ------------------------------------------------------------------------------------------------ driving
@@ -278,8 +297,9 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
         result.meta["loadavg_before"] = load0
         result.meta["loadavg_after"] = os.getloadavg()
         result.meta["replicas"] = [p.info for p in replicas]
-        if spec.index == "precise":
-            result.meta["kv_index_blocks"] = [await kv_index_blocks(p.info["admin"]) for p in replicas]
+        scraped = [await replica_metrics(p.info["admin"]) for p in replicas]
+        for key in ("kv_index_blocks", "reasons", "precise_wait"):
+            result.meta[key] = [m[key] for m in scraped]  # one entry per replica
         for p in replicas:
             if not p.alive():
                 raise RuntimeError(f"{p.name} died during the run:\n{p.tail()}")
@@ -381,6 +401,7 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
         rs = summarize(rep, workload, label=f"replay affinity R{spec.replicas}xW{spec.workers} {index} load {spec.load_view}")
         rs["replay_wall_s"] = time.perf_counter() - t0
         title = f"affinity, {spec.replicas} replicas x {spec.workers} workers, {index} index, load view {spec.load_view}"
+        print(routing_line(live.meta, rep.meta), file=sys.stderr, flush=True)
         pairs.append((title, ls, rs))
         if args.records is not None:
             pair_records.append({"spec": spec.__dict__, "live": [dataclasses.asdict(r) for r in live.records],
@@ -403,6 +424,27 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
         args.records.write_text(json.dumps(pair_records, default=str))
         print(tail_table(pair_records), file=sys.stderr)
     return doc
+
+
+def routing_line(live_meta: dict[str, Any], replay_meta: dict[str, Any]) -> str:
+    """Decisions by reason, live (summed over replicas) beside the replay, and the live precise waits: where
+    a gap in hits between the two comes from (a long prompt whose wait timed out is routed by the learned
+    index live, precisely in the replay, which tokenises without taking time)."""
+    live: dict[str, int] = {}
+    for per in live_meta.get("reasons", []):
+        for k, n in per.items():
+            live[k] = live.get(k, 0) + n
+    rep = replay_meta.get("reasons") or {}
+    keys = sorted(set(live) | set(rep), key=lambda k: -(live.get(k, 0) + rep.get(k, 0)))
+    parts = [f"{k} {live.get(k, 0)}/{rep.get(k, 0)}" for k in keys]
+    waits = live_meta.get("precise_wait", [])
+    w = {k: sum(x[k] for x in waits) for k in ("waits", "wait_s", "timeouts", "skipped")} if waits else None
+    line = "reasons live/replay: " + (", ".join(parts) or "-")
+    if w:
+        mean = w["wait_s"] / w["waits"] * 1e3 if w["waits"] else 0.0
+        line += (f"; live precise waits {w['waits']} (mean {mean:.0f} ms), timed out {w['timeouts']}, "
+                 f"skipped at the concurrency cap {w['skipped']}")
+    return line
 
 
 def tail_table(pair_records: Sequence[dict[str, Any]], top: int = 8) -> str:

@@ -499,7 +499,12 @@ class _WaitCollector:
                                        "Waits for a prompt's tokenisation that reached "
                                        "telemetry.kv_events.precise_wait_ms (routed by the learned index).")
         timeouts.add_metric([], m.wait_timeouts)
-        return [hist, timeouts]
+        skipped = CounterMetricFamily("affinity_proxy_precise_wait_skipped",
+                                      "Long prompts that did not wait for their tokenisation because "
+                                      "telemetry.kv_events.precise_wait_concurrency were running "
+                                      "(routed by the learned index).")
+        skipped.add_metric([], m.wait_skipped)
+        return [hist, timeouts, skipped]
 
     def describe(self) -> Iterable[Metric]:
         return []

@@ -349,6 +349,9 @@ class PreciseMatcher:
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum_s = 0.0
         self.wait_timeouts = 0
+        # Long prompts that did not wait because `max_warming` tokenisations were running (the learned index
+        # routed them): with `wait_timeouts`, every long first sighting the precise index did not decide.
+        self.wait_skipped = 0
 
     # ---- tokenizers following a reload ----------------------------------------------------------------
     def load_tokenizers(self, paths: Mapping[str, str]) -> Awaitable[None] | None:
@@ -533,7 +536,8 @@ class PreciseMatcher:
             return None
         fut = self._start(*job)
         if fut is None:
-            return None  # too many tokenisations running: this one is routed by the learned index
+            self.wait_skipped += 1  # too many tokenisations running: this one is routed by the learned index
+            return None
         return self._wait(fut)
 
     async def _wait(self, fut: asyncio.Future[None]) -> None:

@@ -300,6 +300,9 @@ async def test_precise_wait_ms_is_validated_and_wires_the_routers_hook() -> None
     sub = built.subscriber(registry)
     assert registry.get_sample_value("affinity_proxy_precise_wait_seconds_count") == 0
     assert registry.get_sample_value("affinity_proxy_precise_wait_timeouts_total") == 0
+    assert registry.get_sample_value("affinity_proxy_precise_wait_skipped_total") == 0
+    built.matcher.wait_skipped = 3  # type: ignore[attr-defined]
+    assert registry.get_sample_value("affinity_proxy_precise_wait_skipped_total") == 3
     await sub.stop()
     off = build_precise_routing(parse_config(base + "    precise_wait_ms: 0\n"))
     assert off is not None and off.prepare is None  # never wait: the learned index routes long first sightings

@@ -48,6 +48,11 @@ async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     served = {b for b, n in live["backend_share"].items() if n}
     for blocks in run["live_meta"]["kv_index_blocks"]:
         assert {b for b, n in blocks.items() if n > 0} >= served, blocks
+    # Each replica's decisions by reason, from its admin /metrics, add up to what it was sent; short
+    # prompts never wait for their tokenisation.
+    reasons = run["live_meta"]["reasons"]
+    assert [sum(r.values()) for r in reasons] == share, reasons
+    assert run["live_meta"]["precise_wait"] == [{"waits": 0, "wait_s": 0.0, "timeouts": 0, "skipped": 0}] * 2
     # Shared system prompts: both the live engines and the replayed ones report prefix-cache hits.
     assert live["hit_ratio"] and live["hit_ratio"] > 0 and rep["hit_ratio"] and rep["hit_ratio"] > 0
     assert run["ratios"]["ttft_mean"] is not None and run["ratios"]["ttft_mean"] > 0
@@ -58,3 +63,14 @@ async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     table = tail_table([pair], top=3)
     slowest = max(r["ttft"] for r in pair["live"] if r["ttft"] is not None)
     assert table.count("\n") == 5 and f"| {slowest * 1e3:,.0f} |" in table.splitlines()[3]
+
+
+def test_routing_line_sums_the_replicas_and_sets_the_replay_beside_them() -> None:
+    from loadtest.live_replicas import routing_line
+
+    meta = {"reasons": [{"hash": 3, "cache_hit": 5}, {"hash": 1, "cache_hit": 2}],
+            "precise_wait": [{"waits": 2, "wait_s": 0.3, "timeouts": 1, "skipped": 0},
+                             {"waits": 2, "wait_s": 0.1, "timeouts": 0, "skipped": 2}]}
+    line = routing_line(meta, {"reasons": {"cache_hit": 9, "hash": 2, "least_loaded": 1}})
+    assert line.startswith("reasons live/replay: cache_hit 7/9, hash 4/2, least_loaded 0/1;"), line
+    assert "precise waits 4 (mean 100 ms), timed out 1, skipped at the concurrency cap 2" in line
