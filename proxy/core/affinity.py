@@ -186,6 +186,16 @@ def _argmax(scores: list[float]) -> int:
     return scores.index(max(scores))
 
 
+def _best_holder(found: PreciseMatch) -> tuple[str | None, int]:
+    """(the backend whose engine holds the most of the prompt, its tokens): the decision's kv_holder and
+    kv_cached. (None, 0) when no engine holds any of it; ties go to the first name in sort order."""
+    best, tokens = None, 0
+    for name, t in found.cached.items():
+        if t > tokens or (t == tokens and t > 0 and best is not None and name < best):
+            best, tokens = name, t
+    return best, tokens
+
+
 def rendezvous_order(names: list[str], weights: list[float], key: int) -> list[str]:
     """Every backend in rendezvous order for `key` (used by tests and tools; the policy ranks lazily)."""
     ring = _Ring([BackendState(spec=BackendSpec(n, "", w)) for n, w in zip(names, weights)])
@@ -370,6 +380,7 @@ class AffinityPolicy:
         # covers holds, computed from it when the block chain is.
         found: PreciseMatch | None = None
         held: dict[str, int] | None = None
+        kv_view: tuple[str | None, int | None] = (None, None)  # the decision's (kv_holder, kv_cached)
 
         if session is not None:
             key = _xxh3(_SESSION_DOMAIN + session.encode("utf-8", "surrogatepass"))
@@ -384,8 +395,10 @@ class AffinityPolicy:
             keyed: tuple[int, int, bool] | None = None  # (hash key, its full blocks, structured)
             if self._precise is not None:
                 found = self._precise(req)
-                if found is not None and (not found.cached or found.prompt_tokens <= 0):
-                    found = None
+                if found is not None:
+                    kv_view = _best_holder(found)
+                    if not found.cached or found.prompt_tokens <= 0:
+                        found = None
                 if found is not None:
                     keyed = fp.hash_key(req, data, key_seed)
                     scores = ring.scores(keyed[0])
@@ -464,11 +477,12 @@ class AffinityPolicy:
                 idx.add(blocks)
         # Decisions are immutable values: one object per (backend, reason, match), bounded.
         matched = matched if matched > 0 else 0
-        decision = self._decisions.get((chosen, reason, matched))
+        key = (chosen, reason, matched, kv_view)
+        decision = self._decisions.get(key)
         if decision is None:
             if len(self._decisions) >= 4096:
                 self._decisions.clear()
-            decision = self._decisions[(chosen, reason, matched)] = Decision(chosen, reason, self.name, matched)
+            decision = self._decisions[key] = Decision(chosen, reason, self.name, matched, *kv_view)
         return decision
 
     @staticmethod

@@ -49,6 +49,13 @@ class Decision:
     reason: Reason
     policy: str
     prefix_blocks_matched: int = 0
+    # With a precise lookup (`telemetry.kv_events`): the backend whose engine held the most of this prompt
+    # at the pick, by its KV events, and how many of the prompt's leading tokens (0 with nothing cached
+    # anywhere: then no holder). None without such a lookup, or when it could not tell (a long prompt not
+    # tokenised in time, no tokenizer for the model). Why a request went where it went: a `hash` pick beside
+    # a holder with cached tokens means the holder held less than `routing.affinity.min_prefix_ratio`.
+    kv_holder: str | None = None
+    kv_cached: int | None = None
 
 
 class Outcome(str, enum.Enum):

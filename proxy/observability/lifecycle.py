@@ -102,6 +102,8 @@ class RequestObservation:
         r.reason = decision.reason._value_  # the Enum's plain attribute: `.value` is a slow descriptor on 3.11
         r.load_score = backend.load_score
         r.inflight = lease.router.inflight.requests(name)
+        r.kv_holder = decision.kv_holder
+        r.kv_cached = decision.kv_cached
         r.attempts += 1
         r.ttft_s = None  # a retried attempt: the first byte that counts is the answering one's
         r.error = None

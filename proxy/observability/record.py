@@ -60,6 +60,10 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     # heat map shows per window. None when unknown.
     load_score: float | None = None
     inflight: int | None = None
+    # With KV events (`telemetry.kv_events`): the backend whose engine held the most of the prompt at the
+    # final pick, and how many tokens (proxy.core.decision.Decision.kv_holder/kv_cached). None without them.
+    kv_holder: str | None = None
+    kv_cached: int | None = None
 
     @property
     def failed(self) -> bool:

@@ -231,6 +231,23 @@ def test_a_kv_hit_wins_over_the_hash_home_and_learned_state() -> None:
     assert pol.pick(prompt(text), snap, {}).backend == home
 
 
+def test_the_decision_says_what_the_engines_held_whatever_it_chose() -> None:
+    """kv_holder / kv_cached (the access log's fields): the engine holding the most of the prompt and its
+    tokens, also when that was too little to be a hit; None without a precise lookup or an answer."""
+    snap = fleet(4)
+    text = "word " * 400
+    names = [b.name for b in snap.backends]
+    hit = _policy_with(PreciseMatch(400, {names[0]: 16, names[1]: 320, names[2]: 320})).pick(prompt(text), snap, {})
+    assert hit.reason is Reason.PREFIX_HIT and (hit.kv_holder, hit.kv_cached) == (names[1], 320)
+    low = _policy_with(PreciseMatch(400, {names[0]: 16, names[3]: 96})).pick(prompt(text), snap, {})
+    assert low.reason is Reason.HASH and (low.kv_holder, low.kv_cached) == (names[3], 96)  # under min_prefix_ratio
+    none = _policy_with(PreciseMatch(400, {n: 0 for n in names})).pick(prompt(text), snap, {})
+    assert (none.kv_holder, none.kv_cached) == (None, 0)
+    for pol in (_policy_with(None), AffinityPolicy()):
+        d = pol.pick(prompt(text), snap, {})
+        assert (d.kv_holder, d.kv_cached) == (None, None)
+
+
 def test_a_short_or_absent_kv_match_falls_through_to_the_learned_steps() -> None:
     snap = fleet(4)
     text = "word " * 400

@@ -14,6 +14,7 @@ import asyncio
 import random
 import socket
 from typing import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -50,7 +51,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 class Replica:
     """One proxy replica: its own index, subscriber, tokenizer and learned state."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, access_log: Path | None = None) -> None:
         model = fleet.servers[0].backend.engine.model_name
         self.model = model
         lines = []
@@ -69,6 +70,8 @@ class Replica:
             "telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n"
             f"    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
         )
+        if access_log is not None:
+            yaml += f"logging: {{format: json, access_log: {{path: '{access_log}', flush_interval_s: 0}}}}\n"
         # The real wiring: AffinityProxy builds the index, the policy's precise lookup and the subscriber
         # (a data-plane service) from telemetry.kv_events.
         self.proxy = AffinityProxy(parse_config(yaml))

@@ -5,6 +5,8 @@ would send it."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
@@ -24,10 +26,11 @@ async def fleet() -> AsyncIterator[Fleet]:
     await f.stop()
 
 
-async def test_a_long_continuation_first_seen_here_follows_its_prefix(fleet: Fleet) -> None:
+async def test_a_long_continuation_first_seen_here_follows_its_prefix(fleet: Fleet, tmp_path: Path) -> None:
     import asyncio
 
-    rep = Replica(fleet)
+    log_path = tmp_path / "access.log"
+    rep = Replica(fleet, access_log=log_path)
     await rep.start()
     try:
         await asyncio.sleep(0.5)  # SUB sockets connect
@@ -48,3 +51,9 @@ async def test_a_long_continuation_first_seen_here_follows_its_prefix(fleet: Fle
         assert rep.registry.get_sample_value("affinity_proxy_precise_wait_timeouts_total") == 0
     finally:
         await rep.stop()
+    # The access log says why: the engine holding the most of each continuation by its KV events, and how
+    # many of its tokens, beside the reason and the backend.
+    lines = [json.loads(x) for x in log_path.read_text().splitlines()]
+    assert [(x["backend"], x["reason"], x["kv_holder"]) for x in lines] == [
+        ("sim-1", "prefix_hit", "sim-1"), ("sim-2", "prefix_hit", "sim-2")]
+    assert all(x["kv_cached"] >= 6900 for x in lines), lines

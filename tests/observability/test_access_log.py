@@ -22,7 +22,8 @@ from tests.observability.helpers import Clock, make_observer, record
 
 FIELDS = ("time", "started", "request_id", "trace_id", "client", "protocol", "method", "path", "model", "adapter", "session",
           "policy", "reason", "backend", "attempts", "status", "grpc_status", "error", "ttft_s", "duration_s",
-          "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight")
+          "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight",
+          "kv_holder", "kv_cached")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -20,7 +20,8 @@ from tests.support import until
 
 FIELDS = {"time", "started", "request_id", "trace_id", "client", "protocol", "method", "path", "model", "adapter",
           "session", "policy", "reason", "backend", "attempts", "status", "grpc_status", "error", "ttft_s",
-          "duration_s", "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight"}
+          "duration_s", "prompt_tokens", "cached_tokens", "bytes_in", "bytes_out", "load_score", "inflight",
+          "kv_holder", "kv_cached"}
 
 
 @pytest.fixture
