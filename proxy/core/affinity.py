@@ -283,7 +283,7 @@ class AffinityPolicy:
         # A request with no routable content (a GET, an unparsed path, an empty input) has no cache to
         # find: placed by load, never all on the hash home of the empty prompt.
         self._no_content = LeastRequest(cfg)
-        self._decisions: dict[tuple[str, Reason, int], Decision] = {}
+        self._decisions: dict[tuple[str, Reason, int, tuple[str | None, int | None]], Decision] = {}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -477,12 +477,12 @@ class AffinityPolicy:
                 idx.add(blocks)
         # Decisions are immutable values: one object per (backend, reason, match), bounded.
         matched = matched if matched > 0 else 0
-        key = (chosen, reason, matched, kv_view)
-        decision = self._decisions.get(key)
+        decision_key = (chosen, reason, matched, kv_view)
+        decision = self._decisions.get(decision_key)
         if decision is None:
             if len(self._decisions) >= 4096:
                 self._decisions.clear()
-            decision = self._decisions[key] = Decision(chosen, reason, self.name, matched, *kv_view)
+            decision = self._decisions[decision_key] = Decision(chosen, reason, self.name, matched, *kv_view)
         return decision
 
     @staticmethod
