@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import xxhash
 
@@ -176,7 +176,10 @@ class _Ring:
         """Higher is better. Weighted: w / -ln(u) gives backend i a share w_i / sum(w) of the keys."""
         kb = key.to_bytes(8, "little")
         if self.uniform:
-            return [_xxh3(kb, s) for s in self.seeds]
+            # As floats: the scores are a list[float] everywhere they are read. (Kept as the raw 64-bit ints,
+            # compiled code (proxy/native) compared them as doubles and `_argmax`'s index() of the double
+            # max found no int equal to it; only two hashes within 2**11 of each other could rank otherwise.)
+            return [float(_xxh3(kb, s)) for s in self.seeds]
         log = math.log
         return [w / -log((_xxh3(kb, s) + 0.5) * _TWO_POW_M64) for s, w in zip(self.seeds, self.weights)]
 
@@ -244,7 +247,7 @@ class _Bound:
 
 
 class AffinityPolicy:
-    name = "affinity"
+    name: ClassVar[str] = "affinity"
 
     def __init__(
         self,

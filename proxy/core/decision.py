@@ -73,7 +73,10 @@ class NoBackendAvailable(Exception):
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """The policy's registry name (a class attribute of each policy class)."""
+        ...
 
     def pick(
         self,

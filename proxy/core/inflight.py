@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, islice
 from operator import add
-from typing import Mapping
+from typing import Mapping, cast
 
 from proxy.core.decision import Inflight
 
@@ -60,6 +60,11 @@ class InflightTable(dict[str, Inflight]):
         return 0 if entry is None else entry.requests
 
 
+def _floats(view: memoryview[float]) -> list[float]:
+    """A float64 view's values (typeshed types every `tolist()` as ints; compiled code checks the type)."""
+    return cast("list[float]", view.tolist())
+
+
 def newest_sum(entries: deque[float] | None, live: int, tokens: int) -> float:
     """The work ledger's estimate of the prefill still queued on a backend with `live` requests (`tokens`
     estimated tokens) in flight: the newest `live` recorded uncached-token entries (engines finish
@@ -67,7 +72,10 @@ def newest_sum(entries: deque[float] | None, live: int, tokens: int) -> float:
     if live <= 0:
         return 0.0
     known = 0 if entries is None else min(live, len(entries))
-    total = sum(islice(reversed(entries), known)) if known else 0.0  # type: ignore[arg-type]  # known > 0 means entries is not None
+    if not known or entries is None:
+        return with_unrecorded(0.0, 0, live, tokens)
+    # A float sum (start 0.0), whatever the entries hold: compiled code (proxy/native) keeps `total` a double.
+    total = sum(islice(reversed(entries), known), 0.0)
     return with_unrecorded(total, known, live, tokens)
 
 
@@ -415,7 +423,7 @@ class SharedInflightTable(InflightTable):
         if cached is not None and cached[0] == key:
             return cached[1]
         stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
-        toks = self._rfloats[base:base + depth].tolist()
+        toks = _floats(self._rfloats[base:base + depth])
         end = count % depth  # the ring's oldest slot once full; newest first: end-1 .. 0, then depth-1 .. end
         stamps = (stamps[:end][::-1] + stamps[end:][::-1])[:k]
         toks = (toks[:end][::-1] + toks[end:][::-1])[:k]
@@ -487,7 +495,7 @@ class SharedInflightTable(InflightTable):
                 continue
             k = min(count, depth)
             stamps = rints[self._stamps_at + base:self._stamps_at + base + depth].tolist()
-            toks = rfloats[base:base + depth].tolist()
+            toks = _floats(rfloats[base:base + depth])
             end = count % depth
             if count > depth:  # the oldest entry at `end`: oldest first, end .. depth-1, then 0 .. end-1
                 stamps = stamps[end:] + stamps[:end]

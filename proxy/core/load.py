@@ -54,9 +54,9 @@ def inflight_load(state: BackendState, inflight: Inflight | None, cfg: LoadConfi
     if inflight is None:
         return 0.0
     req_full = state.spec.max_inflight or cfg.inflight_requests_full
-    tok_full: float = cfg.inflight_tokens_full
+    tok_full = float(cfg.inflight_tokens_full)
     if state.signals is not None and state.signals.kv_capacity_tokens:
-        tok_full = state.signals.kv_capacity_tokens
+        tok_full = float(state.signals.kv_capacity_tokens)
     return max(inflight.requests / req_full, inflight.tokens / tok_full)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import random
-from typing import Mapping
+from typing import ClassVar, Mapping
 
 from proxy.core.decision import Decision, Inflight, Reason
 from proxy.core.eligibility import NO_INFLIGHT, eligible, session_home, stream_seed
@@ -33,7 +33,7 @@ class SessionFirst(abc.ABC):
     """The step every policy of this module shares: eligibility, then the session key's home; the policy
     itself only says where a request that no session placed goes (`_place`)."""
 
-    name: str
+    name: ClassVar[str]
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
         self._cfg = cfg
@@ -85,7 +85,7 @@ class SessionFirst(abc.ABC):
 class RoundRobin(SessionFirst):
     """Each eligible backend in turn, in configuration order."""
 
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
         super().__init__(cfg)
@@ -106,7 +106,7 @@ class WeightedRoundRobin(SessionFirst):
     not reset the sequence; backends gone from the snapshot are forgotten.
     """
 
-    name = "weighted_round_robin"
+    name: ClassVar[str] = "weighted_round_robin"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig()) -> None:
         super().__init__(cfg)
@@ -162,7 +162,7 @@ class _LeastLoaded(SessionFirst):
 class LeastRequest(_LeastLoaded):
     """Fewest in-flight requests (the proxy's own, always fresh) per unit of weight; ties rotate."""
 
-    name = "least_request"
+    name: ClassVar[str] = "least_request"
 
     def _loads(self, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> list[float]:
@@ -172,7 +172,7 @@ class LeastRequest(_LeastLoaded):
 class RandomPolicy(SessionFirst):
     """Weighted random choice from a seeded generator: reproducible, and the same in every worker."""
 
-    name = "random"
+    name: ClassVar[str] = "random"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         super().__init__(cfg)
@@ -197,7 +197,7 @@ class PowerOfTwo(SessionFirst):
     eligible backend there is nothing to compare.
     """
 
-    name = "power_of_two"
+    name: ClassVar[str] = "power_of_two"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), instance: int = 0) -> None:
         super().__init__(cfg)
@@ -223,7 +223,7 @@ class LeastLoad(_LeastLoaded):
     idle. Ties rotate, as in least_request.
     """
 
-    name = "least_load"
+    name: ClassVar[str] = "least_load"
 
     def _loads(self, states: list[BackendState], snapshot: Snapshot,
                inflight: Mapping[str, Inflight]) -> list[float]:
@@ -247,7 +247,7 @@ class LeastCost(SessionFirst):
     without `max_tokens` is priced at `reference_max_tokens`. Ties rotate, as in least_request.
     """
 
-    name = "least_cost"
+    name: ClassVar[str] = "least_cost"
 
     def __init__(self, cfg: RoutingConfig = RoutingConfig(), score: ScoreConfig = ScoreConfig()) -> None:
         super().__init__(cfg)

@@ -274,9 +274,9 @@ class OpenAIPipeline(Generic[T]):
             return RequestSummary(prompt="", endpoint=req.path, session_key=req.session_key)
         try:
             parsed = parse_json(req.body)
-        except ValueError as exc:
+        except ValueError as bad_json:
             self.metrics.error("invalid_json")
-            return error_answer(400, f"Request body is not valid JSON: {exc}", "invalid_request_error",
+            return error_answer(400, f"Request body is not valid JSON: {bad_json}", "invalid_request_error",
                                 "invalid_json", request_id=req.request_id)
         if self.router.aliases and isinstance(parsed, dict):
             model = parsed.get("model")
@@ -288,14 +288,14 @@ class OpenAIPipeline(Generic[T]):
         try:
             summary = summary_from_openai(req.path, parsed, session_key=req.session_key,
                                           adapters=self.router.adapter_names())
-        except RequestError as exc:
+        except RequestError as invalid:
             self.metrics.error("invalid_request")
-            answer = error_answer(400, str(exc), "invalid_request_error", "invalid_value", exc.param,
+            answer = error_answer(400, str(invalid), "invalid_request_error", "invalid_value", invalid.param,
                                   request_id=req.request_id)
             if req.path == ANTHROPIC_MESSAGES:
                 # Anthropic's clients read their own error shape.
                 answer.body = json.dumps({"type": "error", "error": {
-                    "type": "invalid_request_error", "message": str(exc)}}).encode()
+                    "type": "invalid_request_error", "message": str(invalid)}}).encode()
             return answer
         if summary.previous_response_id is not None:
             home = self.response_homes.home(summary.previous_response_id)
@@ -352,14 +352,17 @@ class OpenAIPipeline(Generic[T]):
                                 waiting = lease.enter()
                                 if waiting is not None:
                                     await waiting
+                                answered = False  # (a `break` inside try/finally: mypyc cannot compile it)
                                 try:
                                     outcome: Answer | T = await self._exchange(req, lease, responder)
-                                    break
+                                    answered = True
                                 except RetryableFailure as failure:
                                     last: RetryableFailure[Answer] = failure
                                     tried = lease.tried
                                 finally:
                                     lease.finish()
+                                if answered:
+                                    break
                             except NoBackendAvailable:
                                 if attempts.count == 1:
                                     raise
@@ -376,17 +379,17 @@ class OpenAIPipeline(Generic[T]):
                                 await asyncio.sleep(delay)
                     except ConnectionError:
                         raise  # the client left (ClientGone, or a write to its closing connection): below
-                    except UnknownModel as exc:
+                    except UnknownModel as unknown:
                         error = "model_not_found"
-                        outcome = error_answer(404, str(exc), "invalid_request_error", "model_not_found", "model",
+                        outcome = error_answer(404, str(unknown), "invalid_request_error", "model_not_found", "model",
                                                request_id=request_id)
-                    except Overloaded as exc:
+                    except Overloaded as overloaded:
                         error = "overloaded"
-                        outcome = error_answer(exc.status, str(exc), "server_error", "overloaded",
-                                               request_id=request_id, retry_after=str(exc.retry_after_s))
-                    except NoBackendAvailable as exc:
+                        outcome = error_answer(overloaded.status, str(overloaded), "server_error", "overloaded",
+                                               request_id=request_id, retry_after=str(overloaded.retry_after_s))
+                    except NoBackendAvailable as no_backend:
                         error = "no_backend"
-                        outcome = error_answer(503, str(exc) or "No backend is available", "server_error",
+                        outcome = error_answer(503, str(no_backend) or "No backend is available", "server_error",
                                                "no_backend", request_id=request_id, retry_after=RETRY_AFTER_S)
                     except Exception as exc:  # a fault in the proxy (a bug, a policy that raised): this request alone fails
                         error = "internal_error"
@@ -448,7 +451,7 @@ class OpenAIPipeline(Generic[T]):
         url = backend.spec.url
         load_report = self.load_report
         asked_orca = load_report is not None and not req.asked_orca  # the proxy asks for the report, not the client
-        extra = ORCA_ASK if asked_orca else ()
+        extra: tuple[tuple[bytes, bytes], ...] = ORCA_ASK if asked_orca else ()
         raw_headers = req.raw_headers
         ob = req.observation
         if ob is not None:
@@ -552,7 +555,7 @@ class OpenAIPipeline(Generic[T]):
                 await self._relay_learning(up, responder, lease.backend.name, sse)
             else:
                 await responder.relay(up)
-        except UPSTREAM_ERRORS as exc:
+        except UPSTREAM_ERRORS as failure:
             # Headers are gone already: end the stream with an error the client can parse, or visibly break it.
             self.metrics.error("upstream_midstream")
             lease.status = 502
@@ -561,11 +564,11 @@ class OpenAIPipeline(Generic[T]):
             if not responder.gone():  # a write to a departed client says nothing about the backend
                 lease.outcome = Outcome.STREAM_FAILURE
             name = lease.backend.name
-            log.warning("backend %s failed mid-stream: %r", name, exc)
+            log.warning("backend %s failed mid-stream: %r", name, failure)
             if not sse:
                 return await responder.abort()
             await responder.write(sse_error_event(
-                f"The backend {name} failed while streaming: {type(exc).__name__}",
+                f"The backend {name} failed while streaming: {type(failure).__name__}",
                 "upstream_stream_error",
             ))
         except asyncio.CancelledError:
@@ -576,10 +579,10 @@ class OpenAIPipeline(Generic[T]):
                 return await responder.abort()
             await responder.write(sse_error_event(
                 "The proxy is shutting down: this stream outlived its drain deadline", "shutting_down"))
-        except Exception as exc:
+        except Exception as bug:
             # A fault in the proxy while relaying: the stream still ends in a shape the client parses.
             log.error("internal error relaying a response of %s: %s: %s", lease.backend.name,
-                      type(exc).__name__, exc)
+                      type(bug).__name__, bug)
             self.metrics.error("internal_error")
             lease.status = 500
             if not sse or responder.gone():

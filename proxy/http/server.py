@@ -569,7 +569,9 @@ class HttpListener:
         self.plane = plane
         self.server = server
         self.drain_s = drain_s
-        self.addresses = [s.getsockname() for s in server.sockets]
+        # asyncio declares `sockets` a tuple; uvloop's is a list, which compiled code would refuse (proxy/native).
+        sockets: Any = getattr(server, "sockets")
+        self.addresses = [s.getsockname() for s in sockets]
 
     async def cleanup(self) -> None:
         self.server.close()

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.core.decision import Outcome
-from proxy.upstream.http1 import UpstreamConnectError
+from proxy.upstream.errors import UpstreamConnectError
 
 
 def classify_upstream_error(exc: BaseException) -> Outcome | None:

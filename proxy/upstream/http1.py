@@ -29,6 +29,9 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from proxy.metrics import UpstreamCounters
+from proxy.upstream.errors import (
+    UpstreamConnectError, UpstreamError, UpstreamProtocolError, UpstreamReset, UpstreamTimeout,
+)
 from proxy.upstream.headers import HOP_BY_HOP
 # Its MAX_HEAD (64 KiB) is the most status line + headers accepted from a backend.
 from proxy.wire.http1 import (
@@ -39,26 +42,6 @@ _WRITE_HIGH_WATER = 256 * 1024  # pause reading the backend while the client has
 # Response fields that stop at the proxy (RFC 9110 7.6.1) or that it re-computes (framing).
 _NOT_FORWARDED = frozenset(n.encode() for n in HOP_BY_HOP) | {b"content-length"}
 _NOT_FORWARDED_LENGTHS = frozenset(map(len, _NOT_FORWARDED))  # most names need no lower() to be let through
-
-
-class UpstreamError(ConnectionError):
-    """The exchange with a backend failed; subclasses say how far it got."""
-
-
-class UpstreamConnectError(UpstreamError):
-    """Nothing reached the backend: refused, unreachable, or the connect timed out."""
-
-
-class UpstreamReset(UpstreamError):
-    """The connection broke before the response was complete."""
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The backend answered something that is not HTTP/1.x."""
-
-
-class UpstreamTimeout(asyncio.TimeoutError):
-    """The whole exchange took longer than `timeouts.request_s`."""
 
 
 class Backend:
@@ -353,11 +336,15 @@ class Exchange:
         """Until the relayed response completes, fails, or the client needs draining (check `paused`)."""
         if self._complete or self._paused:
             return
-        if self._error is not None:
-            raise self._error
+        # Read into a local each time: a test of the attribute itself would stay narrowed past the await
+        # for mypy, and compiled code (proxy/native) enforces the narrowed type (None) on the second read.
+        error = self._error
+        if error is not None:
+            raise error
         await self._next_piece()
-        if self._error is not None and not self._paused:
-            raise self._error
+        error = self._error
+        if error is not None and not self._paused:
+            raise error
 
     async def _next_piece(self) -> None:
         """Sleep until the protocol callbacks report progress (a piece, the end, an error, a pause)."""
@@ -382,18 +369,11 @@ class Exchange:
     def error(self) -> BaseException | None:
         return self._error
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    def stream(self) -> AsyncIterator[bytes]:
         """Decoded body pieces as they arrive (any framing); for clients that cannot take raw chunks."""
         pieces = self._pieces = deque(self._parts)
         self._parts = []
-        while True:
-            while pieces:
-                yield pieces.popleft()
-            if self._complete:
-                return
-            if self._error is not None:
-                raise self._error
-            await self._next_piece()
+        return _Pieces(self, pieces)
 
     def release(self) -> None:
         """Return the connection to the pool if the exchange completed cleanly, else close it."""
@@ -407,6 +387,32 @@ class Exchange:
         else:
             conn.close()
             conn.pool._forget(conn)
+
+
+class _Pieces:
+    """`Exchange.stream()`: an async iterator class rather than an async generator, which mypyc cannot
+    compile (proxy/native)."""
+
+    __slots__ = ("exchange", "pieces")
+
+    def __init__(self, exchange: Exchange, pieces: deque[bytes]) -> None:
+        self.exchange = exchange
+        self.pieces = pieces
+
+    def __aiter__(self) -> _Pieces:
+        return self
+
+    async def __anext__(self) -> bytes:
+        pieces = self.pieces
+        exchange = self.exchange
+        while True:
+            if pieces:
+                return pieces.popleft()
+            if exchange._complete:
+                raise StopAsyncIteration
+            if exchange._error is not None:
+                raise exchange._error
+            await exchange._next_piece()
 
 
 class UpstreamPool:
@@ -551,8 +557,9 @@ class UpstreamPool:
                       if isinstance(exc, ssl.SSLCertVerificationError) else exc.reason)
             raise UpstreamConnectError(
                 f"TLS handshake with {b.host}:{b.port} failed: {reason or exc}") from exc
-        except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {b.host}:{b.port}: {exc.strerror or exc}") from exc
+        except OSError as refused:
+            raise UpstreamConnectError(
+                f"cannot connect to {b.host}:{b.port}: {refused.strerror or refused}") from refused
         self.counters.new_connections += 1
         return conn
 
