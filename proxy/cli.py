@@ -41,6 +41,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_native() -> None:
+    """One line at start: is the compiled hot path (proxy/native) what serves, and if not, why."""
+    from proxy.native.loader import status
+
+    found = status()
+    if found.active:
+        logging.getLogger("proxy.native").info("native hot path: on (%d modules compiled with mypyc)",
+                                               len(found.modules))
+    else:
+        logging.getLogger("proxy.native").info("native hot path: %s: %s", found.label(), found.reason)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
@@ -57,6 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if workers < 1:
         print("--workers must be >= 1", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    _log_native()
 
     async def main() -> None:
         if workers == 1:
