@@ -146,8 +146,19 @@ class _UpstreamTransport(asyncio.Transport):
 WITHOUT = ("observability", "access_log", "hotspot_windows", "summary", "outcome_report", "retries")
 
 
+# The pieces taken off by replacing a method of a serving object: a compiled object's methods cannot be
+# replaced, so with the compiled hot path (proxy/native) these run only with AFFINITY_PROXY_NATIVE=0.
+PATCHED = ("hotspot_windows", "summary")
+
+
 def _take_off(plane: Any, piece: str) -> None:
     pipeline = plane.pipeline
+    if piece in PATCHED:
+        from proxy.native.loader import status
+
+        if status().active:
+            raise SystemExit(f"--without {piece} replaces a method of a compiled object: run the bench with "
+                             "AFFINITY_PROXY_NATIVE=0 (the Python source) to take it off")
     if piece == "observability":  # access log, hot-spot windows, traces: every RequestObservation call
         pipeline.observability = None
     elif piece == "access_log":

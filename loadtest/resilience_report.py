@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from loadtest.policy_spy import spy_on_policy
 from sim.fleet import Fleet, start_fleet
 from proxy.app import AffinityProxy
 from proxy.config import load_config, parse_config
@@ -155,19 +156,15 @@ class Timeline:
 
 
 class AttemptLog:
-    """When each upstream attempt went to which backend (wraps the router's pick; measurement only)."""
+    """When each upstream attempt went to which backend (a spy on the routing policy; measurement only).
+
+    Each policy pick is one attempt here (no in-flight limits are set, so the router never re-picks past a
+    saturated backend)."""
 
     def __init__(self, proxy: AffinityProxy, t0: float) -> None:
         self.attempts: list[tuple[float, str]] = []
-        router = proxy.router
-        pick = router.pick
-
-        def logged(summary: Any, exclude: frozenset[str]) -> Any:
-            decision, backend = pick(summary, exclude)
-            self.attempts.append((time.monotonic() - t0, backend.name))
-            return decision, backend
-
-        router.pick = logged  # type: ignore[method-assign]
+        spy_on_policy(proxy.router, lambda _summary, decision, _before: self.attempts.append(
+            (time.monotonic() - t0, decision.backend)))
 
     def last_to(self, name: str) -> float | None:
         times = [t for t, n in self.attempts if n == name]

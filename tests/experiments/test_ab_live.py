@@ -24,8 +24,8 @@ from proxy.core.experiments import assign, assignment_key, assignment_point, exp
 from proxy.core.decision import Decision, Reason
 from proxy.core.fingerprint import Fingerprinter
 from proxy.core.request import RequestSummary, summary_from_openai
-from proxy.core.snapshot import BackendState
 from proxy.experiments.runtime import ArmRuntime
+from loadtest.policy_spy import spy_on_policy
 from sim.fleet import Fleet, start_fleet
 from tests.experiments.helpers import admin_json, body, conversations, proxy_yaml, run_turns, sample, scrape
 
@@ -63,20 +63,10 @@ def spy(proxy: AffinityProxy) -> dict[bytes, list[str]]:
 
 
 def decisions(proxy: AffinityProxy) -> list[tuple[str, Decision, dict[str, int]]]:
-    """Record every pick of the router: the prompt, the decision and the in-flight requests per backend
-    the policy read (the table before this request's slot is taken)."""
+    """Record every pick of the router's own policy (the affinity arm's): the prompt, the decision and the
+    in-flight requests per backend the policy read (the table before this request's slot is taken)."""
     out: list[tuple[str, Decision, dict[str, int]]] = []
-    router = proxy.router
-    real = router.pick
-
-    def pick(summary: RequestSummary, exclude: frozenset[str], grpc: bool = False,
-             arm: ArmRuntime | None = None) -> tuple[Decision, BackendState]:
-        before = {name: i.requests for name, i in router.inflight.items()}
-        decision, backend = real(summary, exclude, grpc, arm)
-        out.append((summary.prompt, decision, before))
-        return decision, backend
-
-    router.pick = pick  # type: ignore[method-assign]  # a test spy on the router's decisions
+    spy_on_policy(proxy.router, lambda summary, decision, before: out.append((summary.prompt, decision, before)))
     return out
 
 
@@ -151,7 +141,7 @@ async def test_fifty_fifty_affinity_vs_round_robin(fleet: Fleet) -> None:
                 shed[(conv_index, t)] = decision
             else:  # short chats: placed by hashing, on the home of their first turn, every turn
                 assert decision.reason is Reason.HASH and decision.backend == own, (conv_index, t, decision)
-        assert len(picks) == 2000
+        assert len(picks) == per_arm["affinity"]  # the rr arm picks with its own policy (counted above)
         assert len(shed) <= 0.05 * per_arm["affinity"], len(shed)  # the waves make it possible, not common
         for r in replies:  # the client's own view agrees
             if expected[r.conversation] == "affinity":

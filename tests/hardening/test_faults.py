@@ -32,14 +32,20 @@ QUIET = "listen: {port: 0}\nadmin: {port: 0}\ngrpc_listen: {port: 0}\ntelemetry:
         "health_checks: {enabled: false}\n"
 
 
-class RaisingPolicy(RoundRobin):
-    """Round robin, except that a request whose prompt mentions BOOM makes it raise."""
+class RaisingPolicy:
+    """Round robin, except that a request whose prompt mentions BOOM makes it raise. (It wraps a RoundRobin
+    rather than subclassing it: a compiled class (proxy/native) takes no interpreted subclasses.)"""
+
+    name = RoundRobin.name
+
+    def __init__(self) -> None:
+        self._rr = RoundRobin()
 
     def pick(self, req: RequestSummary, snapshot: Snapshot, inflight: Mapping[str, Inflight],
              exclude: frozenset[str] = frozenset()) -> Decision:
         if BOOM in req.prompt:
             raise ValueError("cannot convert float NaN to integer")
-        return super().pick(req, snapshot, inflight, exclude)
+        return self._rr.pick(req, snapshot, inflight, exclude)
 
 
 async def _proxy(entries: list[tuple[str, str, str | None]]) -> AffinityProxy:
