@@ -48,6 +48,7 @@ MODULES: tuple[str, ...] = (
     "dataplane/router.py",
     "dataplane/retry.py",
     "dataplane/admission.py",
+    "dataplane/request_ids.py",
     "upstream/http1.py",
     "upstream/headers.py",
     "observability/lifecycle.py",
@@ -62,6 +63,8 @@ MODULES: tuple[str, ...] = (
     "core/work_ledger.py",
     "core/placement.py",
     "core/load.py",
+    "core/retry_policy.py",
+    "core/health.py",
 )
 
 
