@@ -342,6 +342,9 @@ class OpenAIPipeline(Generic[T]):
                                                                "arm_pin_refused", request_id=request_id))
                 else:
                     error = None
+                    # A whole answer's lease, finished once the answer is written: its accounting (the slot,
+                    # the outcome report, the duration) then runs after the write, off the client's wait.
+                    held: Lease | None = None
                     try:
                         # `run_with_retries` spelled out (proxy/dataplane/retry.py: the same loop, the same
                         # `Attempts` bookkeeping): no coroutine and closure for the loop per request.
@@ -360,7 +363,10 @@ class OpenAIPipeline(Generic[T]):
                                     last: RetryableFailure[Answer] = failure
                                     tried = lease.tried
                                 finally:
-                                    lease.finish()
+                                    if answered and isinstance(outcome, Answer):
+                                        held = lease
+                                    else:  # failed (before the next attempt's pick), or streamed: written already
+                                        lease.finish()
                                 if answered:
                                     break
                             except NoBackendAvailable:
@@ -398,9 +404,13 @@ class OpenAIPipeline(Generic[T]):
                         outcome = error_answer(500, "Internal proxy error", "server_error", "internal_error",
                                                request_id=request_id)
                     if isinstance(outcome, Answer):
+                        try:
+                            result = await responder.send(outcome)
+                        finally:
+                            if held is not None:
+                                held.finish()
                         if ob is not None:
                             ob.answered(outcome, error)
-                        result = await responder.send(outcome)
                     else:
                         result = outcome  # what the responder returned after streaming
         except asyncio.CancelledError:
@@ -454,7 +464,10 @@ class OpenAIPipeline(Generic[T]):
         extra: tuple[tuple[bytes, bytes], ...] = ORCA_ASK if asked_orca else ()
         raw_headers = req.raw_headers
         ob = req.observation
-        if ob is not None:
+        # With tracing off the pick only fills the record: that is done once the request is on its way to the
+        # backend (just below), off the client's wait. With tracing on, its span context goes upstream.
+        record_pick = ob is not None and ob.trace is None
+        if ob is not None and not record_pick:
             trace_headers = ob.picked(lease, url)
             if trace_headers:  # tracing on: the upstream span's context replaces the client's
                 raw_headers = strip_trace_headers(raw_headers)
@@ -467,7 +480,11 @@ class OpenAIPipeline(Generic[T]):
         up: Exchange | None = None
         pool = self.pool
         try:
-            up = pool.send(url, head, req.body, head_only=req.method == "HEAD")  # an idle connection: no coroutine
+            try:
+                up = pool.send(url, head, req.body, head_only=req.method == "HEAD")  # an idle connection: no coroutine
+            finally:
+                if record_pick and ob is not None:
+                    ob.picked(lease, url)
             if up is None:
                 up = await pool.request(url, head, req.body, head_only=req.method == "HEAD")
             else:
