@@ -76,8 +76,9 @@ def write_ap_config(path: str, port: int, admin_port: int, backend_urls: list[st
 
 def ap_target(name: str) -> tuple[str, bool, str] | None:
     """An affinity-proxy target's (policy, access log off, variant) from its name: `ap-rr` / `ap-aff`, then
-    optionally `-nolog`, then optionally `-base` (the --baseline tree) or `-alt` (the --alt-python
-    interpreter); variant "" is this tree on --ap-bin's interpreter. None: not an affinity-proxy target."""
+    optionally `-nolog`, then optionally `-base` (the --baseline tree), `-alt` (the --alt-python
+    interpreter) or `-src` (this tree's Python source: AFFINITY_PROXY_NATIVE=0, without its compiled hot
+    path); variant "" is this tree on --ap-bin's interpreter. None: not an affinity-proxy target."""
     parts = name.split("-")
     if len(parts) < 2 or parts[0] != "ap" or parts[1] not in ("rr", "aff"):
         return None
@@ -85,7 +86,7 @@ def ap_target(name: str) -> tuple[str, bool, str] | None:
     nolog = bool(rest) and rest[0] == "nolog"
     if nolog:
         rest = rest[1:]
-    if len(rest) > 1 or (rest and rest[0] not in ("base", "alt")):
+    if len(rest) > 1 or (rest and rest[0] not in ("base", "alt", "src")):
         return None
     return ("round_robin" if parts[1] == "rr" else "affinity"), nolog, rest[0] if rest else ""
 
@@ -125,6 +126,11 @@ def configure(b, base: int, ap_bin: str, run_dir: str, other_max: float,  # type
     for name, policy, port in (("ap-rr", "round_robin", 18108), ("ap-aff", "affinity", 18109)):
         path = write_ap_config(os.path.join(run_dir, name + ".yaml"), port + shift, port + 100 + shift, b.W, policy)
         aps[name] = (port + shift, [ap_bin, "run", "--config", path, "--workers", "1"], "absdtc")
+        # The same tree on its Python source (AFFINITY_PROXY_NATIVE=0: no compiled hot path), on other ports.
+        src_path = os.path.join(run_dir, name + "-src.yaml")
+        write_ap_config(src_path, port + 20 + shift, port + 120 + shift, b.W, policy)
+        aps[name + "-src"] = (port + 20 + shift, ["env", "AFFINITY_PROXY_NATIVE=0", ap_bin, "run", "--config",
+                                                  src_path, "--workers", "1"], "absdtc")
         # The same config on other ports, run from another source tree (python -P: the current folder, this
         # tree, must not come before PYTHONPATH on sys.path).
         if baseline is not None:
@@ -607,6 +613,8 @@ def extra_rows(peers_dir: str, ap_bin: str, reps: int, base_port: int, c1_secs: 
                 raise SystemExit(f"{name} needs --alt-python")
             p += 10
             env = dict(os.environ, PYTHONPATH=baseline if variant == "base" and baseline else this_tree)
+            if variant == "src":
+                env["AFFINITY_PROXY_NATIVE"] = "0"
             interp = alt_python if variant == "alt" else py
             assert interp is not None  # checked above
             pid = start([interp, "-P", "-m", "proxy", "run", "--config", ap_config(name, policy, p, False),

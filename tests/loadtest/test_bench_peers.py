@@ -89,5 +89,6 @@ def test_an_affinity_proxy_target_name_says_policy_log_and_which_tree_or_interpr
     assert ap_target("ap-aff-nolog") == ("affinity", True, "")
     assert ap_target("ap-rr-base") == ("round_robin", False, "base")
     assert ap_target("ap-aff-nolog-alt") == ("affinity", True, "alt")
-    for other in ("vllm-rr", "nginx", "ap-x", "ap-rr-alt-base", "ap-rr-gc", "ap"):
+    assert ap_target("ap-rr-src") == ("round_robin", False, "src")  # the Python source, not the compiled path
+    for other in ("vllm-rr", "nginx", "ap-x", "ap-rr-alt-base", "ap-rr-src-alt", "ap-rr-gc", "ap"):
         assert ap_target(other) is None
