@@ -74,6 +74,16 @@ def write_ap_config(path: str, port: int, admin_port: int, backend_urls: list[st
     return path
 
 
+def native_state() -> dict[str, object]:
+    """What this tree's affinity-proxy targets ran: its compiled hot path (proxy/native) or its Python source
+    (the `-src` targets always run the source). Recorded in every raw result."""
+    from proxy.native.loader import check
+
+    found, _ = check(env={})
+    return {"native": found.label(), "reason": found.reason, "modules": len(found.modules),
+            "built_with": found.built_with}
+
+
 def ap_target(name: str) -> tuple[str, bool, str] | None:
     """An affinity-proxy target's (policy, access log off, variant) from its name: `ap-rr` / `ap-aff`, then
     optionally `-nolog`, then optionally `-base` (the --baseline tree), `-alt` (the --alt-python
@@ -952,6 +962,7 @@ def main() -> None:
                          os.path.abspath(a.baseline) if a.baseline else None, a.extra_pause_idle,
                          a.alt_python)
         raw["pause_idle"] = a.extra_pause_idle
+        raw["native"] = native_state()
         if a.alt_python:
             raw["alt_python"] = {"path": a.alt_python, "version": subprocess.run(
                 [a.alt_python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True).stdout.strip()}
@@ -1003,6 +1014,9 @@ def main() -> None:
             os.remove(os.path.join(a.results, f))
     with open(out) as f:
         raw = json.load(f)
+    raw["native"] = native_state()
+    with open(out, "w") as f:
+        json.dump(raw, f, indent=1)
     rows = five_rows(raw)
     print(f"raw: {out}\n")
     print(table(rows, a.label) + "\n\n" + ratios(rows))

@@ -43,6 +43,18 @@ def _wrk_cmd(port: int, secs: float) -> list[str]:
             os.path.join(PEERS, "post_completions.lua"), f"http://127.0.0.1:{port}/"]
 
 
+def is_step(frame: str, step: str) -> bool:
+    """`frame` (py-spy's function name) is `step` ("Class.method"), interpreted or compiled by mypyc
+    (proxy/native): a compiled method is the C function CPyDef_<module>___<Class>___<method>, a compiled
+    coroutine's body CPyDef_<module>___<method>_<Class>_gen..."""
+    if frame == step:
+        return True
+    if not frame.startswith("CPyDef_") or "." not in step:
+        return False
+    cls, _, method = step.partition(".")
+    return frame.endswith(f"___{cls}___{method}") or f"___{method}_{cls}_gen" in frame
+
+
 def _shares(raw: str, top: int) -> None:
     total = 0
     own: collections.Counter[str] = collections.Counter()
@@ -63,7 +75,7 @@ def _shares(raw: str, top: int) -> None:
         print(f"  {100 * n / total:5.1f}%  {name}")
     print("\nthe proxy's steps (inclusive, system calls inside them included):")
     for step in STEPS:
-        n = sum(v for k, v in incl.items() if k.split(" ")[0] == step)
+        n = sum(v for k, v in incl.items() if is_step(k.split(" ")[0], step))
         print(f"  {100 * n / total:5.1f}%  {step}")
     print(f"\nown samples, top {top}:")
     for name, n in own.most_common(top):

@@ -35,3 +35,17 @@ def test_no_samples_is_an_error(tmp_path: Path) -> None:
     raw.write_text("")
     with pytest.raises(SystemExit, match="no samples"):
         _shares(str(raw), top=3)
+
+
+def test_a_compiled_step_is_found_by_its_c_name() -> None:
+    from loadtest.profile_sockets import is_step
+
+    # mypyc's names (proxy/native), as py-spy --native shows them
+    assert is_step("CPyDef_server___HttpConnection____write_answer", "HttpConnection._write_answer")
+    assert is_step("CPyDef_openai___OpenAIPipeline___summarise", "OpenAIPipeline.summarise")
+    assert is_step("CPyDef_openai____exchange_OpenAIPipeline_gen_____mypyc_generator_helper__",
+                   "OpenAIPipeline._exchange")
+    assert is_step("OpenAIPipeline.summarise", "OpenAIPipeline.summarise")
+    assert not is_step("CPyDef_openai___OpenAIPipeline___summarise_json", "OpenAIPipeline.summarise")
+    assert not is_step("CPyDef_router___Lease___finish", "Lease.enter")
+    assert not is_step("create_task", "OpenAIPipeline.summarise")
