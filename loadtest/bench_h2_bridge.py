@@ -12,6 +12,11 @@ every answer after the clock stops (the round fails unless every request was ans
     .venv/bin/python -m loadtest.bench_h2_bridge --requests 20000 --rounds 5
     PYTHONPATH=/work/wt/before-h2 .venv/bin/python -P loadtest/bench_h2_bridge.py   # another tree
 
+It runs the bridge's Python source (AFFINITY_PROXY_NATIVE=0, set below before the proxy is imported): its
+stand-ins (a namespace for the listener's context, a stub pipeline) and its ablations (replacing attributes
+of a connection) are refused by the compiled modules (proxy/native), which check types and fix methods.
+The compiled build's h2c cost is bench_peers.py's h2c row.
+
 Prints the thread CPU µs per request of the proxy side for each round, and their median. `--ablate encoder`
 (`decoder`, `headers`, `fast`, `whole`, or several joined by +) adds alternating rounds with h2's or hpack's own
 way put back on the connection for that piece (this tree only, see `_ablate`), and the median of the
@@ -22,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 import types
 from typing import Any
+
+os.environ["AFFINITY_PROXY_NATIVE"] = "0"  # the Python source (see the docstring), before proxy is imported
 
 import h2.config
 import h2.connection

@@ -308,17 +308,17 @@ class Call:
         ctx = self.ctx
         try:
             lease.try_pick()
-        except Overloaded as err:
+        except Overloaded as overloaded:
             queue = ctx.router.queue
             if queue is not None and queue.enabled:
                 # overload.action: queue -- wait (bounded) for capacity like an HTTP request would.
                 self.state = _WAIT_CONN
-                self.admission = asyncio.get_running_loop().create_task(self._admit(lease, err))
+                self.admission = asyncio.get_running_loop().create_task(self._admit(lease, overloaded))
                 return
-            self._no_backend(err)
+            self._no_backend(overloaded)
             return
-        except NoBackendAvailable as err:
-            self._no_backend(err)
+        except NoBackendAvailable as none:
+            self._no_backend(none)
             return
         self._picked(lease)
 
@@ -354,9 +354,9 @@ class Call:
         # HTTP data plane's Retry-After values: overload.retry_after_s, or 1 s when no backend is up).
         if isinstance(err, Overloaded):
             code = RESOURCE_EXHAUSTED if err.status == 429 else UNAVAILABLE
-            pushback_s: float = err.retry_after_s
+            pushback_s = float(err.retry_after_s)
         else:
-            code, pushback_s = UNAVAILABLE, NO_BACKEND_PUSHBACK_S
+            code, pushback_s = UNAVAILABLE, float(NO_BACKEND_PUSHBACK_S)
         self.fail(code, f"no backend available: {err}" if str(err) else "no backend available",
                   ((b"grpc-retry-pushback-ms", str(int(pushback_s * 1000)).encode()),))
 

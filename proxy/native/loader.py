@@ -65,6 +65,14 @@ MODULES: tuple[str, ...] = (
     "core/load.py",
     "core/retry_policy.py",
     "core/health.py",
+    "grpc/bridge.py",
+    "grpc/call.py",
+    "grpc/connection.py",
+    "grpc/downstream.py",
+    "grpc/streams.py",
+    "grpc/upstream.py",
+    "grpc/context.py",
+    "wire/grpc.py",
 )
 
 
