@@ -77,9 +77,16 @@ def write_ap_config(path: str, port: int, admin_port: int, backend_urls: list[st
 def native_state() -> dict[str, object]:
     """What this tree's affinity-proxy targets ran: its compiled hot path (proxy/native) or its Python source
     (the `-src` targets always run the source). Recorded in every raw result."""
-    from proxy.native.loader import check
+    import importlib.util
 
-    found, _ = check(env={})
+    # By its file: this script runs on the peers' interpreter, where the tree is no installed package.
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "proxy", "native", "loader.py")
+    spec = importlib.util.spec_from_file_location("_tree_native_loader", path)
+    assert spec is not None and spec.loader is not None
+    loader = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loader  # (its dataclass looks its module up there)
+    spec.loader.exec_module(loader)
+    found, _ = loader.check(env={})
     return {"native": found.label(), "reason": found.reason, "modules": len(found.modules),
             "built_with": found.built_with}
 

@@ -92,3 +92,12 @@ def test_an_affinity_proxy_target_name_says_policy_log_and_which_tree_or_interpr
     assert ap_target("ap-rr-src") == ("round_robin", False, "src")  # the Python source, not the compiled path
     for other in ("vllm-rr", "nginx", "ap-x", "ap-rr-alt-base", "ap-rr-src-alt", "ap-rr-gc", "ap"):
         assert ap_target(other) is None
+
+
+def test_every_raw_result_says_which_build_of_this_tree_ran() -> None:
+    from loadtest.bench_peers import native_state
+    from proxy.native.loader import status
+
+    state = native_state()  # read by the loader's file, as the peers' interpreter (no installed proxy) does
+    assert state["native"] in ("on", "off", "stale", "none")
+    assert (state["native"] == "on") == status().active  # this process and a fresh check agree
