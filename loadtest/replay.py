@@ -30,7 +30,7 @@ import sys
 import time
 from collections import Counter, deque
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -121,7 +121,7 @@ class ReplayConfig:
     profile: str = "llama3-8b-h100"
     max_model_len: int | None = None  # e.g. 131072 for Llama-3.1-8B (same architecture, 128k context)
     profile_overrides: tuple[tuple[str, float], ...] = ()  # Profile fields, e.g. (("mfu_prefill", 0.55),)
-    affinity_overrides: tuple[tuple[str, float], ...] = ()  # any AffinityConfig field, e.g. (("request_epsilon", 3),)
+    affinity_overrides: tuple[tuple[str, float | int | bool], ...] = ()  # any AffinityConfig field, e.g. (("request_epsilon", 3),)
     speed: float = 1.0
     model: str = "llama3-8b"
     adapters: tuple[str, ...] = ()  # LoRA adapters every engine has registered
@@ -221,6 +221,41 @@ def parse_profile_sets(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def _typed(overrides: Sequence[tuple[str, float | int | bool]]) -> dict[str, float | int | bool]:
+    """Each override as its AffinityConfig field's type (a suite's ``float(band)`` for an int field, 1 for a
+    bool): the compiled policy (proxy/native) checks them, the interpreted one let them through."""
+    kinds = {f.name: type(f.default) for f in fields(AffinityConfig)}
+    out: dict[str, float | int | bool] = {}
+    for key, value in overrides:
+        kind = kinds.get(key)
+        if kind is int and float(value) != int(value):
+            raise ValueError(f"affinity setting {key} is a whole number, got {value!r}")
+        out[key] = kind(value) if kind in (bool, int, float) else value
+    return out
+
+
+def parse_affinity_sets(items: Sequence[str]) -> dict[str, float | int | bool]:
+    """``KEY=VALUE`` pairs for AffinityConfig fields (``--affinity-set cost_aware=false``), each value of its
+    field's type: the compiled policy (proxy/native) refuses an int where the config says bool."""
+    kinds = {f.name: type(f.default) for f in fields(AffinityConfig)}
+    out: dict[str, float | int | bool] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq:
+            raise ValueError(f"--affinity-set expects KEY=VALUE, got {item!r}")
+        kind = kinds.get(key)
+        if kind is None or kind not in (bool, int, float):
+            raise ValueError(f"--affinity-set: {key!r} is not a numeric or boolean affinity setting")
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError(f"--affinity-set {key}: expected true or false, got {value!r}")
+            out[key] = value.lower() in ("true", "1", "yes", "on")
+        else:
+            out[key] = kind(value)
+    return out
+
+
 def make_profile(name: str, max_model_len: int | None, overrides: dict[str, float] | None = None) -> Profile:
     p = get_profile(name)
     if max_model_len:
@@ -262,7 +297,7 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
         affinity=replace(AffinityConfig(), **{
             **{k: v for k, v in (("epsilon", cfg.epsilon), ("block_bytes", cfg.block_bytes),
                                  ("min_prefix_blocks", cfg.min_prefix_blocks)) if v is not None},
-            **dict(cfg.affinity_overrides),
+            **_typed(cfg.affinity_overrides),
         }),
     )
 
@@ -714,7 +749,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         cfg = ReplayConfig(
             policy=pol, backends=args.backends, profile=args.profile, max_model_len=args.max_model_len,
             profile_overrides=tuple(parse_profile_sets(args.profile_set).items()),
-            affinity_overrides=tuple(parse_profile_sets(args.affinity_set).items()),
+            affinity_overrides=tuple(parse_affinity_sets(args.affinity_set).items()),
             speed=args.speed, epsilon=args.epsilon, block_bytes=args.block_bytes,
             min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
             session_header=args.session_header, seed=args.seed,

@@ -124,3 +124,26 @@ async def test_the_proxys_lookup_waits_for_long_first_sightings_as_the_proxy_doe
     hit = {k: summarize(r, w)["hit_ratio"] for k, r in (("proxy", waits), ("nowait", nowait), ("inline", inline))}
     assert hit["proxy"] > hit["nowait"]
     assert abs(hit["proxy"] - hit["inline"]) < 0.05 * hit["inline"], hit
+
+
+def test_affinity_settings_take_their_field_types() -> None:
+    """`--affinity-set cost_aware=false` and a suite's `float(band)` reach the policy as the config's own
+    types: the compiled policy (proxy/native) refuses an int where the config says bool."""
+    from loadtest.replay import parse_affinity_sets, routing_config
+
+    sets = parse_affinity_sets(["cost_aware=false", "request_epsilon=3", "eviction_band_tokens=4096"])
+    assert sets == {"cost_aware": False, "request_epsilon": 3.0, "eviction_band_tokens": 4096}
+    aff = routing_config(replace(BASE, affinity_overrides=(("cost_aware", 0), ("eviction_band_tokens", 2048.0)))).affinity
+    assert aff.cost_aware is False and type(aff.eviction_band_tokens) is int and aff.eviction_band_tokens == 2048
+    assert type(routing_config(replace(BASE, affinity_overrides=(("epsilon", 1),))).affinity.epsilon) is float
+    for bad in (["cost_aware=maybe"], ["no_such_knob=1"], ["fingerprint_fields=prompt"], ["cost_aware"]):
+        with pytest.raises(ValueError):
+            parse_affinity_sets(bad)
+    with pytest.raises(ValueError):
+        routing_config(replace(BASE, affinity_overrides=(("eviction_band_tokens", 2048.5),)))
+
+
+async def test_a_replay_without_the_cost_check_runs_compiled_or_not() -> None:
+    """The switch that failed compiled (`cost_aware` given as 0) routes every request of a small load."""
+    result = await replay(workload(), replace(BASE, index="precise", affinity_overrides=(("cost_aware", 0),)))
+    assert len(result.records) == 60 and all(r.status == 200 for r in result.records)
