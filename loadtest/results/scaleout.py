@@ -150,6 +150,17 @@ def suite(name: str) -> list[ReplayConfig]:
             for seed in (0, 1, 2) if band == 2048 else (0,):  # R = 4: three replica assignments at 2048
                 cfgs.append(ReplayConfig(policy="affinity", replicas=4, index="precise", load_view="peers",
                                          affinity_overrides=over, seed=seed, peer_refresh_ms=20.0))
+    elif name == "round8-nps":
+        # Round 8 (R = 1 hit ratio again): new prompts placed on the cheapest backend by any margin
+        # (routing.affinity.new_prompt_slack_tokens 2048 -> 0), at R = 1 and at every shared-ledger
+        # configuration of round 5 (10 ms), R = 4 x W = 2 on three seeds; the rows without it are round 5's.
+        over = (("new_prompt_slack_tokens", 0),)
+        cfgs.append(ReplayConfig(policy="affinity", index="precise", affinity_overrides=over))
+        for r, w in ((4, 2), (2, 2), (4, 1), (2, 1)):
+            for seed in (0, 1, 2) if (r, w) == (4, 2) else (0,):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
+                                         load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                         affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -379,7 +390,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
-                                          "round5-placement"))
+                                          "round5-placement", "round8-nps"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
