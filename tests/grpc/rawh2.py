@@ -16,6 +16,17 @@ import h2.config
 import h2.connection
 import h2.events
 
+from proxy.grpc.connection import _FAST_HEADERS, _ProbeSide
+
+
+def server_side() -> _ProbeSide:
+    """The proxy's own server-side HTTP/2 state (proxy/grpc/connection.py), fed bytes by hand: the fast-path
+    probe's side, which never writes (a compiled H2Side takes no interpreted subclass), with a server's
+    default fast paths."""
+    side = _ProbeSide(client_side=False)
+    side.fast_headers = _FAST_HEADERS
+    return side
+
 
 def grpc_frame(payload: bytes) -> bytes:
     return b"\x00" + struct.pack(">I", len(payload)) + payload

@@ -11,15 +11,8 @@ import h2.exceptions
 import h2.settings
 import pytest
 
-from proxy.grpc.connection import _FAST_HEADERS, _ProbeSide, h2_config
-
-
-def _Side() -> _ProbeSide:  # noqa: N802
-    """A server side that never writes (the probe's own; a compiled H2Side takes no interpreted subclass),
-    with a server's default fast paths."""
-    side = _ProbeSide(client_side=False)
-    side.fast_headers = _FAST_HEADERS
-    return side
+from proxy.grpc.connection import _FAST_HEADERS, h2_config
+from tests.grpc.rawh2 import server_side
 
 
 def _frame(ftype: int, flags: int, sid: int, payload: bytes) -> bytes:
@@ -37,7 +30,7 @@ _BLOCK = b"\x83\x86\x84\x01\x01x"
 
 
 def _outcome(fast: bool, wire: bytes, max_streams: int = 100) -> tuple[Any, ...]:
-    side = _Side()
+    side = server_side()
     side.fast = fast
     side.init_settings(max_streams, 65535, 65535)
     side.conn.local_settings.acknowledge()

@@ -3,22 +3,14 @@ inbound windows, however the byte stream is cut into reads."""
 
 from __future__ import annotations
 
-
 import h2.config
 import h2.connection
 import h2.events
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.grpc.connection import _FAST_HEADERS, FastData, _ProbeSide, h2_config
-
-
-def _Side() -> _ProbeSide:  # noqa: N802
-    """A server side that never writes (the probe's own; a compiled H2Side takes no interpreted subclass),
-    with a server's default fast paths."""
-    side = _ProbeSide(client_side=False)
-    side.fast_headers = _FAST_HEADERS
-    return side
+from proxy.grpc.connection import FastData, h2_config
+from tests.grpc.rawh2 import server_side
 
 
 def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int],
@@ -45,7 +37,7 @@ def _client_bytes(plan: list[tuple[int, bytes, bool]], padded: set[int],
 def _run(side_fast: bool, wire: bytes, cuts: list[int], known: bool = True) -> tuple[dict[int, bytes], set[int], list[int]]:
     """`known`: the streams are relayed calls from the start; else none is (a stream whose HEADERS are in
     the same read still takes the fast path)."""
-    side = _Side()
+    side = server_side()
     side.fast = side_fast
     side.calls = {1: None, 3: None, 5: None} if known else {}  # type: ignore[dict-item]
     got: dict[int, bytes] = {1: b"", 3: b"", 5: b""}
@@ -88,7 +80,7 @@ def test_data_in_the_read_of_its_headers_takes_the_fast_path() -> None:
     from proxy.grpc.connection import _FAST_PATH
 
     wire = _client_bytes([(1, b"\x00\x00\x00\x00\x02hi", False), (3, b"\x00\x00\x00\x00\x01x", True)], set())
-    side = _Side()
+    side = server_side()
     events = side.receive(wire)
     data = [ev for ev in events if isinstance(ev, (FastData, h2.events.DataReceived))]
     assert [(ev.stream_id, ev.data) for ev in data] == [(1, b"\x00\x00\x00\x00\x02hi"), (3, b"\x00\x00\x00\x00\x01x")]
@@ -112,7 +104,7 @@ def test_window_updates_take_the_fast_path_and_invalid_ones_stay_h2s() -> None:
     from proxy.grpc.connection import _FAST_PATH, FastWindow
 
     wire = _client_bytes([(1, b"x", False)], set())
-    side = _Side()
+    side = server_side()
     side.receive(wire)
     before = side.conn.outbound_flow_control_window, side.conn.streams[1].outbound_flow_control_window
     events = side.receive(_window_update(0, 1000) + _window_update(1, 500))
@@ -124,7 +116,7 @@ def test_window_updates_take_the_fast_path_and_invalid_ones_stay_h2s() -> None:
     # A zero increment and one that overflows the connection window are protocol errors, as in plain h2.
     with pytest.raises(h2.exceptions.ProtocolError):
         side.receive(_window_update(0, 0))
-    side = _Side()
+    side = server_side()
     side.receive(wire)
     with pytest.raises(h2.exceptions.FlowControlError):
         side.receive(_window_update(0, 2**31 - 1))
