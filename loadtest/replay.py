@@ -221,39 +221,47 @@ def parse_profile_sets(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
+_KINDS = (bool, int, float)  # the AffinityConfig field types a replay can override from the command line
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _field_kinds() -> dict[str, type]:
+    return {f.name: type(f.default) for f in fields(AffinityConfig)}
+
+
 def _typed(overrides: Sequence[tuple[str, float | int | bool]]) -> dict[str, float | int | bool]:
     """Each override as its AffinityConfig field's type (a suite's ``float(band)`` for an int field, 1 for a
     bool): the compiled policy (proxy/native) checks them, the interpreted one let them through."""
-    kinds = {f.name: type(f.default) for f in fields(AffinityConfig)}
+    kinds = _field_kinds()
     out: dict[str, float | int | bool] = {}
     for key, value in overrides:
         kind = kinds.get(key)
         if kind is int and float(value) != int(value):
             raise ValueError(f"affinity setting {key} is a whole number, got {value!r}")
-        out[key] = kind(value) if kind in (bool, int, float) else value
+        out[key] = kind(value) if kind in _KINDS else value
     return out
 
 
 def parse_affinity_sets(items: Sequence[str]) -> dict[str, float | int | bool]:
     """``KEY=VALUE`` pairs for AffinityConfig fields (``--affinity-set cost_aware=false``), each value of its
-    field's type: the compiled policy (proxy/native) refuses an int where the config says bool."""
-    kinds = {f.name: type(f.default) for f in fields(AffinityConfig)}
-    out: dict[str, float | int | bool] = {}
+    field's type (`_typed`): the compiled policy (proxy/native) refuses an int where the config says bool."""
+    kinds = _field_kinds()
+    pairs: list[tuple[str, float | int | bool]] = []
     for item in items:
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not eq:
             raise ValueError(f"--affinity-set expects KEY=VALUE, got {item!r}")
         kind = kinds.get(key)
-        if kind is None or kind not in (bool, int, float):
+        if kind not in _KINDS:
             raise ValueError(f"--affinity-set: {key!r} is not a numeric or boolean affinity setting")
         if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            if value.lower() not in _BOOL_WORDS:
                 raise ValueError(f"--affinity-set {key}: expected true or false, got {value!r}")
-            out[key] = value.lower() in ("true", "1", "yes", "on")
+            pairs.append((key, _BOOL_WORDS[value.lower()]))
         else:
-            out[key] = kind(value)
-    return out
+            pairs.append((key, int(value) if kind is int else float(value)))
+    return _typed(pairs)
 
 
 def make_profile(name: str, max_model_len: int | None, overrides: dict[str, float] | None = None) -> Profile:
