@@ -165,6 +165,12 @@ class ReplayConfig:
     # the other hosts' rows, its host-mates' counts and entries from the shared block (round 5;
     # proxy/control/peer_load.py); without, the same rows without their entries.
     peer_recent: bool = True
+    # A perturbation, for measuring how much of a difference is the configuration and how much the
+    # trajectory (a 4%-hit window is chaotic: one long prompt placed elsewhere moves it by points): each
+    # arrival moves later by a uniform [0, arrival_jitter_ms) drawn from `seed`, never before the one
+    # before it (the order, and so every record's index, is the trace's). The traces' timestamps are
+    # whole milliseconds, so a jitter under 1 ms is within what the trace itself records.
+    arrival_jitter_ms: float = 0.0
 
 
 # The load side under scale-out: what one process's policy reads as a backend's in-flight work.
@@ -278,7 +284,8 @@ def make_profile(name: str, max_model_len: int | None, overrides: dict[str, floa
 
 def scaleout_label(cfg: ReplayConfig) -> str:
     """' R2xW2 precise ...' for a scale-out run, '' for the single process the replay always modelled."""
-    if cfg.replicas == 1 and cfg.workers == 1 and cfg.index == "learned" and cfg.load_view == "own":
+    if (cfg.replicas == 1 and cfg.workers == 1 and cfg.index == "learned" and cfg.load_view == "own"
+            and cfg.arrival_jitter_ms <= 0):
         return ""
     parts = [f"R{cfg.replicas}xW{cfg.workers}", cfg.index]
     if cfg.workers > 1:
@@ -293,7 +300,23 @@ def scaleout_label(cfg: ReplayConfig) -> str:
         parts.append(f"every {cfg.peer_refresh_ms:g}ms")
         if not cfg.peer_recent:
             parts.append("sums only")
+    if cfg.arrival_jitter_ms > 0:
+        parts.append(f"jitter {cfg.arrival_jitter_ms:g}ms seed {cfg.seed}")
     return " " + " ".join(parts)
+
+
+def arrival_times(items: Sequence[Any], cfg: ReplayConfig) -> list[float]:
+    """Each item's arrival in replay seconds: its trace time over `speed`, plus `arrival_jitter_ms`'s
+    seeded jitter (in trace time, before `speed`), kept in the trace's order."""
+    if cfg.arrival_jitter_ms <= 0:
+        return [it.t / cfg.speed for it in items]
+    rng = random.Random(cfg.seed ^ 0xA771)
+    out: list[float] = []
+    prev = float("-inf")
+    for it in items:
+        prev = max(prev, it.t + rng.random() * cfg.arrival_jitter_ms / 1000.0)
+        out.append(prev / cfg.speed)
+    return out
 
 
 def routing_config(cfg: ReplayConfig) -> RoutingConfig:
@@ -427,6 +450,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     waited = 0
     reasons: Counter[str] = Counter()
     items = workload.items
+    arrivals = arrival_times(items, cfg)
     net = cfg.net_ms / 1000.0
     next_poll = 0.0 if cfg.policy in TELEMETRY_POLICIES else float("inf")
     next_sample = 0.0
@@ -553,7 +577,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 kvidx.clear(name)
 
     while True:
-        t_arr = items[i].t / cfg.speed + net if i < len(items) else inf
+        t_arr = arrivals[i] + net if i < len(items) else inf
         # An engine's next step time changes only when it is given a request or runs a step: cached.
         step_name = min(next_step, key=next_step.__getitem__)
         t_step = next_step[step_name]
@@ -603,7 +627,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             except NoBackendAvailable as exc:  # answered by the proxy itself, as live (404 / 503)
                 route_cpu += time.perf_counter() - c0
                 status = 404 if isinstance(exc, UnknownModel) else 503
-                records.append(Record(index=i, sent=t_arr - net, scheduled=item.t / cfg.speed,
+                records.append(Record(index=i, sent=t_arr - net, scheduled=arrivals[i],
                                       input_tokens=item.input_tokens, status=status, error=str(exc)[:300]))
                 i += 1
                 continue
@@ -616,7 +640,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             route_cpu += time.perf_counter() - c0
             reasons[decision.reason.value] += 1
             rid = f"r{i}"
-            rec = Record(index=i, sent=t_arr - net, scheduled=item.t / cfg.speed, input_tokens=item.input_tokens, backend=decision.backend)
+            rec = Record(index=i, sent=t_arr - net, scheduled=arrivals[i], input_tokens=item.input_tokens, backend=decision.backend)
             b = backends[decision.backend]
             b.now = t_arr
             try:
@@ -739,12 +763,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
     ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
                     help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")
+    ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,
+                    help="move each arrival later by a uniform [0, this) ms drawn from --seed, order kept: a "
+                         "perturbation to tell a configuration's effect from the trajectory's chaos")
     ap.add_argument("--out", type=Path, help="report folder (report.md/.json/.png)")
     args = ap.parse_args(argv)
     if args.replicas < 1 or args.workers < 1:
         ap.error("--replicas and --workers must be >= 1")
     if args.kv_event_delay_ms < 0:
         ap.error("--kv-event-delay-ms must be >= 0")
+    if args.arrival_jitter_ms < 0:
+        ap.error("--arrival-jitter-ms must be >= 0")
     workload = prepare_workload(args)
     score = ScoreConfig(kind=args.score_kind)
     if args.score_weights:
@@ -765,7 +794,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
             index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
             precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
-            peer_recent=args.peer_recent,
+            peer_recent=args.peer_recent, arrival_jitter_ms=args.arrival_jitter_ms,
         )
         t0 = time.perf_counter()
         result = asyncio.run(replay(workload, cfg))

@@ -147,3 +147,30 @@ async def test_a_replay_without_the_cost_check_runs_compiled_or_not() -> None:
     """The switch that failed compiled (`cost_aware` given as 0) routes every request of a small load."""
     result = await replay(workload(), replace(BASE, index="precise", affinity_overrides=(("cost_aware", 0),)))
     assert len(result.records) == 60 and all(r.status == 200 for r in result.records)
+
+
+def test_arrival_jitter_is_seeded_bounded_and_keeps_the_traces_order() -> None:
+    from loadtest.replay import arrival_times
+
+    items = load_workload("mooncake", prefer_sample=True).window(0, 60, None).items
+    plain = arrival_times(items, replace(BASE, speed=2.0))
+    assert plain == [it.t / 2.0 for it in items]  # no jitter: the trace's times over the speed
+    a = arrival_times(items, replace(BASE, speed=2.0, arrival_jitter_ms=1.0, seed=1))
+    assert a == arrival_times(items, replace(BASE, speed=2.0, arrival_jitter_ms=1.0, seed=1))
+    assert a != arrival_times(items, replace(BASE, speed=2.0, arrival_jitter_ms=1.0, seed=2))
+    assert a == sorted(a)  # never before the request before it: every record keeps its index
+    assert all(0.0 <= t - p < 0.0005 + 1e-12 for t, p in zip(a, plain))  # under 1 ms of trace time, over speed 2
+    assert any(t != p for t, p in zip(a, plain))
+
+
+async def test_a_jittered_replay_is_a_perturbation_of_the_same_requests() -> None:
+    w = workload()
+    cfg = replace(BASE, index="precise", arrival_jitter_ms=5.0, seed=4)
+    jittered = await replay(w, cfg)
+    assert jittered.meta["label"] == "replay:affinity R1xW1 precise delay 50ms jitter 5ms seed 4"
+    assert [r.index for r in jittered.records] == list(range(60))
+    plain = await replay(w, replace(BASE, index="precise"))
+    moved = [j.sent - p.sent for j, p in zip(jittered.records, plain.records)]
+    assert all(0.0 <= d < 0.005 for d in moved) and max(moved) > 0
+    with pytest.raises(SystemExit):
+        replay_main(["--workload", "chat", "--policies", "affinity", "--arrival-jitter-ms", "-1"])
