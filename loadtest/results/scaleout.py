@@ -68,6 +68,8 @@ def flags(cfg: ReplayConfig) -> str:
             out.append("--no-peer-recent")
     if cfg.seed:
         out.append(f"--seed {cfg.seed}")
+    if cfg.arrival_jitter_ms:
+        out.append(f"--arrival-jitter-ms {cfg.arrival_jitter_ms:g}")
     for k, v in cfg.affinity_overrides:
         out.append(f"--affinity-set {k}={v:g}")
     return " ".join(out)
@@ -161,6 +163,20 @@ def suite(name: str) -> list[ReplayConfig]:
                 cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
                                          load_view="peers", peer_refresh_ms=10.0, seed=seed,
                                          affinity_overrides=over))
+    elif name in ("round10-chaos", "round10-jitter20"):
+        # Round 10 (how much of a difference is the configuration): every arrival moved by a seeded
+        # uniform [0, 1 ms) (the traces' timestamps are whole ms; round10-jitter20: [0, 20 ms), which
+        # moves one process's trajectory too), eight seeds, for one process and for R = 4 x W = 2 with
+        # the shared ledger at 10 ms, at the new-prompt slack of 2048 (the default) and 0.
+        jitter = 1.0 if name == "round10-chaos" else 20.0
+        for seed in range(8):
+            for slack in (2048, 0):
+                over = () if slack == 2048 else (("new_prompt_slack_tokens", 0),)
+                cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
+                                         affinity_overrides=over))
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
+                                         load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                         arrival_jitter_ms=jitter, affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -263,6 +279,8 @@ def parse_flags(flags: str) -> dict:
             out["recent"] = False
         elif w == "--seed":
             out["seed"] = int(words[i + 1])
+        elif w == "--arrival-jitter-ms":
+            out["jitter"] = float(words[i + 1])
         elif w == "--affinity-set":
             out["affinity_set"] = (out.get("affinity_set", "") + " " + words[i + 1]).strip()
     if out["replicas"] == 1 and out["shared"] and out["load_view"] == "scaled":
@@ -292,6 +310,8 @@ def table() -> None:
         sel, seen = [], set()
         for r in rows:
             f = parse_flags(r["flags"])
+            if f.get("jitter"):
+                continue  # perturbed rows: `spread`
             ident = tuple(sorted(f.items()))
             if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk and ident not in seen:
                 seen.add(ident)  # the same configuration reached by two suites
@@ -331,6 +351,103 @@ def table() -> None:
                   f"{view if f['policy'] == 'affinity' else '-'} | {_cells(r, bound)} |")
 
 
+def spread() -> None:
+    """The perturbed rows (`--arrival-jitter-ms`, suite round10-chaos): per load and configuration, the
+    spread over seeds, and each R > 1 seed against R = 1 of the same seed (the same arrivals)."""
+    rows = [r for r in _rows() if parse_flags(r["flags"]).get("jitter")]
+    for lk in _loads(rows):
+        name, window, speed, busy = lk
+        bound = max((r["bound_lru"] for r in _rows() if (r["load"], tuple(r["window"])) == (name, tuple(window))
+                     and r.get("bound_lru")), default=None)
+        groups: dict[tuple, dict[int, dict]] = {}
+        for r in rows:
+            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) != lk:
+                continue
+            f = parse_flags(r["flags"])
+            conf = (f["replicas"], f["workers"], f["load_view"], f["every"], f.get("affinity_set", ""), f["jitter"])
+            groups.setdefault(conf, {})[f["seed"]] = r
+        print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy}"
+              + (f"; fleet-size LRU bound {100 * bound:.2f}%" if bound else "") + ")\n")
+        print("| jitter | R x W | settings | seeds | hit of the LRU bound: mean (min-max) | TTFT mean ms: mean (min-max) "
+              "| vs R = 1, means: hit / TTFT | vs R = 1, same seed: hit (worst) | TTFT mean (worst) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for conf in sorted(groups, key=lambda c: (c[5], c[4], c[0], c[1])):
+            by_seed = groups[conf]
+            hits = [100 * (r["hit_ratio"] or 0) / bound if bound else 0.0 for r in by_seed.values()]
+            ttft = [1000 * r["ttft_mean"] for r in by_seed.values()]
+            one = groups.get((1, 1, "own", 0.0, conf[4], conf[5]), {})
+            vs = ""
+            means = " "
+            if conf[0] > 1 and one:
+                h1 = sum(r["hit_ratio"] or 0 for r in one.values()) / len(one)
+                t1 = sum(r["ttft_mean"] for r in one.values()) / len(one)
+                hn = sum(r["hit_ratio"] or 0 for r in by_seed.values()) / len(by_seed)
+                tn = sum(r["ttft_mean"] for r in by_seed.values()) / len(by_seed)
+                means = f"{100 * (hn / h1 - 1):+.1f}% / {100 * (tn / t1 - 1):+.1f}%" if h1 and t1 else " "
+                dh = [100 * ((by_seed[s]["hit_ratio"] or 0) / (one[s]["hit_ratio"] or 1) - 1) for s in by_seed if s in one]
+                dt = [100 * (by_seed[s]["ttft_mean"] / one[s]["ttft_mean"] - 1) for s in by_seed if s in one]
+                vs = (f"{sum(dh) / len(dh):+.1f}% ({min(dh):+.1f}%) | "
+                      f"{sum(dt) / len(dt):+.1f}% ({max(dt):+.1f}%)")
+            else:
+                vs = " | "
+            settings = conf[4] or "defaults"
+            rw = f"{conf[0]} x {conf[1]}" + (f", shared ledger {conf[3]:g} ms" if conf[2] == "peers" else "")
+            print(f"| {conf[5]:g} ms | {rw} | {settings} | {len(by_seed)} | {sum(hits) / len(hits):.1f}% ({min(hits):.1f}-{max(hits):.1f}) "
+                  f"| {sum(ttft) / len(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) | {means} | {vs} |")
+
+
+def spread_plot() -> None:
+    """scaleout-spread.png: the perturbed rows, one column per load, each configuration's seeds as dots
+    (hit of the LRU bound above, TTFT mean below), R = 1 and R = 4 x W = 2 side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_rows = _rows()
+    rows = [r for r in all_rows if parse_flags(r["flags"]).get("jitter")]
+    loads = _loads(rows)
+    if not loads:
+        return
+    fig, axes = plt.subplots(2, len(loads), figsize=(3.8 * len(loads), 6.5), squeeze=False)
+    for col, lk in enumerate(loads):
+        name, window, speed, busy = lk
+        bound = max((r["bound_lru"] for r in all_rows if (r["load"], tuple(r["window"])) == (name, tuple(window))
+                     and r.get("bound_lru")), default=None)
+        confs: dict[tuple, list[dict]] = {}
+        for r in rows:
+            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk:
+                f = parse_flags(r["flags"])
+                confs.setdefault((f["jitter"], f.get("affinity_set", ""), f["replicas"], f["workers"]), []).append(r)
+        labels = []
+        for x, conf in enumerate(sorted(confs)):
+            jitter, settings, rr, ww = conf
+            colour = "tab:blue" if rr == 1 else "tab:red"
+            rs = confs[conf]
+            hits = [100 * (r["hit_ratio"] or 0) / bound for r in rs] if bound else [100 * (r["hit_ratio"] or 0) for r in rs]
+            ttft = [1000 * r["ttft_mean"] for r in rs]
+            axes[0][col].scatter([x] * len(hits), hits, color=colour, s=14, alpha=0.7)
+            axes[1][col].scatter([x] * len(ttft), ttft, color=colour, s=14, alpha=0.7)
+            axes[0][col].plot([x - 0.3, x + 0.3], [sum(hits) / len(hits)] * 2, color="black", lw=1.5)
+            axes[1][col].plot([x - 0.3, x + 0.3], [sum(ttft) / len(ttft)] * 2, color="black", lw=1.5)
+            labels.append(f"{jitter:g}ms {'slack0' if 'slack' in settings else 'default'}\nR{rr}xW{ww}")
+        for ax in axes[:, col]:
+            ax.set_xticks(range(len(labels)))
+            ax.set_xticklabels(labels, fontsize=6, rotation=90)
+            ax.grid(alpha=0.3)
+        if bound:
+            axes[0][col].axhline(95, color="grey", ls=":", lw=1)
+        axes[0][col].set_title(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}\n({busy})", fontsize=9)
+        axes[0][col].set_ylabel("hit, % of the fleet LRU bound")
+        axes[1][col].set_ylabel("TTFT mean, ms")
+    fig.suptitle("Perturbed replays (seeded arrival jitter): each dot one seed, bar the mean; "
+                 "blue one process, red 4 replicas x 2 workers", fontsize=10)
+    fig.tight_layout()
+    out = ROOT / "loadtest" / "results" / "scaleout-spread.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 def plot() -> None:
     import matplotlib
 
@@ -354,7 +471,7 @@ def plot() -> None:
                     (f["replicas"], r) for f, r in sel
                     if f["policy"] == "affinity" and f["index"] == index and f["workers"] == w and f["shared"]
                     and f["delay"] == 50.0 and f["lookup"] == "proxy" and f["seed"] == 0 and not f["note"]
-                    and not f.get("affinity_set")
+                    and not f.get("affinity_set") and not f.get("jitter")
                     and (f["replicas"] == 1 or (f["every"] == every and f["recent"] == recent))
                     and f["load_view"] == (view if f["replicas"] > 1 else "own")
                 )
@@ -390,17 +507,22 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
-                                          "round5-placement", "round8-nps"))
+                                          "round5-placement", "round8-nps", "round10-chaos",
+                                          "round10-jitter20"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
     sub.add_parser("table")
+    sub.add_parser("spread")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
         run(args.suite, args.only, args.load, args.seed)
     elif args.cmd == "table":
         table()
+    elif args.cmd == "spread":
+        spread()
+        spread_plot()
     else:
         plot()
 
