@@ -396,6 +396,43 @@ def spread() -> None:
                   f"| {sum(ttft) / len(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) | {means} | {vs} |")
 
 
+def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None:
+    """Where one process's gap to the bound is (R = 1, precise): the bound's one cache next to four caches
+    of one engine each in the same cache-only model (loadtest/workloads/bound.py `placed_caches`), placed
+    by a rule or by the replay's own picks, and the replay itself (the engines). Four caches with the
+    replay's placements against the bound: what the placement loses; the replay against that: what the
+    engines' timing loses (queueing, KV held by running requests, preemption)."""
+    from loadtest.replay import parse_affinity_sets
+    from loadtest.workloads.bound import PLACEMENT_RULES, one_cache_bound, placed_caches
+
+    load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
+    if load is None:
+        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    name, trace, window, speed, busy = load
+    wl = _workload(trace, window)
+    over = tuple(parse_affinity_sets(sets).items())
+    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
+          + (f", {' '.join(sets)}" if sets else "") + (f", jitter {jitter:g} ms x {seeds} seeds" if jitter else "") + "\n")
+    print("| seed | one cache (the bound) | 4 caches: " + " | 4 caches: ".join(PLACEMENT_RULES)
+          + " | 4 caches: the replay's placements | the replay (engines) |")
+    print("|---" * (4 + len(PLACEMENT_RULES)) + "|")
+    for seed in range(seeds if jitter else 1):
+        cfg = ReplayConfig(policy="affinity", index="precise", speed=speed, max_model_len=131072,
+                           affinity_overrides=over, seed=seed, arrival_jitter_ms=jitter)
+        result = asyncio.run(replay(wl, cfg))
+        s = summarize(result, wl)
+        sent = [wl.items[r.index] for r in result.records if r.ttft is not None]
+        each = min(result.capacity_tokens.values())
+        names = sorted(result.capacity_tokens)
+        one = one_cache_bound(sent, each * len(names)).ratio
+        cells = [placed_caches(sent, rule, len(names), each).ratio for rule in PLACEMENT_RULES]
+        placed = placed_caches(wl.items, [names.index(r.backend) if r.backend and r.ttft is not None else None
+                                          for r in result.records], len(names), each).ratio
+        row = [f"{100 * one:.2f}%"] + [f"{100 * c:.2f}% ({100 * c / one:.1f}%)" for c in (*cells, placed)]
+        row.append(f"{100 * (s['hit_ratio'] or 0):.2f}% ({100 * (s['hit_ratio'] or 0) / one:.1f}%)")
+        print(f"| {seed} | " + " | ".join(row) + " |", flush=True)
+
+
 def spread_plot() -> None:
     """scaleout-spread.png: the perturbed rows, one column per load, each configuration's seeds as dots
     (hit of the LRU bound above, TTFT mean below), R = 1 and R = 4 x W = 2 side by side."""
@@ -514,12 +551,19 @@ def main() -> None:
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
     sub.add_parser("table")
     sub.add_parser("spread")
+    d = sub.add_parser("decompose")
+    d.add_argument("--load", required=True, help="a Mooncake load, e.g. 0:300x1")
+    d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--arrival-jitter-ms", type=float, default=0.0)
+    d.add_argument("--seeds", type=int, default=1, help="with --arrival-jitter-ms: this many seeds")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
         run(args.suite, args.only, args.load, args.seed)
     elif args.cmd == "table":
         table()
+    elif args.cmd == "decompose":
+        decompose(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
     elif args.cmd == "spread":
         spread()
         spread_plot()

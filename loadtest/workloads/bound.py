@@ -9,13 +9,20 @@ longest prefix any earlier request computed. Two bounds are given:
 
 Prefixes are chains of segments; a segment is (block id, words), so a block only matches an equal block
 at the same position after an equal prefix (as vLLM's chained block hashes do).
+
+`placed_caches` is the same model over N caches of one engine's capacity each, with a placement per request
+(a replay's, or one of `PLACEMENT_RULES`): what separate caches hit when nothing but the placement differs
+from the bound (no queueing, no KV held by running requests, no engine timing). Against the bound and
+against the replay itself it splits a router's gap into placement and engine timing
+(`loadtest/results/scaleout.py decompose`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from loadtest.workloads.model import WorkItem
 
@@ -40,21 +47,29 @@ def _keys(item: WorkItem) -> list[tuple[int, int]]:
     return out
 
 
-def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = None) -> Bound:
-    """Replay the prompts through one prefix cache; count the tokens of the longest cached prefix."""
-    cache: OrderedDict[int, int] = OrderedDict()
-    used = 0
-    hits = queries = 0
-    for item in items:
-        keys = _keys(item)
-        queries += item.input_tokens
+class _LRU:
+    """One prefix cache in tokens, as the bound models it."""
+
+    __slots__ = ("cache", "used", "capacity")
+
+    def __init__(self, capacity_tokens: int | None) -> None:
+        self.cache: OrderedDict[int, int] = OrderedDict()
+        self.used = 0
+        self.capacity = capacity_tokens
+
+    def match(self, keys: list[tuple[int, int]]) -> int:
         matched = 0
         for key, words in keys:
-            if key in cache:
+            if key in self.cache:
                 matched += words
             else:
                 break
-        hits += min(matched, item.input_tokens)
+        return matched
+
+    def insert(self, keys: list[tuple[int, int]]) -> int:
+        """Touch the chain and add what is missing; returns the tokens added."""
+        cache = self.cache
+        added = 0
         # Insert/touch leaf-first so that a chain's parents end up most recent: LRU then evicts leaves
         # before the prefixes they hang from (vLLM frees a request's blocks in reverse for the same reason).
         for key, words in reversed(keys):
@@ -62,9 +77,74 @@ def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = Non
                 cache.move_to_end(key)
             else:
                 cache[key] = words
-                used += words
-        if capacity_tokens is not None:
-            while used > capacity_tokens and cache:
+                added += words
+        self.used += added
+        if self.capacity is not None:
+            while self.used > self.capacity and cache:
                 _, words = cache.popitem(last=False)
-                used -= words
+                self.used -= words
+        return added
+
+
+def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = None) -> Bound:
+    """Replay the prompts through one prefix cache; count the tokens of the longest cached prefix."""
+    cache = _LRU(capacity_tokens)
+    hits = queries = 0
+    for item in items:
+        keys = _keys(item)
+        queries += item.input_tokens
+        hits += min(cache.match(keys), item.input_tokens)
+        cache.insert(keys)
+    return Bound(hits, queries, capacity_tokens)
+
+
+# How `placed_caches` places a request no cache holds any of (one that some cache holds goes to the one
+# holding the longest prefix, ties to the lowest index): its first block's id modulo N (a hash home),
+# in turn, or on the cache that took the fewest tokens lately (an exponential decay over the tokens
+# inserted fleet-wide, with the fleet's capacity as its horizon: churn balanced).
+PLACEMENT_RULES = ("hash", "round_robin", "least_inserted")
+
+
+def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | str, n: int,
+                  capacity_tokens: int) -> Bound:
+    """N LRU caches of `capacity_tokens` each; request i goes to cache `placements[i]` (None: skipped, as
+    the bound skips a prompt no engine computed), or by the rule `placements` names (PLACEMENT_RULES)."""
+    if isinstance(placements, str):
+        if placements not in PLACEMENT_RULES:
+            raise ValueError(f"unknown placement rule {placements!r} (one of {', '.join(PLACEMENT_RULES)})")
+        rule: str | None = placements
+    else:
+        rule = None
+        if len(placements) != len(items):
+            raise ValueError(f"{len(placements)} placements for {len(items)} requests")
+    caches = [_LRU(capacity_tokens) for _ in range(n)]
+    churn = [0.0] * n  # tokens inserted lately, decayed (least_inserted)
+    horizon = float(n * capacity_tokens)
+    turn = 0
+    hits = queries = 0
+    for i, item in enumerate(items):
+        keys = _keys(item)
+        matches = [c.match(keys) for c in caches]
+        if rule is None:
+            j = placements[i]  # type: ignore[index]
+            if j is None:
+                continue
+        else:
+            best = max(matches)
+            if best > 0:
+                j = matches.index(best)
+            elif rule == "hash":
+                j = (item.chain[0].block if item.chain else 0) % n
+            elif rule == "round_robin":
+                j = turn % n
+                turn += 1
+            else:
+                j = churn.index(min(churn))
+        queries += item.input_tokens
+        hits += min(matches[j], item.input_tokens)
+        added = caches[j].insert(keys)
+        if added:
+            decay = math.exp(-added / horizon)
+            churn = [c * decay for c in churn]
+            churn[j] += added
     return Bound(hits, queries, capacity_tokens)

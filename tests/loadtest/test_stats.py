@@ -86,3 +86,30 @@ def test_the_bounds_leave_out_prompts_no_engine_computed() -> None:
     s = summarize(RunResult({}, recs, [], {"b": 1000}, 3.0), wl)
     # served: 500 + 500 tokens asked, the second 500 hit (the refused 900 would have evicted block 1)
     assert s["bound_inf"] == pytest.approx(0.5) and s["bound_lru"] == pytest.approx(0.5)
+
+
+def test_placed_caches_split_the_bound_by_placement() -> None:
+    """N caches of one engine each, in the bound's own cache model: with every request on one cache of
+    the fleet's size they are the bound; the placement alone decides what separate caches keep."""
+    from loadtest.workloads.bound import placed_caches
+
+    # Three prompts of 600 tokens cycling: one cache of 1,800 holds all three, a cache of 600 only the last.
+    items = [item((i % 3, 600)) for i in range(30)]
+    assert placed_caches(items, [0] * 30, 1, 1800) == one_cache_bound(items, 1800)
+    assert placed_caches(items, [0] * 30, 3, 600).hit_tokens == 0  # all on one small cache: thrash
+    # Each prompt on its own cache: every repeat hits, as the one big cache does.
+    spread = placed_caches(items, [i % 3 for i in range(30)], 3, 600)
+    assert spread.hit_tokens == one_cache_bound(items, 1800).hit_tokens == 27 * 600
+    # The rules: a repeat goes to its holder; a new prompt by its rule. Round robin and churn balancing
+    # put the three on three caches; the hash home (block id mod N) puts blocks 0 and 2 together on cache 0
+    # of 2, where they evict each other.
+    for rule in ("round_robin", "least_inserted"):
+        assert placed_caches(items, rule, 3, 600).hit_tokens == 27 * 600
+    hashed = placed_caches(items, "hash", 2, 600)
+    assert hashed.hit_tokens == 9 * 600  # only block 1, alone on cache 1, hits
+    skipped = placed_caches(items, [None] * 15 + [0] * 15, 1, 1800)
+    assert skipped.query_tokens == 15 * 600  # a request no engine computed is in no cache and no query
+    with pytest.raises(ValueError):
+        placed_caches(items, "nearest", 3, 600)
+    with pytest.raises(ValueError):
+        placed_caches(items, [0], 3, 600)
