@@ -401,8 +401,9 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     of one engine each in the same cache-only model (loadtest/workloads/bound.py `placed_caches`), placed
     by a rule or by the replay's own picks, and the replay itself (the engines). Four caches with the
     replay's placements against the bound: what the placement loses; the replay against that: what the
-    engines' timing loses (queueing, KV held by running requests, preemption)."""
-    from loadtest.replay import parse_affinity_sets
+    engines' timing loses (queueing, KV held by running requests, preemption); one engine as large as the
+    whole fleet, what that timing costs one pool."""
+    from loadtest.replay import make_profile, parse_affinity_sets
     from loadtest.workloads.bound import PLACEMENT_RULES, one_cache_bound, placed_caches
 
     load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
@@ -414,8 +415,8 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
           + (f", {' '.join(sets)}" if sets else "") + (f", jitter {jitter:g} ms x {seeds} seeds" if jitter else "") + "\n")
     print("| seed | one cache (the bound) | 4 caches: " + " | 4 caches: ".join(PLACEMENT_RULES)
-          + " | 4 caches: the replay's placements | the replay (engines) |")
-    print("|---" * (4 + len(PLACEMENT_RULES)) + "|")
+          + " | 4 caches: the replay's placements | the replay (engines) | one engine of the fleet's size |")
+    print("|---" * (5 + len(PLACEMENT_RULES)) + "|")
     for seed in range(seeds if jitter else 1):
         cfg = ReplayConfig(policy="affinity", index="precise", speed=speed, max_model_len=131072,
                            affinity_overrides=over, seed=seed, arrival_jitter_ms=jitter)
@@ -430,6 +431,17 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
                                           for r in result.records], len(names), each).ratio
         row = [f"{100 * one:.2f}%"] + [f"{100 * c:.2f}% ({100 * c / one:.1f}%)" for c in (*cells, placed)]
         row.append(f"{100 * (s['hit_ratio'] or 0):.2f}% ({100 * (s['hit_ratio'] or 0) / one:.1f}%)")
+        # The bound's one cache as an engine: one engine with the fleet's KV blocks, compute (tensor
+        # parallel over the fleet's GPUs) and batch limits, under the same arrivals: the same engine
+        # timing (queueing, KV held by running requests) with one pool instead of four.
+        n, prof = len(names), make_profile(cfg.profile, cfg.max_model_len)
+        big = ReplayConfig(policy="round_robin", backends=1, speed=speed, max_model_len=131072, seed=seed,
+                           arrival_jitter_ms=jitter, profile_overrides=(
+                               ("tp", n * prof.tp), ("num_gpu_blocks_override", n * prof.num_gpu_blocks),
+                               ("max_num_batched_tokens", n * prof.max_num_batched_tokens),
+                               ("max_num_seqs", n * prof.max_num_seqs)))
+        whole = summarize(asyncio.run(replay(wl, big)), wl)["hit_ratio"] or 0
+        row.append(f"{100 * whole:.2f}% ({100 * whole / one:.1f}%)")
         print(f"| {seed} | " + " | ".join(row) + " |", flush=True)
 
 
