@@ -177,6 +177,13 @@ def suite(name: str) -> list[ReplayConfig]:
                 cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
                                          load_view="peers", peer_refresh_ms=10.0, seed=seed,
                                          arrival_jitter_ms=jitter, affinity_overrides=over))
+    elif name == "round10-shapes":
+        # Round 10: the other shapes of the targets under the same 1 ms jitter, eight seeds: R = 4 and
+        # R = 2 single-worker replicas, and one host of --workers 2, with the shared ledger at 10 ms.
+        for seed in range(8):
+            for r, w in ((4, 1), (2, 1), (1, 2)):
+                cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
+                                         load_view="peers", peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=1.0))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -352,8 +359,9 @@ def table() -> None:
 
 
 def spread() -> None:
-    """The perturbed rows (`--arrival-jitter-ms`, suite round10-chaos): per load and configuration, the
-    spread over seeds, and each R > 1 seed against R = 1 of the same seed (the same arrivals)."""
+    """The perturbed rows (`--arrival-jitter-ms`, suites round10-*): per load and configuration, the
+    spread over seeds, and each seed of a scale-out shape (R > 1 or W > 1) against one process of the
+    same seed (the same arrivals)."""
     rows = [r for r in _rows() if parse_flags(r["flags"]).get("jitter")]
     for lk in _loads(rows):
         name, window, speed, busy = lk
@@ -378,7 +386,7 @@ def spread() -> None:
             one = groups.get((1, 1, "own", 0.0, conf[4], conf[5]), {})
             vs = ""
             means = " "
-            if conf[0] > 1 and one:
+            if (conf[0], conf[1]) != (1, 1) and one:
                 h1 = sum(r["hit_ratio"] or 0 for r in one.values()) / len(one)
                 t1 = sum(r["ttft_mean"] for r in one.values()) / len(one)
                 hn = sum(r["hit_ratio"] or 0 for r in by_seed.values()) / len(by_seed)
@@ -557,7 +565,7 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
                                           "round5-placement", "round8-nps", "round10-chaos",
-                                          "round10-jitter20"))
+                                          "round10-jitter20", "round10-shapes"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
