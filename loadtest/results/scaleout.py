@@ -498,7 +498,7 @@ def spread_plot() -> None:
         axes[0][col].set_ylabel("hit, % of the fleet LRU bound")
         axes[1][col].set_ylabel("TTFT mean, ms")
     fig.suptitle("Perturbed replays (seeded arrival jitter): each dot one seed, bar the mean; "
-                 "blue one process, red 4 replicas x 2 workers", fontsize=10)
+                 "blue one host (R = 1, W = 1 or 2), red several replicas", fontsize=10)
     fig.tight_layout()
     out = ROOT / "loadtest" / "results" / "scaleout-spread.png"
     fig.savefig(out, dpi=100)
