@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -304,6 +305,28 @@ def _loads(rows: list[dict]) -> list[tuple]:
     return loads
 
 
+def _window_bound(rows: list[dict], name: str, window: Sequence[float]) -> float | None:
+    """One bound per trace window, the corrected one (round 5, loadtest/report.py: only the requests an
+    engine computed; the prompts every engine refuses are the same whatever the routing): rows written
+    before the fix stored a lower bound, so every row's share is computed against the highest."""
+    return max((r["bound_lru"] for r in rows if (r["load"], tuple(r["window"])) == (name, tuple(window))
+                and r.get("bound_lru")), default=None)
+
+
+def _perturbed(rows: list[dict]) -> dict[tuple, dict[tuple, dict[int, dict]]]:
+    """The perturbed rows (`--arrival-jitter-ms`, suites round10-*) by load, then by configuration
+    (R, W, load view, refresh, affinity settings, jitter), then by seed."""
+    out: dict[tuple, dict[tuple, dict[int, dict]]] = {}
+    for r in rows:
+        f = parse_flags(r["flags"])
+        if not f.get("jitter"):
+            continue
+        lk = (r["load"], tuple(r["window"]), r["speed"], r["busy"])
+        conf = (f["replicas"], f["workers"], f["load_view"], f["every"], f.get("affinity_set", ""), f["jitter"])
+        out.setdefault(lk, {}).setdefault(conf, {})[f["seed"]] = r
+    return out
+
+
 def _cells(r: dict, bound: float | None = None) -> str:
     of_bound = (r["hit_ratio"] or 0) / bound if bound else (r["hit_vs_bound"] or 0)
     return (f"{100 * (r['hit_ratio'] or 0):.2f}% ({100 * of_bound:.0f}%) | {1000 * r['ttft_mean']:,.0f} | "
@@ -323,11 +346,7 @@ def table() -> None:
             if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk and ident not in seen:
                 seen.add(ident)  # the same configuration reached by two suites
                 sel.append((f, r))
-        # One bound per trace window, the corrected one (round 5, loadtest/report.py: only the requests an
-        # engine computed; the prompts every engine refuses are the same whatever the routing): rows written
-        # before the fix stored a lower bound, so every row's share is computed against the highest.
-        bound = max((r["bound_lru"] for r in rows if (r["load"], tuple(r["window"])) == (name, tuple(window))
-                     and r.get("bound_lru")), default=None)
+        bound = _window_bound(rows, name, window)
         print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy}"
               + (f"; fleet-size LRU bound {100 * bound:.2f}%" if bound else "") + ")\n")
         print("| router | index | R | W | load view | hit ratio (of LRU bound) | TTFT mean ms | p90 | p99 | GPU busy |")
@@ -362,18 +381,10 @@ def spread() -> None:
     """The perturbed rows (`--arrival-jitter-ms`, suites round10-*): per load and configuration, the
     spread over seeds, and each seed of a scale-out shape (R > 1 or W > 1) against one process of the
     same seed (the same arrivals)."""
-    rows = [r for r in _rows() if parse_flags(r["flags"]).get("jitter")]
-    for lk in _loads(rows):
+    rows = _rows()
+    for lk, groups in _perturbed(rows).items():
         name, window, speed, busy = lk
-        bound = max((r["bound_lru"] for r in _rows() if (r["load"], tuple(r["window"])) == (name, tuple(window))
-                     and r.get("bound_lru")), default=None)
-        groups: dict[tuple, dict[int, dict]] = {}
-        for r in rows:
-            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) != lk:
-                continue
-            f = parse_flags(r["flags"])
-            conf = (f["replicas"], f["workers"], f["load_view"], f["every"], f.get("affinity_set", ""), f["jitter"])
-            groups.setdefault(conf, {})[f["seed"]] = r
+        bound = _window_bound(rows, name, window)
         print(f"\n### {name} {window[0]:g}:{window[1]:g}, speed {speed:g} ({busy}"
               + (f"; fleet-size LRU bound {100 * bound:.2f}%" if bound else "") + ")\n")
         print("| jitter | R x W | settings | seeds | hit of the LRU bound: mean (min-max) | TTFT mean ms: mean (min-max) "
@@ -384,7 +395,6 @@ def spread() -> None:
             hits = [100 * (r["hit_ratio"] or 0) / bound if bound else 0.0 for r in by_seed.values()]
             ttft = [1000 * r["ttft_mean"] for r in by_seed.values()]
             one = groups.get((1, 1, "own", 0.0, conf[4], conf[5]), {})
-            vs = ""
             means = " "
             if (conf[0], conf[1]) != (1, 1) and one:
                 h1 = sum(r["hit_ratio"] or 0 for r in one.values()) / len(one)
@@ -412,7 +422,7 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     engines' timing loses (queueing, KV held by running requests, preemption); one engine as large as the
     whole fleet, what that timing costs one pool."""
     from loadtest.replay import make_profile, parse_affinity_sets
-    from loadtest.workloads.bound import PLACEMENT_RULES, one_cache_bound, placed_caches
+    from loadtest.workloads.bound import PLACEMENT_RULES, placed_caches
 
     load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
     if load is None:
@@ -433,7 +443,7 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
         sent = [wl.items[r.index] for r in result.records if r.ttft is not None]
         each = min(result.capacity_tokens.values())
         names = sorted(result.capacity_tokens)
-        one = one_cache_bound(sent, each * len(names)).ratio
+        one = s["bound_lru"]  # the fleet-size LRU bound of the requests an engine computed
         cells = [placed_caches(sent, rule, len(names), each).ratio for rule in PLACEMENT_RULES]
         placed = placed_caches(wl.items, [names.index(r.backend) if r.backend and r.ttft is not None else None
                                           for r in result.records], len(names), each).ratio
@@ -461,26 +471,19 @@ def spread_plot() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    all_rows = _rows()
-    rows = [r for r in all_rows if parse_flags(r["flags"]).get("jitter")]
-    loads = _loads(rows)
-    if not loads:
+    rows = _rows()
+    perturbed = _perturbed(rows)
+    if not perturbed:
         return
-    fig, axes = plt.subplots(2, len(loads), figsize=(3.8 * len(loads), 6.5), squeeze=False)
-    for col, lk in enumerate(loads):
+    fig, axes = plt.subplots(2, len(perturbed), figsize=(3.8 * len(perturbed), 6.5), squeeze=False)
+    for col, (lk, groups) in enumerate(perturbed.items()):
         name, window, speed, busy = lk
-        bound = max((r["bound_lru"] for r in all_rows if (r["load"], tuple(r["window"])) == (name, tuple(window))
-                     and r.get("bound_lru")), default=None)
-        confs: dict[tuple, list[dict]] = {}
-        for r in rows:
-            if (r["load"], tuple(r["window"]), r["speed"], r["busy"]) == lk:
-                f = parse_flags(r["flags"])
-                confs.setdefault((f["jitter"], f.get("affinity_set", ""), f["replicas"], f["workers"]), []).append(r)
+        bound = _window_bound(rows, name, window)
         labels = []
-        for x, conf in enumerate(sorted(confs)):
-            jitter, settings, rr, ww = conf
+        for x, conf in enumerate(sorted(groups, key=lambda c: (c[5], c[4], c[0], c[1]))):
+            rr, ww, _view, _every, settings, jitter = conf
             colour = "tab:blue" if rr == 1 else "tab:red"
-            rs = confs[conf]
+            rs = list(groups[conf].values())
             hits = [100 * (r["hit_ratio"] or 0) / bound for r in rs] if bound else [100 * (r["hit_ratio"] or 0) for r in rs]
             ttft = [1000 * r["ttft_mean"] for r in rs]
             axes[0][col].scatter([x] * len(hits), hits, color=colour, s=14, alpha=0.7)
