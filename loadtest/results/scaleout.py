@@ -185,6 +185,20 @@ def suite(name: str) -> list[ReplayConfig]:
             for r, w in ((4, 1), (2, 1), (1, 2)):
                 cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
                                          load_view="peers", peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=1.0))
+    elif name in ("round11-eviction", "round11-eviction20"):
+        # Round 11: round 5's eviction-aware placement of new prompts (routing.affinity.eviction_band_tokens,
+        # proxy/core/placement.py; off by default) judged again, now over round 10's eight perturbed seeds
+        # (1 ms; round11-eviction20: 20 ms) instead of round 5's one trajectory, at R = 1 and R = 4 x W = 2
+        # (shared ledger, 10 ms); the rows without it are round 10's.
+        jitter = 1.0 if name == "round11-eviction" else 20.0
+        for seed in range(8):
+            for band in (4096, 2048):
+                over = (("eviction_band_tokens", float(band)),)
+                cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
+                                         affinity_overrides=over))
+                cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
+                                         load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                         arrival_jitter_ms=jitter, affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -463,6 +477,74 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
         print(f"| {seed} | " + " | ".join(row) + " |", flush=True)
 
 
+def lottery(seeds: int) -> None:
+    """How much of the bound load-blind placement alone keeps, seed by seed: the bound's cache-only model
+    over four engine-sized caches (`placed_caches`), a repeat on its holder and a new prompt by a rule drawn
+    per seed (SEEDED_RULES: a hash home under another hash function, or a random cache), next to the
+    deterministic rules and to the replay's one-process rows (round 10's eight seeds at 1 ms). No load, no
+    engine timing: the spread is only where each window's new prompts land. Writes scaleout-lottery.png."""
+    from loadtest.replay import make_profile
+    from loadtest.workloads.bound import PLACEMENT_RULES, SEEDED_RULES, one_cache_bound, placed_caches
+
+    cfg = ReplayConfig()
+    n, each = cfg.backends, make_profile(cfg.profile, 131072).kv_capacity_tokens
+    rows = _rows() if OUT.exists() else []
+    windows = [w for i, w in enumerate(ld[2] for ld in LOADS if ld[0] == "mooncake")
+               if w not in [ld[2] for ld in LOADS if ld[0] == "mooncake"][:i]]
+    found: dict[tuple, dict[str, list[float]]] = {}
+    print(f"\n### Load-blind placement over {n} caches of {each:,} tokens, {seeds} seeds per rule (cache-only model)\n")
+    print("| window | one cache (the bound) | " + " | ".join(f"{r} (fixed)" for r in PLACEMENT_RULES)
+          + " | " + " | ".join(f"{r}, seeded: mean (min–max) [p10–p90] | {r}: seeds < 95%" for r in SEEDED_RULES) + " |")
+    print("|---" * (2 + len(PLACEMENT_RULES) + 2 * len(SEEDED_RULES)) + "|")
+    for window in windows:
+        # The requests an engine computes (the simulator refuses a prompt that leaves no room for its
+        # output within the context), as the replay's bound counts them.
+        items = [it for it in _workload(MOONCAKE, window).items if it.input_tokens + it.output_tokens <= 131072]
+        one = one_cache_bound(items, n * each).ratio
+        fixed = [placed_caches(items, rule, n, each).ratio / one for rule in PLACEMENT_RULES]
+        cells = [f"{100 * one:.2f}%"] + [f"{100 * f:.1f}%" for f in fixed]
+        for rule in SEEDED_RULES:
+            got = sorted(placed_caches(items, rule, n, each, seed=k).ratio / one for k in range(seeds))
+            found.setdefault(window, {})[rule] = got
+            q = lambda p: got[min(len(got) - 1, int(p * len(got)))]  # noqa: E731
+            cells.append(f"{100 * sum(got) / len(got):.1f}% ({100 * got[0]:.1f}–{100 * got[-1]:.1f}) "
+                         f"[{100 * q(0.1):.1f}–{100 * q(0.9):.1f}]")
+            cells.append(f"{sum(g < 0.95 for g in got)} / {len(got)}")
+        print(f"| {window[0]:g}:{window[1]:g} | " + " | ".join(cells) + " |", flush=True)
+    replay_dots: dict[tuple, dict[float, list[float]]] = {}
+    for lk, groups in _perturbed(rows).items():
+        bound = _window_bound(rows, lk[0], lk[1])
+        for conf, by_seed in groups.items():
+            if conf[:2] == (1, 1) and not conf[4] and conf[5] == 1.0 and bound:
+                replay_dots.setdefault(lk[1], {})[lk[2]] = [(r["hit_ratio"] or 0) / bound for r in by_seed.values()]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(found), figsize=(5.5 * len(found), 4.2), squeeze=False)
+    for ax, (window, by_rule) in zip(axes[0], found.items()):
+        columns = [(f"{r}\n(seeded, {len(v)})", v, "tab:grey") for r, v in by_rule.items()]
+        columns += [(f"replay R = 1\nx{sp:g}, 1 ms, {len(v)} seeds", v, "tab:blue")
+                    for sp, v in sorted(replay_dots.get(window, {}).items())]
+        for x, (_label, vals, colour) in enumerate(columns):
+            ax.scatter([x] * len(vals), [100 * v for v in vals], s=12, alpha=0.6, color=colour)
+            ax.plot([x - 0.3, x + 0.3], [100 * sum(vals) / len(vals)] * 2, color="black", lw=1.5)
+        ax.axhline(95, color="red", ls=":", lw=1)
+        ax.axhline(100, color="grey", lw=0.8)
+        ax.set_xticks(range(len(columns)))
+        ax.set_xticklabels([c[0] for c in columns], fontsize=7)
+        ax.set_ylabel("hit, % of the fleet-size LRU bound")
+        ax.set_title(f"mooncake {window[0]:g}:{window[1]:g}", fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Load-blind placement over {n} engine-sized caches (cache-only model; grey: one dot per seed) "
+                 "and the replay (blue)", fontsize=9)
+    fig.tight_layout()
+    out = ROOT / "loadtest" / "results" / "scaleout-lottery.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 def spread_plot() -> None:
     """scaleout-spread.png: the perturbed rows, one column per load, each configuration's seeds as dots
     (hit of the LRU bound above, TTFT mean below), R = 1 and R = 4 x W = 2 side by side."""
@@ -568,7 +650,8 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
                                           "round5-placement", "round8-nps", "round10-chaos",
-                                          "round10-jitter20", "round10-shapes"))
+                                          "round10-jitter20", "round10-shapes",
+                                          "round11-eviction", "round11-eviction20"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
@@ -579,6 +662,8 @@ def main() -> None:
     d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--arrival-jitter-ms", type=float, default=0.0)
     d.add_argument("--seeds", type=int, default=1, help="with --arrival-jitter-ms: this many seeds")
+    lo = sub.add_parser("lottery")
+    lo.add_argument("--seeds", type=int, default=30, help="seeds per seeded placement rule")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
@@ -587,6 +672,8 @@ def main() -> None:
         table()
     elif args.cmd == "decompose":
         decompose(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
+    elif args.cmd == "lottery":
+        lottery(args.seeds)
     elif args.cmd == "spread":
         spread()
         spread_plot()

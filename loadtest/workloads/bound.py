@@ -20,9 +20,12 @@ against the replay itself it splits a router's gap into placement and engine tim
 from __future__ import annotations
 
 import math
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+import xxhash
 
 from loadtest.workloads.model import WorkItem
 
@@ -103,16 +106,27 @@ def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = Non
 # in turn, or on the cache that took the fewest tokens lately (an exponential decay over the tokens
 # inserted fleet-wide, with the fleet's capacity as its horizon: churn balanced).
 PLACEMENT_RULES = ("hash", "round_robin", "least_inserted")
+# The rules `placed_caches(..., seed=k)` draws per seed: a hash home from the first block's id hashed with
+# seed k (another hash function, as another router's ring or another set of backend names would be), or a
+# uniformly random cache from a generator seeded with k. Over many seeds they give the spread of what
+# load-blind placement alone keeps: the lottery of where a window's few large prompts land.
+SEEDED_RULES = ("hash", "random")
 
 
 def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | str, n: int,
-                  capacity_tokens: int) -> Bound:
+                  capacity_tokens: int, *, seed: int | None = None) -> Bound:
     """N LRU caches of `capacity_tokens` each; request i goes to cache `placements[i]` (None: skipped, as
-    the bound skips a prompt no engine computed), or by the rule `placements` names (PLACEMENT_RULES)."""
+    the bound skips a prompt no engine computed), or by the rule `placements` names (PLACEMENT_RULES; with
+    `seed`, one of SEEDED_RULES drawn with that seed)."""
+    draw: random.Random | None = None
     if isinstance(placements, str):
-        if placements not in PLACEMENT_RULES:
-            raise ValueError(f"unknown placement rule {placements!r} (one of {', '.join(PLACEMENT_RULES)})")
+        rules = PLACEMENT_RULES if seed is None else SEEDED_RULES
+        if placements not in rules:
+            raise ValueError(f"unknown placement rule {placements!r}"
+                             f"{'' if seed is None else ' with a seed'} (one of {', '.join(rules)})")
         rule: str | None = placements
+        if seed is not None and rule == "random":
+            draw = random.Random(seed)
     else:
         rule = None
         if len(placements) != len(items):
@@ -133,8 +147,11 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
             best = max(matches)
             if best > 0:
                 j = matches.index(best)
+            elif draw is not None:
+                j = draw.randrange(n)
             elif rule == "hash":
-                j = (item.chain[0].block if item.chain else 0) % n
+                first = item.chain[0].block if item.chain else 0
+                j = (first if seed is None else xxhash.xxh3_64_intdigest(str(first).encode(), seed=seed)) % n
             elif rule == "round_robin":
                 j = turn % n
                 turn += 1

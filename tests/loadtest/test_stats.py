@@ -113,3 +113,23 @@ def test_placed_caches_split_the_bound_by_placement() -> None:
         placed_caches(items, "nearest", 3, 600)
     with pytest.raises(ValueError):
         placed_caches(items, [0], 3, 600)
+
+
+def test_seeded_placement_draws_another_hash_home_per_seed() -> None:
+    """`placed_caches(..., seed=k)`: the hash home under the k-th hash function, or a random cache drawn
+    from k. The same seed gives the same placement; over seeds the hash rule reaches both outcomes of the
+    fixed rule's example above (blocks 0 and 2 on one cache, or each alone); unseeded rules refuse a seed."""
+    from loadtest.workloads.bound import placed_caches
+
+    items = [item((i % 3, 600)) for i in range(30)]
+    for rule in ("hash", "random"):
+        assert all(placed_caches(items, rule, 2, 600, seed=k) == placed_caches(items, rule, 2, 600, seed=k)
+                   for k in range(5))
+    # The hash home is fixed per prompt within a seed: three prompts over two caches of one prompt each,
+    # so either one prompt sits alone and hits on its 9 repeats while the other two thrash, or all three
+    # share a cache and none hits. Both come up over 40 hash functions.
+    assert {placed_caches(items, "hash", 2, 600, seed=k).hit_tokens for k in range(40)} == {0, 9 * 600}
+    # A random cache is drawn again at every miss, so the seeds spread over many outcomes.
+    assert len({placed_caches(items, "random", 2, 600, seed=k).hit_tokens for k in range(40)}) > 3
+    with pytest.raises(ValueError):
+        placed_caches(items, "round_robin", 2, 600, seed=1)
