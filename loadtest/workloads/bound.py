@@ -107,10 +107,13 @@ def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = Non
 # inserted fleet-wide, with the fleet's capacity as its horizon: churn balanced).
 PLACEMENT_RULES = ("hash", "round_robin", "least_inserted")
 # The rules `placed_caches(..., seed=k)` draws per seed: a hash home from the first block's id hashed with
-# seed k (another hash function, as another router's ring or another set of backend names would be), or a
-# uniformly random cache from a generator seeded with k. Over many seeds they give the spread of what
-# load-blind placement alone keeps: the lottery of where a window's few large prompts land.
-SEEDED_RULES = ("hash", "random")
+# seed k (another hash function, as another router's ring or another set of backend names would be), a
+# uniformly random cache from a generator seeded with k, or churn balanced as seen through noise (each
+# cache's decayed count scaled by its own uniform [0.9, 1.1) draw at every pick: an imperfect, lagging
+# view such as KV events give). Over many seeds they give the spread of what load-blind placement alone
+# keeps: the lottery of where a window's few large prompts land, against a rule that balances them.
+SEEDED_RULES = ("hash", "random", "least_inserted")
+CHURN_NOISE = 0.1
 
 
 def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | str, n: int,
@@ -125,7 +128,7 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
             raise ValueError(f"unknown placement rule {placements!r}"
                              f"{'' if seed is None else ' with a seed'} (one of {', '.join(rules)})")
         rule: str | None = placements
-        if seed is not None and rule == "random":
+        if seed is not None and rule in ("random", "least_inserted"):
             draw = random.Random(seed)
     else:
         rule = None
@@ -147,7 +150,7 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
             best = max(matches)
             if best > 0:
                 j = matches.index(best)
-            elif draw is not None:
+            elif rule == "random" and draw is not None:
                 j = draw.randrange(n)
             elif rule == "hash":
                 first = item.chain[0].block if item.chain else 0
@@ -155,6 +158,9 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
             elif rule == "round_robin":
                 j = turn % n
                 turn += 1
+            elif draw is not None:  # least_inserted, seen through noise
+                seen = [c * (1.0 + CHURN_NOISE * (2.0 * draw.random() - 1.0)) for c in churn]
+                j = seen.index(min(seen))
             else:
                 j = churn.index(min(churn))
         queries += item.input_tokens

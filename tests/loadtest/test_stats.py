@@ -122,7 +122,7 @@ def test_seeded_placement_draws_another_hash_home_per_seed() -> None:
     from loadtest.workloads.bound import placed_caches
 
     items = [item((i % 3, 600)) for i in range(30)]
-    for rule in ("hash", "random"):
+    for rule in ("hash", "random", "least_inserted"):
         assert all(placed_caches(items, rule, 2, 600, seed=k) == placed_caches(items, rule, 2, 600, seed=k)
                    for k in range(5))
     # The hash home is fixed per prompt within a seed: three prompts over two caches of one prompt each,
@@ -131,5 +131,8 @@ def test_seeded_placement_draws_another_hash_home_per_seed() -> None:
     assert {placed_caches(items, "hash", 2, 600, seed=k).hit_tokens for k in range(40)} == {0, 9 * 600}
     # A random cache is drawn again at every miss, so the seeds spread over many outcomes.
     assert len({placed_caches(items, "random", 2, 600, seed=k).hit_tokens for k in range(40)}) > 3
+    # Churn balanced keeps the three apart on three caches whatever the noise: a new prompt goes to a
+    # cache that took nothing yet.
+    assert {placed_caches(items, "least_inserted", 3, 600, seed=k).hit_tokens for k in range(10)} == {27 * 600}
     with pytest.raises(ValueError):
         placed_caches(items, "round_robin", 2, 600, seed=1)
