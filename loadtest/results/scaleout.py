@@ -18,7 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -199,6 +199,33 @@ def suite(name: str) -> list[ReplayConfig]:
                 cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
                                          load_view="peers", peer_refresh_ms=10.0, seed=seed,
                                          arrival_jitter_ms=jitter, affinity_overrides=over))
+    elif name == "round11-repeats":
+        # Round 11: the knobs that only decide whether a repeat leaves the backend holding its prefix (the
+        # cost check's factor and slack for an affine backend; new prompts are unaffected), one process,
+        # eight seeds at 1 ms: do repeats that stay with their holder buy back round 10's load-driven moves?
+        for seed in range(8):
+            for over in ((("cost_epsilon", 1.0),), (("cost_slack_tokens", 32768.0),), (("cost_epsilon", 2.0),),
+                         (("cost_epsilon", 0.5),)):
+                cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=1.0,
+                                         affinity_overrides=over))
+    elif name in ("round11-eps", "round11-eps20"):
+        # Round 11: cost_epsilon 1 (round11-repeats' best: repeats leave their holder only for a backend
+        # at most half as costly) over round 10's perturbations: eight seeds at 1 ms (round11-eps20:
+        # 20 ms), one process and R = 4 x W = 2 with the shared ledger at 10 ms.
+        jitter = 1.0 if name == "round11-eps" else 20.0
+        over = (("cost_epsilon", 1.0),)
+        for seed in range(8):
+            cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
+                                     affinity_overrides=over))
+            cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
+                                     load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                     arrival_jitter_ms=jitter, affinity_overrides=over))
+    elif name == "round11-eps-learned":
+        # Round 11: the same change without KV events (the learned index, what a fleet without
+        # --kv-events-config runs), one process, eight seeds at 1 ms, next to the default.
+        for seed in range(8):
+            for over in ((), (("cost_epsilon", 1.0),)):
+                cfgs.append(ReplayConfig(policy="affinity", seed=seed, arrival_jitter_ms=1.0, affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -328,7 +355,7 @@ def _window_bound(rows: list[dict], name: str, window: Sequence[float]) -> float
 
 
 def _perturbed(rows: list[dict]) -> dict[tuple, dict[tuple, dict[int, dict]]]:
-    """The perturbed rows (`--arrival-jitter-ms`, suites round10-*) by load, then by configuration
+    """The perturbed rows (`--arrival-jitter-ms`, suites round10-* and round11-*) by load, then by configuration
     (R, W, load view, refresh, affinity settings, jitter), then by seed."""
     out: dict[tuple, dict[tuple, dict[int, dict]]] = {}
     for r in rows:
@@ -336,7 +363,10 @@ def _perturbed(rows: list[dict]) -> dict[tuple, dict[tuple, dict[int, dict]]]:
         if not f.get("jitter"):
             continue
         lk = (r["load"], tuple(r["window"]), r["speed"], r["busy"])
-        conf = (f["replicas"], f["workers"], f["load_view"], f["every"], f.get("affinity_set", ""), f["jitter"])
+        settings = f.get("affinity_set", "")
+        if f["index"] != "precise":  # the learned index (round11-eps-learned): its own group, its own R = 1
+            settings = f"{f['index']} index" + (f", {settings}" if settings else "")
+        conf = (f["replicas"], f["workers"], f["load_view"], f["every"], settings, f["jitter"])
         out.setdefault(lk, {}).setdefault(conf, {})[f["seed"]] = r
     return out
 
@@ -392,7 +422,7 @@ def table() -> None:
 
 
 def spread() -> None:
-    """The perturbed rows (`--arrival-jitter-ms`, suites round10-*): per load and configuration, the
+    """The perturbed rows (`--arrival-jitter-ms`, suites round10-* and round11-*): per load and configuration, the
     spread over seeds, and each seed of a scale-out shape (R > 1 or W > 1) against one process of the
     same seed (the same arrivals)."""
     rows = _rows()
@@ -545,18 +575,33 @@ def lottery(seeds: int) -> None:
     print(f"wrote {out}")
 
 
+# Which perturbed configurations each spread figure shows, by their affinity settings: round 10's (the
+# shipped defaults and new-prompt slack 0, every shape) and round 11's (the placements it re-judged).
+SPREAD_FIGURES = {
+    "scaleout-spread.png": ("", "new_prompt_slack_tokens=0"),
+    "scaleout-round11.png": ("", "eviction_band_tokens=4096", "eviction_band_tokens=2048", "cost_epsilon=1",
+                             "learned index", "learned index, cost_epsilon=1"),
+}
+
+
 def spread_plot() -> None:
-    """scaleout-spread.png: the perturbed rows, one column per load, each configuration's seeds as dots
-    (hit of the LRU bound above, TTFT mean below), R = 1 and R = 4 x W = 2 side by side."""
+    """SPREAD_FIGURES: the perturbed rows, one column per load, each configuration's seeds as dots (hit of
+    the LRU bound above, TTFT mean below), R = 1 and R = 4 x W = 2 side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = _rows()
-    perturbed = _perturbed(rows)
-    if not perturbed:
-        return
+    for fname, shown in SPREAD_FIGURES.items():
+        perturbed = {lk: {c: g for c, g in groups.items() if c[4] in shown and (fname == "scaleout-spread.png"
+                                                                               or (c[0], c[1]) in ((1, 1), (4, 2)))}
+                     for lk, groups in _perturbed(rows).items()}
+        if any(perturbed.values()):
+            _spread_figure(plt, rows, perturbed, ROOT / "loadtest" / "results" / fname)
+
+
+def _spread_figure(plt: Any, rows: list[dict], perturbed: dict, out: Path) -> None:
     fig, axes = plt.subplots(2, len(perturbed), figsize=(3.8 * len(perturbed), 6.5), squeeze=False)
     for col, (lk, groups) in enumerate(perturbed.items()):
         name, window, speed, busy = lk
@@ -572,7 +617,9 @@ def spread_plot() -> None:
             axes[1][col].scatter([x] * len(ttft), ttft, color=colour, s=14, alpha=0.7)
             axes[0][col].plot([x - 0.3, x + 0.3], [sum(hits) / len(hits)] * 2, color="black", lw=1.5)
             axes[1][col].plot([x - 0.3, x + 0.3], [sum(ttft) / len(ttft)] * 2, color="black", lw=1.5)
-            labels.append(f"{jitter:g}ms {'slack0' if 'slack' in settings else 'default'}\nR{rr}xW{ww}")
+            short = settings.replace("new_prompt_slack_tokens", "slack").replace("eviction_band_tokens", "band") \
+                .replace("cost_epsilon", "eps").replace("cost_slack_tokens", "cslack").replace(" index", "")
+            labels.append(f"{jitter:g}ms {short or 'default'}\nR{rr}xW{ww}")
         for ax in axes[:, col]:
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, fontsize=6, rotation=90)
@@ -585,8 +632,8 @@ def spread_plot() -> None:
     fig.suptitle("Perturbed replays (seeded arrival jitter): each dot one seed, bar the mean; "
                  "blue one host (R = 1, W = 1 or 2), red several replicas", fontsize=10)
     fig.tight_layout()
-    out = ROOT / "loadtest" / "results" / "scaleout-spread.png"
     fig.savefig(out, dpi=100)
+    plt.close(fig)
     print(f"wrote {out}")
 
 
@@ -651,7 +698,8 @@ def main() -> None:
     r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
                                           "round5-placement", "round8-nps", "round10-chaos",
                                           "round10-jitter20", "round10-shapes",
-                                          "round11-eviction", "round11-eviction20"))
+                                          "round11-eviction", "round11-eviction20", "round11-repeats",
+                                          "round11-eps", "round11-eps20", "round11-eps-learned"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")

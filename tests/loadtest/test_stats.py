@@ -136,3 +136,20 @@ def test_seeded_placement_draws_another_hash_home_per_seed() -> None:
     assert {placed_caches(items, "least_inserted", 3, 600, seed=k).hit_tokens for k in range(10)} == {27 * 600}
     with pytest.raises(ValueError):
         placed_caches(items, "round_robin", 2, 600, seed=1)
+
+
+def test_perturbed_rows_group_the_learned_index_apart() -> None:
+    """`scaleout.py spread` compares each configuration's seeds with one process of the same settings: a
+    learned-index row must not land in (and overwrite) the precise row of the same shape and seed."""
+    from loadtest.results.scaleout import _perturbed
+
+    def row(flags: str) -> dict:
+        return {"load": "mooncake", "window": [0, 300], "speed": 1.0, "busy": "~96% busy", "flags": flags}
+
+    rows = [row("--policies affinity --index precise --kv-event-delay-ms 50 --arrival-jitter-ms 1"),
+            row("--policies affinity --arrival-jitter-ms 1"),
+            row("--policies affinity --seed 1 --arrival-jitter-ms 1 --affinity-set cost_epsilon=1"),
+            row("--policies affinity --index precise --kv-event-delay-ms 50")]  # not perturbed: left out
+    groups = _perturbed(rows)[("mooncake", (0, 300), 1.0, "~96% busy")]
+    assert sorted(c[4] for c in groups) == ["", "learned index", "learned index, cost_epsilon=1"]
+    assert all(len(by_seed) == 1 for by_seed in groups.values())
