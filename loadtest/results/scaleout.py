@@ -220,12 +220,15 @@ def suite(name: str) -> list[ReplayConfig]:
             cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
                                      load_view="peers", peer_refresh_ms=10.0, seed=seed,
                                      arrival_jitter_ms=jitter, affinity_overrides=over))
-    elif name == "round11-eps-learned":
+    elif name in ("round11-eps-learned", "round11-eps-learned20"):
         # Round 11: the same change without KV events (the learned index, what a fleet without
-        # --kv-events-config runs), one process, eight seeds at 1 ms, next to the default.
+        # --kv-events-config runs), one process, eight seeds at 1 ms (round11-eps-learned20: 20 ms), next
+        # to the default.
+        jitter = 1.0 if name == "round11-eps-learned" else 20.0
         for seed in range(8):
             for over in ((), (("cost_epsilon", 1.0),)):
-                cfgs.append(ReplayConfig(policy="affinity", seed=seed, arrival_jitter_ms=1.0, affinity_overrides=over))
+                cfgs.append(ReplayConfig(policy="affinity", seed=seed, arrival_jitter_ms=jitter,
+                                         affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -699,7 +702,8 @@ def main() -> None:
                                           "round5-placement", "round8-nps", "round10-chaos",
                                           "round10-jitter20", "round10-shapes",
                                           "round11-eviction", "round11-eviction20", "round11-repeats",
-                                          "round11-eps", "round11-eps20", "round11-eps-learned"))
+                                          "round11-eps", "round11-eps20", "round11-eps-learned",
+                                          "round11-eps-learned20"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
