@@ -76,6 +76,15 @@ def flags(cfg: ReplayConfig) -> str:
     return " ".join(out)
 
 
+def _one_and_replicas(seed: int, jitter: float, over: tuple) -> list[ReplayConfig]:
+    """The pair every perturbed suite compares: one process, and R = 4 replicas of W = 2 workers with the
+    shared ledger at 10 ms, both with the precise index, under the same seeded jitter and settings."""
+    return [ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
+                         affinity_overrides=over),
+            ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise", load_view="peers",
+                         peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=jitter, affinity_overrides=over)]
+
+
 def suite(name: str) -> list[ReplayConfig]:
     cfgs: list[ReplayConfig] = []
     if name == "core":
@@ -173,11 +182,7 @@ def suite(name: str) -> list[ReplayConfig]:
         for seed in range(8):
             for slack in (2048, 0):
                 over = () if slack == 2048 else (("new_prompt_slack_tokens", 0),)
-                cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
-                                         affinity_overrides=over))
-                cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
-                                         load_view="peers", peer_refresh_ms=10.0, seed=seed,
-                                         arrival_jitter_ms=jitter, affinity_overrides=over))
+                cfgs += _one_and_replicas(seed, jitter, over)
     elif name == "round10-shapes":
         # Round 10: the other shapes of the targets under the same 1 ms jitter, eight seeds: R = 4 and
         # R = 2 single-worker replicas, and one host of --workers 2, with the shared ledger at 10 ms.
@@ -193,12 +198,7 @@ def suite(name: str) -> list[ReplayConfig]:
         jitter = 1.0 if name == "round11-eviction" else 20.0
         for seed in range(8):
             for band in (4096, 2048):
-                over = (("eviction_band_tokens", float(band)),)
-                cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
-                                         affinity_overrides=over))
-                cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
-                                         load_view="peers", peer_refresh_ms=10.0, seed=seed,
-                                         arrival_jitter_ms=jitter, affinity_overrides=over))
+                cfgs += _one_and_replicas(seed, jitter, (("eviction_band_tokens", float(band)),))
     elif name == "round11-repeats":
         # Round 11: the knobs that only decide whether a repeat leaves the backend holding its prefix (the
         # cost check's factor and slack for an affine backend; new prompts are unaffected), one process,
@@ -215,11 +215,7 @@ def suite(name: str) -> list[ReplayConfig]:
         jitter = 1.0 if name == "round11-eps" else 20.0
         over = (("cost_epsilon", 1.0),)
         for seed in range(8):
-            cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
-                                     affinity_overrides=over))
-            cfgs.append(ReplayConfig(policy="affinity", replicas=4, workers=2, index="precise",
-                                     load_view="peers", peer_refresh_ms=10.0, seed=seed,
-                                     arrival_jitter_ms=jitter, affinity_overrides=over))
+            cfgs += _one_and_replicas(seed, jitter, over)
     elif name in ("round11-eps-learned", "round11-eps-learned20"):
         # Round 11: the same change without KV events (the learned index, what a fleet without
         # --kv-events-config runs), one process, eight seeds at 1 ms (round11-eps-learned20: 20 ms), next
