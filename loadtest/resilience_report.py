@@ -118,14 +118,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: i
     return Reply(started, backend, status, ok, error, frozenset(ids), done)
 
 
-async def load(url: str, model: str, result: Result, *, concurrency: int, duration_s: float,
+async def load(url: str, model: str, result: Result, *, concurrency: int, duration_s: float | list[float],
                t0: float) -> None:
-    """Closed loop: `concurrency` clients each send one request after the other until `duration_s`."""
+    """Closed loop: `concurrency` clients each send one request after the other until `duration_s` (a
+    one-item list: read at every request, so a scenario may extend it while the load runs)."""
     counter = iter(range(10**9))
     timeout = aiohttp.ClientTimeout(total=30)
+    until = duration_s if isinstance(duration_s, list) else [duration_s]
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def client() -> None:
-            while time.monotonic() - t0 < duration_s:
+            while time.monotonic() - t0 < until[0]:
                 result.add(await one_request(session, url, model, next(counter), t0))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -225,18 +227,28 @@ async def scenario_kill(duration_s: float = 2.5, kill_at: float = 0.8, concurren
         try:
             t0 = time.monotonic()
             timeline, attempts = Timeline(proxy, t0), AttemptLog(proxy, t0)
+            until, killed = [duration_s], [kill_at]
 
             async def kill() -> None:
+                # Kill sim-1 while it serves: on a loaded machine its first requests may come later than
+                # kill_at (a CI run once sent all 36 requests of the window to the two others), and killing
+                # a backend nobody used yet tests nothing. Wait for its first attempt (5 s at most) and keep
+                # the load running as long after the kill as planned.
                 await asyncio.sleep(kill_at)
+                deadline = time.monotonic() + 5.0
+                while attempts.last_to("sim-1") is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                killed[0] = time.monotonic() - t0
+                until[0] = killed[0] + (duration_s - kill_at)
                 await fleet.servers[1].stop()
 
             await asyncio.gather(load(proxy.http_url, model, result, concurrency=concurrency,
-                                      duration_s=duration_s, t0=t0), kill())
-            ejected = timeline.first("sim-1", Health.UNHEALTHY, kill_at)
+                                      duration_s=until, t0=t0), kill())
+            ejected = timeline.first("sim-1", Health.UNHEALTHY, killed[0])
             last = attempts.last_to("sim-1")
             result.numbers = {
-                "detected_after_s": None if ejected is None else round(ejected - kill_at, 3),
-                "last_attempt_to_killed_after_s": None if last is None else round(max(0.0, last - kill_at), 3),
+                "detected_after_s": None if ejected is None else round(ejected - killed[0], 3),
+                "last_attempt_to_killed_after_s": None if last is None else round(max(0.0, last - killed[0]), 3),
                 "failed_on_killed": result.failed_by_backend["sim-1"],
                 "failed_elsewhere": result.failed - result.failed_by_backend["sim-1"],
             }
