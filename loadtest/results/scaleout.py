@@ -509,7 +509,8 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
 def lottery(seeds: int) -> None:
     """How much of the bound load-blind placement alone keeps, seed by seed: the bound's cache-only model
     over four engine-sized caches (`placed_caches`), a repeat on its holder and a new prompt by a rule drawn
-    per seed (SEEDED_RULES: a hash home under another hash function, or a random cache), next to the
+    per seed (SEEDED_RULES: a hash home under another hash function, a random cache, or churn balanced seen
+    through noise), next to the
     deterministic rules and to the replay's one-process rows (round 10's eight seeds at 1 ms). No load, no
     engine timing: the spread is only where each window's new prompts land. Writes scaleout-lottery.png."""
     from loadtest.replay import make_profile
@@ -518,8 +519,7 @@ def lottery(seeds: int) -> None:
     cfg = ReplayConfig()
     n, each = cfg.backends, make_profile(cfg.profile, 131072).kv_capacity_tokens
     rows = _rows() if OUT.exists() else []
-    windows = [w for i, w in enumerate(ld[2] for ld in LOADS if ld[0] == "mooncake")
-               if w not in [ld[2] for ld in LOADS if ld[0] == "mooncake"][:i]]
+    windows = list(dict.fromkeys(ld[2] for ld in LOADS if ld[0] == "mooncake"))  # each window once, in order
     found: dict[tuple, dict[str, list[float]]] = {}
     print(f"\n### Load-blind placement over {n} caches of {each:,} tokens, {seeds} seeds per rule (cache-only model)\n")
     print("| window | one cache (the bound) | " + " | ".join(f"{r} (fixed)" for r in PLACEMENT_RULES)
