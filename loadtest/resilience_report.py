@@ -230,10 +230,11 @@ async def scenario_kill(duration_s: float = 2.5, kill_at: float = 0.8, concurren
             until, killed = [duration_s], [kill_at]
 
             async def kill() -> None:
-                # Kill sim-1 while it serves: on a loaded machine its first requests may come later than
-                # kill_at (a CI run once sent all 36 requests of the window to the two others), and killing
-                # a backend nobody used yet tests nothing. Wait for its first attempt (5 s at most) and keep
-                # the load running as long after the kill as planned.
+                # Kill sim-1 while it serves. On a loaded machine the clients' first requests may start
+                # later than kill_at: a CI run sent all 36 of its requests to the two others, in bursts of 6
+                # split 3/3, which least_request does only while sim-1 is unroutable, i.e. already killed.
+                # Killing a backend nobody used tests nothing, so wait for its first attempt (5 s at most)
+                # and keep the load running as long after the kill as planned.
                 await asyncio.sleep(kill_at)
                 deadline = time.monotonic() + 5.0
                 while attempts.last_to("sim-1") is None and time.monotonic() < deadline:
