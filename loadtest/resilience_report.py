@@ -118,16 +118,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, i: i
     return Reply(started, backend, status, ok, error, frozenset(ids), done)
 
 
-async def load(url: str, model: str, result: Result, *, concurrency: int, duration_s: float | list[float],
-               t0: float) -> None:
+async def load(url: str, model: str, result: Result, *, concurrency: int,
+               duration_s: float | Callable[[], float], t0: float) -> None:
     """Closed loop: `concurrency` clients each send one request after the other until `duration_s` (a
-    one-item list: read at every request, so a scenario may extend it while the load runs)."""
+    function: asked before every request, so a scenario may move the end while the load runs)."""
     counter = iter(range(10**9))
     timeout = aiohttp.ClientTimeout(total=30)
-    until = duration_s if isinstance(duration_s, list) else [duration_s]
+    until = duration_s if callable(duration_s) else (lambda: duration_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         async def client() -> None:
-            while time.monotonic() - t0 < until[0]:
+            while time.monotonic() - t0 < until():
                 result.add(await one_request(session, url, model, next(counter), t0))
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -227,7 +227,7 @@ async def scenario_kill(duration_s: float = 2.5, kill_at: float = 0.8, concurren
         try:
             t0 = time.monotonic()
             timeline, attempts = Timeline(proxy, t0), AttemptLog(proxy, t0)
-            until, killed = [duration_s], [kill_at]
+            killed = [kill_at]  # when sim-1 really went down; the load runs as long after it as planned
 
             async def kill() -> None:
                 # Kill sim-1 while it serves. On a loaded machine the clients' first requests may start
@@ -240,11 +240,10 @@ async def scenario_kill(duration_s: float = 2.5, kill_at: float = 0.8, concurren
                 while attempts.last_to("sim-1") is None and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 killed[0] = time.monotonic() - t0
-                until[0] = killed[0] + (duration_s - kill_at)
                 await fleet.servers[1].stop()
 
             await asyncio.gather(load(proxy.http_url, model, result, concurrency=concurrency,
-                                      duration_s=until, t0=t0), kill())
+                                      duration_s=lambda: killed[0] + duration_s - kill_at, t0=t0), kill())
             ejected = timeline.first("sim-1", Health.UNHEALTHY, killed[0])
             last = attempts.last_to("sim-1")
             result.numbers = {
