@@ -510,9 +510,9 @@ def lottery(seeds: int) -> None:
     """How much of the bound load-blind placement alone keeps, seed by seed: the bound's cache-only model
     over four engine-sized caches (`placed_caches`), a repeat on its holder and a new prompt by a rule drawn
     per seed (SEEDED_RULES: a hash home under another hash function, a random cache, or churn balanced seen
-    through noise), next to the
-    deterministic rules and to the replay's one-process rows (round 10's eight seeds at 1 ms). No load, no
-    engine timing: the spread is only where each window's new prompts land. Writes scaleout-lottery.png."""
+    through noise), next to the deterministic rules and to the replay's one-process rows (round 10's eight
+    seeds at 1 ms). No load, no engine timing: the spread is only where each window's new prompts land.
+    Writes scaleout-lottery.png."""
     from loadtest.replay import make_profile
     from loadtest.workloads.bound import PLACEMENT_RULES, SEEDED_RULES, one_cache_bound, placed_caches
 
@@ -574,12 +574,13 @@ def lottery(seeds: int) -> None:
     print(f"wrote {out}")
 
 
-# Which perturbed configurations each spread figure shows, by their affinity settings: round 10's (the
-# shipped defaults and new-prompt slack 0, every shape) and round 11's (the placements it re-judged).
-SPREAD_FIGURES = {
-    "scaleout-spread.png": ("", "new_prompt_slack_tokens=0"),
-    "scaleout-round11.png": ("", "eviction_band_tokens=4096", "eviction_band_tokens=2048", "cost_epsilon=1",
-                             "learned index", "learned index, cost_epsilon=1"),
+# Which perturbed configurations each spread figure shows: their affinity settings, and their (R, W) shapes
+# (None: every shape). Round 10's (the shipped defaults and new-prompt slack 0, every shape) and round 11's
+# (the placements it re-judged, one process against R = 4 x W = 2).
+SPREAD_FIGURES: dict[str, tuple[tuple[str, ...], tuple[tuple[int, int], ...] | None]] = {
+    "scaleout-spread.png": (("", "new_prompt_slack_tokens=0"), None),
+    "scaleout-round11.png": (("", "eviction_band_tokens=4096", "eviction_band_tokens=2048", "cost_epsilon=1",
+                              "learned index", "learned index, cost_epsilon=1"), ((1, 1), (4, 2))),
 }
 
 
@@ -592,9 +593,8 @@ def spread_plot() -> None:
     import matplotlib.pyplot as plt
 
     rows = _rows()
-    for fname, shown in SPREAD_FIGURES.items():
-        perturbed = {lk: {c: g for c, g in groups.items() if c[4] in shown and (fname == "scaleout-spread.png"
-                                                                               or (c[0], c[1]) in ((1, 1), (4, 2)))}
+    for fname, (settings, shapes) in SPREAD_FIGURES.items():
+        perturbed = {lk: {c: g for c, g in groups.items() if c[4] in settings and (shapes is None or c[:2] in shapes)}
                      for lk, groups in _perturbed(rows).items()}
         if any(perturbed.values()):
             _spread_figure(plt, rows, perturbed, ROOT / "loadtest" / "results" / fname)

@@ -158,7 +158,7 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
             elif rule == "round_robin":
                 j = turn % n
                 turn += 1
-            elif draw is not None:  # least_inserted, seen through noise
+            elif rule == "least_inserted" and draw is not None:  # seen through noise
                 seen = [c * (1.0 + CHURN_NOISE * (2.0 * draw.random() - 1.0)) for c in churn]
                 j = seen.index(min(seen))
             else:
