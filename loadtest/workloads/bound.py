@@ -122,6 +122,7 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
     the bound skips a prompt no engine computed), or by the rule `placements` names (PLACEMENT_RULES; with
     `seed`, one of SEEDED_RULES drawn with that seed)."""
     draw: random.Random | None = None
+    given: Sequence[int | None] | None = None  # the placements, when not a rule
     if isinstance(placements, str):
         rules = PLACEMENT_RULES if seed is None else SEEDED_RULES
         if placements not in rules:
@@ -131,7 +132,7 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
         if seed is not None and rule in ("random", "least_inserted"):
             draw = random.Random(seed)
     else:
-        rule = None
+        rule, given = None, placements
         if len(placements) != len(items):
             raise ValueError(f"{len(placements)} placements for {len(items)} requests")
     caches = [_LRU(capacity_tokens) for _ in range(n)]
@@ -142,8 +143,9 @@ def placed_caches(items: Sequence[WorkItem], placements: Sequence[int | None] | 
     for i, item in enumerate(items):
         keys = _keys(item)
         matches = [c.match(keys) for c in caches]
-        if rule is None:
-            j = placements[i]  # type: ignore[index]
+        j: int | None
+        if given is not None:
+            j = given[i]
             if j is None:
                 continue
         else:
