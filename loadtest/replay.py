@@ -32,7 +32,7 @@ from collections import Counter, deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from loadtest.records import Record, RunResult
 from loadtest.run import add_workload_args, prepare_workload
@@ -333,10 +333,13 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
     )
 
 
-async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None = None) -> RunResult:
+async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None = None,
+                 observe: Callable[[int, str, str, Mapping[str, Engine]], None] | None = None) -> RunResult:
     """Replay `workload` through policy + engines in virtual time; same result shape as a live run.
     `policy`: pick with this object instead of `cfg.policy` (loadtest/experiment_replay.py passes one that
-    splits the requests between an experiment's arms)."""
+    splits the requests between an experiment's arms). `observe(index, backend, request id, engines)`:
+    called as each request reaches its engine, in virtual time, with every engine as it is at that
+    instant (loadtest/results/scaleout.py `losses` reads what each engine holds of the prompt then)."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
     # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
@@ -350,6 +353,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     backends = {n: VirtualBackend(n, profile, cfg.seed + i, own[n], kv_events=precise) for i, n in enumerate(names)}
     specs = [BackendSpec(name=n, url=f"virtual://{n}", metrics_url=f"virtual://{n}/metrics",
                          adapters=placed.get(n, ()) if cfg.declare_adapters else ()) for n in names]
+    engines = {n: b.engine for n, b in backends.items()}  # (what `observe` sees)
     store = SnapshotStore(Snapshot.initial(specs))
     clock = [0.0]
     telemetry = TelemetryConfig(interval_ms=cfg.poll_ms, timeout_ms=max(1, cfg.poll_ms - 1), score=cfg.score)
@@ -658,6 +662,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             else:
                 live[rid] = (rec, decision.backend, tokens, t_arr - net, inflight)
                 refresh(decision.backend)
+                if observe is not None:
+                    observe(i, decision.backend, rid, engines)
             i += 1
             continue
         b = backends[step_name]

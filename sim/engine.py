@@ -265,6 +265,15 @@ class Engine:
     def is_active(self, request_id: str) -> bool:
         return request_id in self._seqs
 
+    def cached_prefix_tokens(self, request_id: str, pool: BlockPool | None = None) -> int:
+        """Tokens of a queued or running request's prompt that `pool` (default: this engine's) holds as a
+        cached prefix right now: what its admission would hit if it happened now (the last prompt token is
+        always computed, as in `_admit`). Read-only; for analysis (loadtest/results/scaleout.py losses)."""
+        seq = self._seqs[request_id]
+        bs = self.profile.block_size
+        extend_block_keys(seq.block_keys, seq.tokens, bs, seq.key_seed)
+        return len((pool or self.pool).match(seq.block_keys[: (seq.num_prompt - 1) // bs])) * bs
+
     def take_kv_events(self) -> list:
         """KV-cache events since the last call (empty unless built with kv_events=True)."""
         return self.pool.take_events()

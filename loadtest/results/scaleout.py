@@ -4,6 +4,7 @@
     .venv/bin/python loadtest/results/scaleout.py run views     # item 4: the load view of R replicas
     .venv/bin/python loadtest/results/scaleout.py run matrix    # R = 1, 2, 4 x W = 1, 2, learned vs precise
     .venv/bin/python loadtest/results/scaleout.py table         # markdown tables + scaleout.png
+    .venv/bin/python loadtest/results/scaleout.py losses --load 0:300x1   # where R = 1 loses the bound, per request
 
 Each row is one `python -m loadtest.replay` configuration (the flags are printed next to it); results are
 appended to loadtest/results/scaleout.jsonl as they finish, so an interrupted run resumes where it stopped.
@@ -574,6 +575,166 @@ def lottery(seeds: int) -> None:
     print(f"wrote {out}")
 
 
+# How a request's share of the bound is lost, in `losses` (its hits at admission against the bound's):
+LOSS_KINDS = (
+    ("evicted", "no engine held what the bound held when it arrived (its engine had evicted it)"),
+    ("pending", "no engine held it yet: the request that computes it had not produced its first token"),
+    ("moved", "an engine held more of it than the one it was sent to (the cost check moved it)"),
+    ("queued", "its engine held it on arrival and evicted it before admitting it (negative: computed meanwhile)"),
+    ("beyond", "an engine held more than the bound (negative: a gain)"),
+)
+
+
+def split_loss(bound_hit: int, held: Sequence[int], chosen: int, hit: int, pending: bool) -> dict[str, int]:
+    """One request's bound hit minus its hit at admission, in tokens, split by LOSS_KINDS (they sum to
+    bound_hit - hit). `held`: what each engine held of its prompt as it arrived; `chosen`: the index of
+    the engine it was sent to; `pending`: the bound's source of the prefix was not yet computed then."""
+    most = max(held)
+    return {"evicted": 0 if pending else max(0, bound_hit - most), "pending": max(0, bound_hit - most) if pending else 0,
+            "moved": most - held[chosen], "queued": held[chosen] - hit, "beyond": min(0, bound_hit - most)}
+
+
+def losses(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None:
+    """Where one process's requests lose their share of the bound, request by request (R = 1, precise):
+    what each engine held of a prompt as it arrived (`replay(..., observe=...)`), what it hit when its
+    engine admitted it, against what the bound's one cache hit, split by LOSS_KINDS. With each evicted
+    prefix: how near the bound's own eviction it was (`bound_steps` depth). And how steep the bound is
+    there: the bound of a cache a few percent smaller (the room that KV held by running requests takes
+    from a cache). Writes scaleout-losses-<window>x<speed>-<jitter>ms.png."""
+    from loadtest.workloads.bound import bound_steps, one_cache_bound
+
+    load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
+    if load is None:
+        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    from loadtest.replay import parse_affinity_sets
+
+    name, trace, window, speed, busy = load
+    wl = _workload(trace, window)
+    over = tuple(parse_affinity_sets(sets).items())
+    kinds = [k for k, _ in LOSS_KINDS]
+    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
+          + (f", {' '.join(sets)}" if sets else "") + f", jitter {jitter:g} ms, {seeds} seed(s)\n")
+    print("| seed | kept (of the bound) | " + " | ".join(f"{k}, pts" for k in kinds)
+          + " | KV held by running requests (mean share of an engine at arrivals) | largest losses: tokens, kind, seconds since its source, depth in the bound's cache |")
+    print("|---" * (4 + len(kinds)) + "|")
+    dots: list[tuple[float, int]] = []  # evicted repeats: (depth in the bound's cache, tokens lost)
+    running: list[float] = []
+    capacity = 0
+    computed: list[Any] = []
+    names: list[str] = []
+    for seed in range(seeds):
+        cfg = ReplayConfig(policy="affinity", index="precise", speed=speed, max_model_len=131072,
+                           affinity_overrides=over, seed=seed, arrival_jitter_ms=jitter)
+        seen: dict[int, tuple[list[int], int]] = {}  # request index -> (held per engine on arrival, its engine)
+        names.clear()
+        used: list[float] = []
+
+        def observe(i: int, backend: str, rid: str, engines: Any) -> None:
+            if not names:
+                names.extend(engines)
+            mine = engines[backend]
+            seen[i] = ([mine.cached_prefix_tokens(rid, e.pool) for e in engines.values()], names.index(backend))
+            used.extend(e.pool.num_used / e.pool.num_blocks for e in engines.values())
+
+        result = asyncio.run(replay(wl, cfg, observe=observe))
+        capacity = sum(result.capacity_tokens.values())
+        recs = [r for r in result.records if r.ttft is not None and r.index in seen]
+        computed = [wl.items[r.index] for r in recs]
+        steps = bound_steps(computed, capacity)
+        done_at = [r.scheduled + (r.ttft or 0.0) for r in recs]
+        total = dict.fromkeys(kinds, 0)
+        bound_hits = hits = 0
+        big: list[tuple[int, str, float, float]] = []
+        for k, r in enumerate(recs):
+            st = steps[k]
+            held, chosen = seen[r.index]
+            hit = min(r.cached_tokens or 0, r.input_tokens)
+            bound_hits += st.hit_tokens
+            hits += hit
+            pending = st.source is not None and done_at[st.source] > r.scheduled
+            part = split_loss(st.hit_tokens, held, chosen, hit, pending)
+            for kind, v in part.items():
+                total[kind] += v
+            for kind in ("evicted", "moved", "queued"):
+                if part[kind] > 0:
+                    gap = r.scheduled - recs[st.source].scheduled if st.source is not None else 0.0
+                    big.append((part[kind], kind, gap, st.depth))
+                    if kind == "evicted":
+                        dots.append((st.depth, part[kind]))
+        used.sort()
+        running.append(sum(used) / len(used) if used else 0.0)
+        peak = used[int(0.9 * len(used))] if used else 0.0
+        big.sort(reverse=True)
+        pts = lambda v: 100 * v / bound_hits if bound_hits else 0.0  # noqa: E731
+        print(f"| {seed} | {pts(hits):.1f}% | " + " | ".join(f"{pts(total[k]):.1f}" for k in kinds)
+              + f" | {100 * running[-1]:.1f}% (p90 {100 * peak:.1f}%) | "
+              + "; ".join(f"{t:,} {kind} {gap:.0f} s {depth:.2f}" for t, kind, gap, depth in big[:4]) + " |", flush=True)
+    # The bound's one cache as an engine (as `decompose`): one engine with the fleet's blocks, compute and
+    # batch limits, first seed's arrivals. Its requests finish sooner (tensor parallel over the fleet's GPUs),
+    # so by Little's law it holds less KV for running requests.
+    from loadtest.replay import make_profile
+
+    prof = make_profile(ReplayConfig().profile, 131072)
+    n = len(names) if names else ReplayConfig().backends
+    big_used: list[float] = []
+    big_cfg = ReplayConfig(policy="round_robin", backends=1, speed=speed, max_model_len=131072, seed=0,
+                           arrival_jitter_ms=jitter, profile_overrides=(
+                               ("tp", n * prof.tp), ("num_gpu_blocks_override", n * prof.num_gpu_blocks),
+                               ("max_num_batched_tokens", n * prof.max_num_batched_tokens),
+                               ("max_num_seqs", n * prof.max_num_seqs)))
+    whole = summarize(asyncio.run(replay(wl, big_cfg, observe=lambda i, b, rid, engines: big_used.extend(
+        e.pool.num_used / e.pool.num_blocks for e in engines.values()))), wl)
+    big_used.sort()
+    print(f"\nOne engine of the fleet's size (seed 0): {100 * (whole['hit_ratio'] or 0) / (whole['bound_lru'] or 1):.1f}% "
+          f"of the bound; KV held by running requests {100 * sum(big_used) / max(1, len(big_used)):.1f}% "
+          f"(p90 {100 * big_used[int(0.9 * len(big_used))]:.1f}%) at arrivals.")
+    # How steep the bound is around the fleet's capacity: the room running requests' KV takes from it.
+    full = one_cache_bound(computed, capacity).ratio
+    factors = (0.85, 0.9, 0.93, 0.95, 0.97, 1.0, 1.05)
+    steep = [one_cache_bound(computed, int(capacity * f)).ratio / full if full else 0.0 for f in factors]
+    print("\nThe bound of a smaller or larger cache, as a share of the bound (the last seed's computed requests):\n")
+    print("| cache size | " + " | ".join(f"{f:g} x" for f in factors) + " |")
+    print("|---" * (1 + len(factors)) + "|")
+    print("| kept | " + " | ".join(f"{100 * v:.1f}%" for v in steep) + " |")
+    # How much of the bound hangs on blocks near its cache's end, which a fleet of separate engines
+    # keeps only if the engine holding one took no more than its share of the churn since and had room.
+    hit_total = sum(s.hit_tokens for s in steps) or 1
+    depths = (0.5, 0.7, 0.8, 0.85, 0.9)
+    print("\nThe bound's hits by how deep in its cache they were (the last seed's computed requests):\n")
+    print("| depth above | " + " | ".join(f"{d:g}" for d in depths) + " |")
+    print("|---" * (1 + len(depths)) + "|")
+    print("| share of the bound's hit tokens | "
+          + " | ".join(f"{100 * sum(s.hit_tokens for s in steps if s.depth > d) / hit_total:.1f}%" for d in depths) + " |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if dots:
+        left.scatter([d for d, _t in dots], [t for _d, t in dots], s=14, alpha=0.6)
+    mean_room = 1.0 - sum(running) / len(running) if running else 1.0
+    left.axvline(mean_room, color="red", ls=":", lw=1, label=f"1 - KV held by running requests ({100 * mean_room:.0f}%)")
+    left.set_xlabel("depth of the lost prefix in the bound's cache (share of its capacity used more recently)")
+    left.set_ylabel("tokens lost (evicted by its engine)")
+    left.set_xlim(0, 1.0)
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    left.set_title(f"evicted repeats, {seeds} seed(s), {jitter:g} ms", fontsize=9)
+    right.plot(factors, [100 * v for v in steep], marker="o")
+    right.axhline(95, color="red", ls=":", lw=1)
+    right.axvline(mean_room, color="red", ls=":", lw=1)
+    right.set_xlabel("cache size, share of the fleet's KV")
+    right.set_ylabel("hit, % of the fleet-size LRU bound")
+    right.grid(alpha=0.3)
+    right.set_title("the bound of one smaller cache", fontsize=9)
+    fig.suptitle(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}: where R = 1 loses the bound", fontsize=10)
+    fig.tight_layout()
+    out = ROOT / "loadtest" / "results" / f"scaleout-losses-{window[0]:g}-{window[1]:g}x{speed:g}-{jitter:g}ms.png"
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 # Which perturbed configurations each spread figure shows: their affinity settings, and their (R, W) shapes
 # (None: every shape). Round 10's (the shipped defaults and new-prompt slack 0, every shape) and round 11's
 # (the placements it re-judged, one process against R = 4 x W = 2).
@@ -710,6 +871,11 @@ def main() -> None:
     d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--arrival-jitter-ms", type=float, default=0.0)
     d.add_argument("--seeds", type=int, default=1, help="with --arrival-jitter-ms: this many seeds")
+    ls = sub.add_parser("losses")
+    ls.add_argument("--load", required=True, help="a Mooncake load, e.g. 0:300x1")
+    ls.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
+    ls.add_argument("--arrival-jitter-ms", type=float, default=1.0)
+    ls.add_argument("--seeds", type=int, default=8)
     lo = sub.add_parser("lottery")
     lo.add_argument("--seeds", type=int, default=30, help="seeds per seeded placement rule")
     sub.add_parser("plot")
@@ -720,6 +886,8 @@ def main() -> None:
         table()
     elif args.cmd == "decompose":
         decompose(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
+    elif args.cmd == "losses":
+        losses(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
     elif args.cmd == "lottery":
         lottery(args.seeds)
     elif args.cmd == "spread":

@@ -101,6 +101,47 @@ def one_cache_bound(items: Iterable[WorkItem], capacity_tokens: int | None = Non
     return Bound(hits, queries, capacity_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class BoundStep:
+    """What the bound's one cache did for one request: the tokens it hit, the earlier request that last
+    touched the deepest block it hit (None: no hit), and how close to eviction that block was: the tokens
+    the cache held that were used more recently, as a share of its capacity (1.0: the next block evicted)."""
+
+    hit_tokens: int
+    source: int | None
+    depth: float
+
+
+def bound_steps(items: Sequence[WorkItem], capacity_tokens: int) -> list[BoundStep]:
+    """`one_cache_bound(items, capacity_tokens)` request by request (the same hits, in the same order)."""
+    cache = _LRU(capacity_tokens)
+    toucher: dict[int, int] = {}
+    out: list[BoundStep] = []
+    for i, item in enumerate(items):
+        keys = _keys(item)
+        hit = min(cache.match(keys), item.input_tokens)
+        source: int | None = None
+        depth = 0.0
+        if hit > 0:
+            deepest = keys[0][0]
+            for key, _words in keys:
+                if key not in cache.cache:
+                    break
+                deepest = key
+            source = toucher.get(deepest)
+            newer = 0
+            for key in reversed(cache.cache):  # most recent first
+                if key == deepest:
+                    break
+                newer += cache.cache[key]
+            depth = newer / capacity_tokens
+        cache.insert(keys)
+        for key, _words in keys:
+            toucher[key] = i
+        out.append(BoundStep(hit, source, depth))
+    return out
+
+
 # How `placed_caches` places a request no cache holds any of (one that some cache holds goes to the one
 # holding the longest prefix, ties to the lowest index): its first block's id modulo N (a hash home),
 # in turn, or on the cache that took the fewest tokens lately (an exponential decay over the tokens

@@ -174,3 +174,30 @@ async def test_a_jittered_replay_is_a_perturbation_of_the_same_requests() -> Non
     assert all(0.0 <= d < 0.005 for d in moved) and max(moved) > 0
     with pytest.raises(SystemExit):
         replay_main(["--workload", "chat", "--policies", "affinity", "--arrival-jitter-ms", "-1"])
+
+
+async def test_observe_sees_each_request_reach_its_engine_with_what_every_engine_holds() -> None:
+    """`replay(..., observe=...)` (scaleout.py `losses`): called once per request an engine accepted, as
+    it reaches that engine, with every engine; `Engine.cached_prefix_tokens` then reads what each engine
+    holds of the prompt. A prompt's first sighting finds nothing anywhere; a repeat of a shared system
+    prompt finds it on the engine that computed it; what an engine holds on arrival is at most what the
+    request hits on admission plus what it evicts meanwhile, and never more than its prompt."""
+    wl = workload()
+    seen: dict[int, tuple[str, dict[str, int]]] = {}
+
+    def observe(i: int, backend: str, rid: str, engines: dict) -> None:
+        assert i not in seen and rid == f"r{i}"
+        seen[i] = (backend, {n: engines[backend].cached_prefix_tokens(rid, e.pool) for n, e in engines.items()})
+
+    result = await replay(wl, replace(BASE, index="precise"), observe=observe)
+    assert sorted(seen) == [r.index for r in result.records if r.status == 200]
+    assert all(held == 0 for held in seen[0][1].values())  # nothing cached before the first request
+    for r in result.records:
+        backend, held = seen[r.index]
+        assert backend == r.backend
+        assert all(0 <= v < r.input_tokens for v in held.values())
+    # Repeats of the shared system prompts: most find them on their own engine on arrival, and what they
+    # hit on admission (usage.cached_tokens) is what their engine held (nothing is evicted at this size).
+    on_own = [r for r in result.records if seen[r.index][1][r.backend] > 0]
+    assert len(on_own) > len(result.records) // 2
+    assert all((r.cached_tokens or 0) >= seen[r.index][1][r.backend] for r in on_own)

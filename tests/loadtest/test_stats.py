@@ -153,3 +153,46 @@ def test_perturbed_rows_group_the_learned_index_apart() -> None:
     groups = _perturbed(rows)[("mooncake", (0, 300), 1.0, "~96% busy")]
     assert sorted(c[4] for c in groups) == ["", "learned index", "learned index, cost_epsilon=1"]
     assert all(len(by_seed) == 1 for by_seed in groups.values())
+
+
+def test_bound_steps_are_the_bound_request_by_request() -> None:
+    """`bound_steps`: the bound's hits one request at a time (they add up to `one_cache_bound`), the
+    request that last touched the deepest block hit, and how near eviction that block was: the share of
+    the cache used more recently (0: the newest; close to 1: the next to go)."""
+    from loadtest.workloads.bound import bound_steps
+
+    items = [item((1, 600)), item((2, 600)), item((1, 600)), item((3, 300)), item((2, 600))]
+    # A cache of 1,200: A's repeat finds B's 600 tokens above it (depth 0.5); C then evicts B, the least
+    # recent, so B's repeat misses.
+    steps = bound_steps(items, 1200)
+    assert [s.hit_tokens for s in steps] == [0, 0, 600, 0, 0]
+    assert sum(s.hit_tokens for s in steps) == one_cache_bound(items, 1200).hit_tokens
+    assert [s.source for s in steps] == [None, None, 0, None, None]
+    assert steps[2].depth == pytest.approx(0.5)
+    # A cache of 3,000 keeps everything: B's repeat hits what request 1 computed, under A and C (900).
+    big = bound_steps(items, 3000)
+    assert [s.hit_tokens for s in big] == [0, 0, 600, 0, 600]
+    assert sum(s.hit_tokens for s in big) == one_cache_bound(items, 3000).hit_tokens
+    assert big[4].source == 1 and big[4].depth == pytest.approx(900 / 3000)
+    assert big[2].depth == pytest.approx(600 / 3000)
+
+
+def test_split_loss_names_where_a_repeats_hit_went() -> None:
+    """`scaleout.py losses`: a request's bound hit minus its hit at admission, split into the engines'
+    evictions before it arrived (or its source not computed yet), the cost check's move off a holder, and
+    what its own engine lost while it queued; the parts always add up to the loss."""
+    from loadtest.results.scaleout import split_loss
+
+    cases = [
+        ((1000, [0, 0], 0, 0, False), {"evicted": 1000}),
+        ((1000, [0, 0], 0, 0, True), {"pending": 1000}),
+        ((1000, [0, 1000], 0, 0, False), {"moved": 1000}),
+        ((1000, [1000, 0], 0, 200, False), {"queued": 800}),
+        ((1000, [400, 0], 0, 400, False), {"evicted": 600}),
+        ((1000, [1600, 0], 0, 1600, False), {"beyond": -600}),
+        ((1000, [0, 0], 0, 512, False), {"evicted": 1000, "queued": -512}),  # computed while it queued
+    ]
+    for args, want in cases:
+        got = split_loss(*args)
+        assert {k: v for k, v in got.items() if v} == want, (args, got)
+        assert sum(got.values()) == args[0] - args[3]
