@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -474,7 +475,7 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     name, trace, window, speed, busy = load
     wl = _workload(trace, window)
     over = tuple(parse_affinity_sets(sets).items())
-    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
+    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), {'R = 4 x W = 2' if replicas else 'R = 1'} precise"
           + (f", {' '.join(sets)}" if sets else "") + (f", jitter {jitter:g} ms x {seeds} seeds" if jitter else "") + "\n")
     print("| seed | one cache (the bound) | 4 caches: " + " | 4 caches: ".join(PLACEMENT_RULES)
           + " | 4 caches: the replay's placements | the replay (engines) | one engine of the fleet's size |")
@@ -594,8 +595,9 @@ def split_loss(bound_hit: int, held: Sequence[int], chosen: int, hit: int, pendi
             "moved": most - held[chosen], "queued": held[chosen] - hit, "beyond": min(0, bound_hit - most)}
 
 
-def losses(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None:
-    """Where one process's requests lose their share of the bound, request by request (R = 1, precise):
+def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replicas: bool = False) -> None:
+    """Where one process's requests lose their share of the bound, request by request (R = 1, precise; with
+    `replicas`, R = 4 x W = 2 as the perturbed suites run it):
     what each engine held of a prompt as it arrived (`replay(..., observe=...)`), what it hit when its
     engine admitted it, against what the bound's one cache hit, split by LOSS_KINDS. With each evicted
     prefix: how near the bound's own eviction it was (`bound_steps` depth). And how steep the bound is
@@ -614,17 +616,16 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None
     kinds = [k for k, _ in LOSS_KINDS]
     print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
           + (f", {' '.join(sets)}" if sets else "") + f", jitter {jitter:g} ms, {seeds} seed(s)\n")
-    print("| seed | kept (of the bound) | " + " | ".join(f"{k}, pts" for k in kinds)
+    print("| seed | kept (of the bound) | TTFT mean ms | " + " | ".join(f"{k}, pts" for k in kinds)
           + " | KV held by running requests (mean share of an engine at arrivals) | largest losses: tokens, kind, seconds since its source, depth in the bound's cache |")
-    print("|---" * (4 + len(kinds)) + "|")
+    print("|---" * (5 + len(kinds)) + "|")
     dots: list[tuple[float, int]] = []  # evicted repeats: (depth in the bound's cache, tokens lost)
     running: list[float] = []
     capacity = 0
     computed: list[Any] = []
     names: list[str] = []
     for seed in range(seeds):
-        cfg = ReplayConfig(policy="affinity", index="precise", speed=speed, max_model_len=131072,
-                           affinity_overrides=over, seed=seed, arrival_jitter_ms=jitter)
+        cfg = replace(_one_and_replicas(seed, jitter, over)[1 if replicas else 0], speed=speed, max_model_len=131072)
         seen: dict[int, tuple[list[int], int]] = {}  # request index -> (held per engine on arrival, its engine)
         names.clear()
         used: list[float] = []
@@ -666,7 +667,8 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None
         peak = used[int(0.9 * len(used))] if used else 0.0
         big.sort(reverse=True)
         pts = lambda v: 100 * v / bound_hits if bound_hits else 0.0  # noqa: E731
-        print(f"| {seed} | {pts(hits):.1f}% | " + " | ".join(f"{pts(total[k]):.1f}" for k in kinds)
+        ttft = 1000 * sum(r.ttft or 0.0 for r in recs) / max(1, len(recs))
+        print(f"| {seed} | {pts(hits):.1f}% | {ttft:.0f} | " + " | ".join(f"{pts(total[k]):.1f}" for k in kinds)
               + f" | {100 * running[-1]:.1f}% (p90 {100 * peak:.1f}%) | "
               + "; ".join(f"{t:,} {kind} {gap:.0f} s {depth:.2f}" for t, kind, gap, depth in big[:4]) + " |", flush=True)
     # The bound's one cache as an engine (as `decompose`): one engine with the fleet's blocks, compute and
@@ -728,9 +730,11 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None
     right.set_ylabel("hit, % of the fleet-size LRU bound")
     right.grid(alpha=0.3)
     right.set_title("the bound of one smaller cache", fontsize=9)
-    fig.suptitle(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}: where R = 1 loses the bound", fontsize=10)
+    fig.suptitle(f"{name} {window[0]:g}:{window[1]:g} x{speed:g}: where {'R = 4 x W = 2' if replicas else 'R = 1'} loses the bound",
+                 fontsize=10)
     fig.tight_layout()
-    out = ROOT / "loadtest" / "results" / f"scaleout-losses-{window[0]:g}-{window[1]:g}x{speed:g}-{jitter:g}ms.png"
+    shape = "-r4w2" if replicas else ""
+    out = ROOT / "loadtest" / "results" / f"scaleout-losses-{window[0]:g}-{window[1]:g}x{speed:g}-{jitter:g}ms{shape}.png"
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 
@@ -876,6 +880,7 @@ def main() -> None:
     ls.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
     ls.add_argument("--arrival-jitter-ms", type=float, default=1.0)
     ls.add_argument("--seeds", type=int, default=8)
+    ls.add_argument("--replicas", action="store_true", help="R = 4 x W = 2 (shared ledger, 10 ms) instead of one process")
     lo = sub.add_parser("lottery")
     lo.add_argument("--seeds", type=int, default=30, help="seeds per seeded placement rule")
     sub.add_parser("plot")
@@ -887,7 +892,7 @@ def main() -> None:
     elif args.cmd == "decompose":
         decompose(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
     elif args.cmd == "losses":
-        losses(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
+        losses(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds, args.replicas)
     elif args.cmd == "lottery":
         lottery(args.seeds)
     elif args.cmd == "spread":
