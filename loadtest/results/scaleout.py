@@ -595,14 +595,15 @@ def split_loss(bound_hit: int, held: Sequence[int], chosen: int, hit: int, pendi
             "moved": most - held[chosen], "queued": held[chosen] - hit, "beyond": min(0, bound_hit - most)}
 
 
-def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replicas: bool = False) -> None:
+def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replicas: bool = False,
+           plot: bool = True) -> None:
     """Where one process's requests lose their share of the bound, request by request (R = 1, precise; with
     `replicas`, R = 4 x W = 2 as the perturbed suites run it):
     what each engine held of a prompt as it arrived (`replay(..., observe=...)`), what it hit when its
     engine admitted it, against what the bound's one cache hit, split by LOSS_KINDS. With each evicted
     prefix: how near the bound's own eviction it was (`bound_steps` depth). And how steep the bound is
     there: the bound of a cache a few percent smaller (the room that KV held by running requests takes
-    from a cache). Writes scaleout-losses-<window>x<speed>-<jitter>ms.png."""
+    from a cache). Writes scaleout-losses-<window>x<speed>-<jitter>ms.png (unless not `plot`)."""
     from loadtest.workloads.bound import bound_steps, one_cache_bound
 
     load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
@@ -707,6 +708,8 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replica
     print("|---" * (1 + len(depths)) + "|")
     print("| share of the bound's hit tokens | "
           + " | ".join(f"{100 * sum(s.hit_tokens for s in steps if s.depth > d) / hit_total:.1f}%" for d in depths) + " |")
+    if not plot:
+        return
     import matplotlib
 
     matplotlib.use("Agg")
