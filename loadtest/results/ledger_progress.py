@@ -100,10 +100,7 @@ def error(load_filter: str, seed: int, jitter: float, corrected: bool, sets: lis
     from loadtest.replay import parse_affinity_sets, replay
     from loadtest.report import summarize
 
-    load = next((ld for ld in scaleout.LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter
-                 and ld[0] == "mooncake"), None)
-    if load is None:
-        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    load = scaleout.mooncake_load(load_filter)
     PICK_WITH[0] = "corrected" if corrected else "shipped"
     wl = scaleout._workload(load[1], load[2])
     over = tuple(parse_affinity_sets(sets).items())

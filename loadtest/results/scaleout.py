@@ -459,6 +459,14 @@ def spread() -> None:
                   f"| {sum(ttft) / len(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) | {means} | {vs} |")
 
 
+def mooncake_load(load_filter: str) -> tuple[str, Path, tuple[float, float], float, str]:
+    """The Mooncake load of LOADS named like 0:300x1 (window and speed); exits naming it if there is none."""
+    load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
+    if load is None:
+        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    return load
+
+
 def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None:
     """Where one process's gap to the bound is (R = 1, precise): the bound's one cache next to four caches
     of one engine each in the same cache-only model (loadtest/workloads/bound.py `placed_caches`), placed
@@ -469,13 +477,11 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     from loadtest.replay import make_profile, parse_affinity_sets
     from loadtest.workloads.bound import PLACEMENT_RULES, placed_caches
 
-    load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
-    if load is None:
-        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    load = mooncake_load(load_filter)
     name, trace, window, speed, busy = load
     wl = _workload(trace, window)
     over = tuple(parse_affinity_sets(sets).items())
-    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), {'R = 4 x W = 2' if replicas else 'R = 1'} precise"
+    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
           + (f", {' '.join(sets)}" if sets else "") + (f", jitter {jitter:g} ms x {seeds} seeds" if jitter else "") + "\n")
     print("| seed | one cache (the bound) | 4 caches: " + " | 4 caches: ".join(PLACEMENT_RULES)
           + " | 4 caches: the replay's placements | the replay (engines) | one engine of the fleet's size |")
@@ -606,16 +612,14 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replica
     from a cache). Writes scaleout-losses-<window>x<speed>-<jitter>ms.png (unless not `plot`)."""
     from loadtest.workloads.bound import bound_steps, one_cache_bound
 
-    load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
-    if load is None:
-        raise SystemExit(f"no Mooncake load {load_filter!r}")
+    load = mooncake_load(load_filter)
     from loadtest.replay import parse_affinity_sets
 
     name, trace, window, speed, busy = load
     wl = _workload(trace, window)
     over = tuple(parse_affinity_sets(sets).items())
     kinds = [k for k, _ in LOSS_KINDS]
-    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), R = 1 precise"
+    print(f"\n### {name} {window[0]:g}:{window[1]:g} x{speed:g} ({busy}), {'R = 4 x W = 2' if replicas else 'R = 1'} precise"
           + (f", {' '.join(sets)}" if sets else "") + f", jitter {jitter:g} ms, {seeds} seed(s)\n")
     print("| seed | kept (of the bound) | TTFT mean ms | " + " | ".join(f"{k}, pts" for k in kinds)
           + " | KV held by running requests (mean share of an engine at arrivals) | largest losses: tokens, kind, seconds since its source, depth in the bound's cache |")

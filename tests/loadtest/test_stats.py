@@ -196,3 +196,14 @@ def test_split_loss_names_where_a_repeats_hit_went() -> None:
         got = split_loss(*args)
         assert {k: v for k, v in got.items() if v} == want, (args, got)
         assert sum(got.values()) == args[0] - args[3]
+
+
+def test_mooncake_loads_are_named_by_window_and_speed() -> None:
+    """`scaleout.py decompose|losses --load 0:300x1` (and ledger_progress.py): the load of that window and
+    speed; a name no load has exits with a message naming it."""
+    from loadtest.results.scaleout import mooncake_load
+
+    name, _trace, window, speed, _busy = mooncake_load("900:1200x0.6")
+    assert (name, window, speed) == ("mooncake", (900.0, 1200.0), 0.6)
+    with pytest.raises(SystemExit, match="0:300x2"):
+        mooncake_load("0:300x2")
