@@ -467,6 +467,20 @@ def mooncake_load(load_filter: str) -> tuple[str, Path, tuple[float, float], flo
     return load
 
 
+def fleet_engine(cfg: ReplayConfig) -> ReplayConfig:
+    """The bound's one cache as an engine, under `cfg`'s arrivals (speed, seed, jitter): one engine with the
+    fleet's KV blocks, compute (tensor parallel over the fleet's GPUs) and batch limits, round robin over
+    itself. The same engine timing (queueing, KV held by running requests) with one pool instead of four."""
+    from loadtest.replay import make_profile
+
+    n, prof = cfg.backends, make_profile(cfg.profile, cfg.max_model_len)
+    return ReplayConfig(policy="round_robin", backends=1, speed=cfg.speed, max_model_len=cfg.max_model_len,
+                        seed=cfg.seed, arrival_jitter_ms=cfg.arrival_jitter_ms, profile_overrides=(
+                            ("tp", n * prof.tp), ("num_gpu_blocks_override", n * prof.num_gpu_blocks),
+                            ("max_num_batched_tokens", n * prof.max_num_batched_tokens),
+                            ("max_num_seqs", n * prof.max_num_seqs)))
+
+
 def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> None:
     """Where one process's gap to the bound is (R = 1, precise): the bound's one cache next to four caches
     of one engine each in the same cache-only model (loadtest/workloads/bound.py `placed_caches`), placed
@@ -474,7 +488,7 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     replay's placements against the bound: what the placement loses; the replay against that: what the
     engines' timing loses (queueing, KV held by running requests, preemption); one engine as large as the
     whole fleet, what that timing costs one pool."""
-    from loadtest.replay import make_profile, parse_affinity_sets
+    from loadtest.replay import parse_affinity_sets
     from loadtest.workloads.bound import PLACEMENT_RULES, placed_caches
 
     load = mooncake_load(load_filter)
@@ -500,16 +514,7 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
                                           for r in result.records], len(names), each).ratio
         row = [f"{100 * one:.2f}%"] + [f"{100 * c:.2f}% ({100 * c / one:.1f}%)" for c in (*cells, placed)]
         row.append(f"{100 * (s['hit_ratio'] or 0):.2f}% ({100 * (s['hit_ratio'] or 0) / one:.1f}%)")
-        # The bound's one cache as an engine: one engine with the fleet's KV blocks, compute (tensor
-        # parallel over the fleet's GPUs) and batch limits, under the same arrivals: the same engine
-        # timing (queueing, KV held by running requests) with one pool instead of four.
-        n, prof = len(names), make_profile(cfg.profile, cfg.max_model_len)
-        big = ReplayConfig(policy="round_robin", backends=1, speed=speed, max_model_len=131072, seed=seed,
-                           arrival_jitter_ms=jitter, profile_overrides=(
-                               ("tp", n * prof.tp), ("num_gpu_blocks_override", n * prof.num_gpu_blocks),
-                               ("max_num_batched_tokens", n * prof.max_num_batched_tokens),
-                               ("max_num_seqs", n * prof.max_num_seqs)))
-        whole = summarize(asyncio.run(replay(wl, big)), wl)["hit_ratio"] or 0
+        whole = summarize(asyncio.run(replay(wl, fleet_engine(cfg))), wl)["hit_ratio"] or 0
         row.append(f"{100 * whole:.2f}% ({100 * whole / one:.1f}%)")
         print(f"| {seed} | " + " | ".join(row) + " |", flush=True)
 
@@ -628,18 +633,14 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replica
     running: list[float] = []
     capacity = 0
     computed: list[Any] = []
-    names: list[str] = []
     for seed in range(seeds):
         cfg = replace(_one_and_replicas(seed, jitter, over)[1 if replicas else 0], speed=speed, max_model_len=131072)
         seen: dict[int, tuple[list[int], int]] = {}  # request index -> (held per engine on arrival, its engine)
-        names.clear()
         used: list[float] = []
 
         def observe(i: int, backend: str, rid: str, engines: Any) -> None:
-            if not names:
-                names.extend(engines)
             mine = engines[backend]
-            seen[i] = ([mine.cached_prefix_tokens(rid, e.pool) for e in engines.values()], names.index(backend))
+            seen[i] = ([mine.cached_prefix_tokens(rid, e.pool) for e in engines.values()], list(engines).index(backend))
             used.extend(e.pool.num_used / e.pool.num_blocks for e in engines.values())
 
         result = asyncio.run(replay(wl, cfg, observe=observe))
@@ -676,19 +677,11 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replica
         print(f"| {seed} | {pts(hits):.1f}% | {ttft:.0f} | " + " | ".join(f"{pts(total[k]):.1f}" for k in kinds)
               + f" | {100 * running[-1]:.1f}% (p90 {100 * peak:.1f}%) | "
               + "; ".join(f"{t:,} {kind} {gap:.0f} s {depth:.2f}" for t, kind, gap, depth in big[:4]) + " |", flush=True)
-    # The bound's one cache as an engine (as `decompose`): one engine with the fleet's blocks, compute and
-    # batch limits, first seed's arrivals. Its requests finish sooner (tensor parallel over the fleet's GPUs),
-    # so by Little's law it holds less KV for running requests.
-    from loadtest.replay import make_profile
-
-    prof = make_profile(ReplayConfig().profile, 131072)
-    n = len(names) if names else ReplayConfig().backends
+    # The bound's one cache as an engine (`fleet_engine`), first seed's arrivals. Its requests finish
+    # sooner (tensor parallel over the fleet's GPUs), so by Little's law it holds less KV for running
+    # requests.
     big_used: list[float] = []
-    big_cfg = ReplayConfig(policy="round_robin", backends=1, speed=speed, max_model_len=131072, seed=0,
-                           arrival_jitter_ms=jitter, profile_overrides=(
-                               ("tp", n * prof.tp), ("num_gpu_blocks_override", n * prof.num_gpu_blocks),
-                               ("max_num_batched_tokens", n * prof.max_num_batched_tokens),
-                               ("max_num_seqs", n * prof.max_num_seqs)))
+    big_cfg = fleet_engine(replace(cfg, seed=0))
     whole = summarize(asyncio.run(replay(wl, big_cfg, observe=lambda i, b, rid, engines: big_used.extend(
         e.pool.num_used / e.pool.num_blocks for e in engines.values()))), wl)
     big_used.sort()
