@@ -43,3 +43,10 @@ async def test_names_the_predicate_when_no_message_is_given() -> None:
 
     with pytest.raises(AssertionError, match="door_is_open"):
         await until(door_is_open, timeout=0.02)
+
+
+async def test_a_callable_message_describes_the_state_when_the_wait_gives_up() -> None:
+    state = {"door": "shut"}
+    asyncio.get_running_loop().call_later(0.01, state.update, {"door": "jammed"})
+    with pytest.raises(AssertionError, match=r"not reached within 0.05 s: the door is jammed \(last value: 0\)"):
+        await until(lambda: 0, timeout=0.05, message=lambda: f"the door is {state['door']}")

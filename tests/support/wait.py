@@ -10,10 +10,11 @@ T = TypeVar("T")
 
 
 async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float = 10.0, interval: float = 0.01,
-                message: str = "") -> T:
+                message: str | Callable[[], str] = "") -> T:
     """Call `predicate` (plain or async) every `interval` seconds until it returns something truthy, and
     return that. After `timeout` seconds fail with an AssertionError naming `message` (or the predicate)
-    and its last value, rather than hang. The bound is a hang guard, never what a test measures: pick it
+    and its last value, rather than hang; a callable `message` is called then, so it can describe the
+    state the wait gave up on. The bound is a hang guard, never what a test measures: pick it
     generously, the wait ends as soon as the condition holds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -24,6 +25,6 @@ async def until(predicate: Callable[[], T | Awaitable[T]], timeout: float = 10.0
         if value:
             return value  # type: ignore[return-value]  # an awaitable predicate's awaited value is a T
         if loop.time() >= deadline:
-            what = message or getattr(predicate, "__qualname__", repr(predicate))
+            what = (message() if callable(message) else message) or getattr(predicate, "__qualname__", repr(predicate))
             raise AssertionError(f"not reached within {timeout} s: {what} (last value: {value!r})")
         await asyncio.sleep(interval)
