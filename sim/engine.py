@@ -268,7 +268,8 @@ class Engine:
     def cached_prefix_tokens(self, request_id: str, pool: BlockPool | None = None) -> int:
         """Tokens of a queued or running request's prompt that `pool` (default: this engine's) holds as a
         cached prefix right now: what its admission would hit if it happened now (the last prompt token is
-        always computed, as in `_admit`). Read-only; for analysis (loadtest/results/scaleout.py losses)."""
+        always computed, as in `_admit`). Changes nothing the engine's behaviour depends on: it may extend the
+        request's cached block keys, as admission would. For analysis (loadtest/results/scaleout.py losses)."""
         seq = self._seqs[request_id]
         bs = self.profile.block_size
         extend_block_keys(seq.block_keys, seq.tokens, bs, seq.key_seed)
