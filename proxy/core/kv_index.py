@@ -235,7 +235,7 @@ class KVIndex:
     `lru_front` is None.
     """
 
-    __slots__ = ("_backends", "_ages", "_seq", "_front", "lru_front")
+    __slots__ = ("_backends", "_ages", "_seq", "_front", "lru_front", "_stored", "progress")
 
     def __init__(self, *, eviction_ages: bool = False) -> None:
         self._backends: dict[str, _Backend] = {}
@@ -244,6 +244,15 @@ class KVIndex:
         self._front: dict[str, int] = {}
         # Read-only live view of `_front` (no copy per request): what PreciseMatch.lru_front carries.
         self.lru_front: Mapping[str, int] | None = MappingProxyType(self._front) if eviction_ages else None
+        # Per backend, the prefill its engine has computed since this index first heard of it: the tokens
+        # of every BlockStored of more than one block, a count that only grows (a clear, a restart or an
+        # untrack leaves it). An engine stores a request's newly full blocks once per step: a prefill
+        # chunk fills many, a decode step one at most (every block_size tokens), and decode blocks are
+        # not the prefill the work ledger estimates (a prefill's one-block tail is missed, which errs
+        # towards more queued). What the ledger's backlog bound reads (proxy/core/work_ledger.py,
+        # "Progress"); `progress` is its read-only live view.
+        self._stored: dict[str, int] = {}
+        self.progress: Mapping[str, int] = MappingProxyType(self._stored)
 
     # ---- membership and freshness -------------------------------------------------------------------
     def track(self, backend: str, *, model: str) -> None:
@@ -346,6 +355,8 @@ class KVIndex:
             if known is None:
                 b.orphans += n
                 b.stores += 1
+                if n > 1:  # computed all the same
+                    self._stored[backend] = self._stored.get(backend, 0) + n * block_size
                 return 0
             parent = known
         keys: list[int] = []
@@ -365,10 +376,12 @@ class KVIndex:
         own_by_engine, refs = b.own_by_engine, b.refs
         born = b.born if self._ages else None
         seq = self._seq
+        new = 0
         for engine_hash, key in zip(block_hashes, keys):
             old = own_by_engine.get(engine_hash)
             if old == key:
                 continue  # stored again (replay overlap): idempotent
+            new += 1
             if old is not None:
                 self._unref(b, old)
             own_by_engine[engine_hash] = key
@@ -378,6 +391,8 @@ class KVIndex:
                 born[key] = seq
                 seq += 1
         self._seq = seq
+        if new and n > 1:
+            self._stored[backend] = self._stored.get(backend, 0) + new * block_size
         return n
 
     def removed(self, backend: str, block_hashes: Iterable[EngineHash]) -> int:
