@@ -258,7 +258,13 @@ class AffinityProxy:
         # backends, not to a policy: a ledger per policy would miss the requests the others sent while the
         # in-flight counts it is read against include them, and with routing.peer_load an arm's requests
         # would never be published. Only a routing process has one (the supervisor routes nothing).
-        self._work: WorkLedger | None = WorkLedger() if data else None
+        # With the engines' KV events it subtracts the prefill they have done since (work_ledger "Progress"),
+        # as the host-wide table does with --workers.
+        progress = self.precise.index.progress if self.precise is not None else None
+        self._work: WorkLedger | None = WorkLedger(progress=progress) if data else None
+        shared = isinstance(self.inflight, SharedInflightTable) and self.inflight.row is not None
+        if data and progress is not None and shared:
+            self.inflight.follow_progress(progress)  # type: ignore[attr-defined]  # shared: a worker's table
         if data:
             worker = self.inflight.row if isinstance(self.inflight, SharedInflightTable) else None
             self.peer_load = PeerLoadExchange(config.routing.peer_load, self._own_load, worker=worker,

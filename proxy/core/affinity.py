@@ -276,6 +276,10 @@ class AffinityPolicy:
         self._bound_factor = 1.0 + a.epsilon
         self._request_factor = 1.0 + a.request_epsilon
         self._work = work if work is not None else WorkLedger()
+        # The ledger's queued prefill at `running_weight` (with KV events; 1: the newest-k sum as before).
+        weight = a.running_weight
+        self._pending: Callable[[str, Inflight | None], float] = (
+            self._work.pending if weight >= 1.0 else functools.partial(self._work.pending, weight=weight))
         # Other replicas share the backends: read the engines' own counts when they see more (see below).
         self._shared_backends = cfg.shared_backends
         self._peers = peers
@@ -399,6 +403,8 @@ class AffinityPolicy:
             if self._precise is not None:
                 found = self._precise(req)
                 if found is not None:
+                    # The engines' token count of this prompt: what the ledger's bound converts with.
+                    self._work.calibrate(len(data) / BYTES_PER_TOKEN_ESTIMATE, found.prompt_tokens)
                     kv_view = _best_holder(found)
                     if not found.cached or found.prompt_tokens <= 0:
                         found = None
@@ -573,10 +579,10 @@ class AffinityPolicy:
         if not names_now:
             eligible(req, snapshot, exclude)  # raises NoBackendAvailable with the precise reason
             raise NoBackendAvailable("no routable backend serves this request")
-        pending: Callable[[str, Inflight | None], float] = self._work.pending
+        pending: Callable[[str, Inflight | None], float] = self._pending
         peer_view = self._peers() if self._peers is not None else None
         if peer_view:
-            inflight, pending = self._with_peers(peer_view, inflight, self._work)
+            inflight, pending = self._with_peers(peer_view, inflight, self._work, a.running_weight)
         elif self._shared_backends and ring.queued:
             inflight = self._engine_load(ring, inflight)
         get = inflight.get
@@ -803,6 +809,7 @@ class AffinityPolicy:
         view: Mapping[str, PeerEntry],
         inflight: Mapping[str, Inflight],
         work: WorkLedger,
+        weight: float = 1.0,
     ) -> tuple[dict[str, Inflight], Callable[[str, Inflight | None], float]]:
         """The load of the other replicas, as they last published it (`peer_load`: per backend, their
         in-flight requests, in-flight tokens and queued uncached prefill, and their newest ledger entries):
@@ -821,7 +828,7 @@ class AffinityPolicy:
         `WorkLedger.fleet_view` per pick, which reads the shared block once and keeps each backend's
         estimate between picks until one of its inputs changes (round 5b: the same numbers, a fraction
         of the CPU)."""
-        fleet = work.fleet_view(view, inflight)  # `pending`: what it keeps between picks, see WorkLedger
+        fleet = work.fleet_view(view, inflight, weight)  # `pending`: what it keeps between picks, see WorkLedger
         host = inflight if isinstance(inflight, SharedInflightTable) and inflight.row is not None else None
         if host is not None:
             # The bound: the host-wide counts now (its own row and its mates', every slot read at once)

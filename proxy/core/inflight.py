@@ -15,7 +15,8 @@ same word and no lock or atomic is needed. Aligned 8-byte loads and stores are s
 never torn; a sum over the rows may be one update old, like any counter read concurrently. What each row
 holds per backend: the worker's requests and tokens in flight, and its share of the queued uncached
 prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py), and
-its newest `recent` ledger entries (uncached tokens, stamped with the worker's refresh epoch) in a ring,
+with the engines' KV events the progress its own index has seen since the oldest of those (the
+ledger's "Progress"), its newest `recent` ledger entries (uncached tokens, stamped with the worker's refresh epoch) in a ring,
 with the worker's current epoch: with routing.peer_load a worker reads its host-mates' entries and counts
 from here, both of one moment, rather than as they last published them to Redis (`mates`, `mates_recent`;
 proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates no shared memory
@@ -25,11 +26,12 @@ itself.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, islice
 from operator import add
-from typing import Mapping, cast
+from typing import Callable, Mapping, cast
 
 from proxy.core.decision import Inflight
 
@@ -88,22 +90,86 @@ def with_unrecorded(total: float, known: int, live: int, tokens: int) -> float:
     return total
 
 
+class BacklogBound:
+    """The work ledger's backlog bound for one backend (work_ledger "Progress"): over its newest k entries,
+    the most that the tokens sent from an entry on exceed the progress made since that entry's record,
+    max over j of (sent since j - done since j), floored at 0. With `mark_j` the backend's progress count
+    at entry j's record and `cum_j` the tokens of every entry before j, that is max(mark_j - cum_j) + cum
+    - now: a monotonic stack of (index, mark_j - cum_j) keeps the maximum of every window of newest
+    entries, so an append is O(1) amortised and a read a bisection. Of the last `depth` entries."""
+
+    __slots__ = ("_idx", "_val", "_head", "_n", "_cum", "_depth")
+
+    def __init__(self, depth: int) -> None:
+        self._depth = depth
+        self._idx: list[int] = []  # entry indices, ascending, from _head on
+        self._val: list[float] = []  # their mark_j - cum_j, descending
+        self._head = 0
+        self._n = 0
+        self._cum = 0.0
+
+    def append(self, tokens: float, mark: int) -> None:
+        v = mark - self._cum
+        idx, val, head = self._idx, self._val, self._head
+        while len(val) > head and val[-1] <= v:
+            idx.pop()
+            val.pop()
+        idx.append(self._n)
+        val.append(v)
+        self._n += 1
+        self._cum += tokens
+        lo = self._n - self._depth
+        while head < len(idx) and idx[head] < lo:
+            head += 1
+        if head > 32 and 2 * head > len(idx):
+            del idx[:head]
+            del val[:head]
+            head = 0
+        self._head = head
+
+    def backlog(self, k: int, now: int) -> float:
+        """The bound over the newest `k` entries with the backend's count at `now` (0.0 with none)."""
+        if k <= 0:
+            return 0.0
+        idx = self._idx
+        i = bisect_left(idx, self._n - k, self._head)
+        if i >= len(idx):
+            return 0.0
+        b = self._val[i] + self._cum - now
+        return b if b > 0.0 else 0.0
+
+
 class RecentWork:
     """The newest `depth` uncached-token records of one backend, with the sum of the newest k in O(1)
     (a ring of running totals), so that a worker republishes its queued prefill on every acquire and
     release for the price of two list reads. Same estimate as `newest_sum` over a deque of `depth`."""
 
-    __slots__ = ("_cum", "_n", "_size")
+    __slots__ = ("_cum", "_n", "_size", "_marks", "bound")
 
     def __init__(self, depth: int) -> None:
         self._size = depth + 1
         self._cum = [0.0] * self._size
         self._n = 0
+        self._marks = [0] * self._size  # each entry's `mark` (by its index)
+        self.bound = BacklogBound(depth)
 
-    def append(self, tokens: float) -> None:
+    def append(self, tokens: float, mark: int = 0, engine_tokens: float = 0.0) -> None:
+        """Record an entry; `mark`: the backend's progress count when it was recorded (see `progress`),
+        `engine_tokens` its tokens in the engine's count (for `bound`)."""
         cum, n, size = self._cum, self._n, self._size
         cum[(n + 1) % size] = cum[n % size] + tokens
+        self._marks[n % size] = mark
         self._n = n + 1
+        self.bound.append(engine_tokens, mark)
+
+    def progress(self, live: int, now: int) -> int:
+        """The progress since the oldest entry `estimate` counts with `live` requests: `now` (the backend's
+        count) less that entry's mark; 0 when it counts none."""
+        known = min(live, self._n, self._size - 1)
+        if known <= 0:
+            return 0
+        done = now - self._marks[(self._n - known) % self._size]
+        return done if done > 0 else 0
 
     def estimate(self, live: int, tokens: int) -> float:
         if live <= 0:
@@ -131,7 +197,9 @@ class SharedLayout:
     """Where each cell lives in the shared buffer: `rows` workers x `slots` backends.
 
     int64 cells: requests[slot][row], tokens[slot][row], total_requests[row]; then float64 cells:
-    queued[slot][row]. A backend's rows are adjacent, so a read sums one short contiguous run. Then the
+    queued[slot][row], progress[slot][row] (the prefill its index saw the engine do since the oldest
+    entry its queued counts), bound[slot][row] (its own entries' backlog bound, `BacklogBound`). A
+    backend's rows are adjacent, so a read sums one short contiguous run. Then the
     ledger rings (`recent` entries per worker and backend): int64 epoch[row] (each worker's refresh
     count), appended[slot][row] (entries ever appended to the ring), stamp[slot][row][recent] (the epoch
     of each entry); float64 tokens[slot][row][recent].
@@ -151,7 +219,7 @@ class SharedLayout:
 
     @property
     def _base(self) -> int:
-        return 8 * (self.int_cells + self.slots * self.rows)
+        return 8 * (self.int_cells + 3 * self.slots * self.rows)
 
     @property
     def ring_int_cells(self) -> int:
@@ -163,7 +231,7 @@ class SharedLayout:
         return self._base + 8 * (self.ring_int_cells + self.slots * self.rows * self.recent)
 
     def views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
-        """The int64 and float64 cells of `buf` (in-flight work and queued prefill)."""
+        """The int64 and float64 cells of `buf` (in-flight work; queued prefill and its progress)."""
         if len(buf) < self.size:
             raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
         split = 8 * self.int_cells
@@ -181,11 +249,14 @@ class SharedInflight(Inflight):
     """One backend's in-flight work summed over every worker's row: what a policy reads.
 
     Read-only: the owning `SharedInflightTable` writes its own row; `requests`, `tokens` and `queued` are
-    computed from the shared cells at each read."""
+    computed from the shared cells at each read. `refresh`: the owner's, to publish its own row's progress
+    as of now before `queued` reads it."""
 
-    __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "slot")
+    __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "_p", "_pend", "_b", "_bend",
+                 "_refresh", "slot")
 
-    def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int) -> None:
+    def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int,
+                 refresh: Callable[[], None] | None = None) -> None:
         rows = layout.rows
         self._ints = ints
         self._floats = floats
@@ -195,6 +266,11 @@ class SharedInflight(Inflight):
         self._tok = layout.slots * rows + slot * rows
         self._q = slot * rows
         self._qend = self._q + rows
+        self._p = layout.slots * rows + slot * rows
+        self._pend = self._p + rows
+        self._b = self._p + layout.slots * rows
+        self._bend = self._b + rows
+        self._refresh = refresh
 
     @property
     def requests(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
@@ -207,8 +283,25 @@ class SharedInflight(Inflight):
 
     @property
     def queued(self) -> float:
-        """Estimated uncached prefill tokens queued on the backend, over every worker."""
+        """Estimated uncached prefill tokens queued on the backend, over every worker: the sum of their
+        parts (each worker's newest-k sum)."""
         return sum(self._floats[self._q:self._qend])
+
+    def backlog(self) -> tuple[float, float]:
+        """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound:
+        the sum less the largest progress (the progress since the oldest entry counted over all of them),
+        or the largest worker's own bound if that is more, floored at 0 (without: `queued` again)."""
+        total: float = sum(self._floats[self._q:self._qend])
+        if total <= 0.0:
+            return total, total
+        if self._refresh is not None:
+            self._refresh()
+        floats = self._floats
+        got = total - max(floats[self._p:self._pend])
+        bound = max(floats[self._b:self._bend])
+        if bound > got:
+            got = bound
+        return total, got if got > 0.0 else 0.0
 
 
 class SharedInflightTable(InflightTable):
@@ -244,6 +337,9 @@ class SharedInflightTable(InflightTable):
         self._local_total = 0
         self._ledger_depth = ledger_depth
         self._ledger: dict[str, RecentWork] = {}
+        self._progress: Mapping[str, int] | None = None  # see `follow_progress`
+        self._ratio = 1.0  # the ledger's estimated tokens per engine token, as of its last record
+        self._p_off = layout.slots * layout.rows  # progress[slot][row] - queued[slot][row], bound - progress
         # The ledger rings (see SharedLayout): this worker's refresh epoch (`tick`) and where its rows start.
         self._rints, self._rfloats = layout.ring_views(buf)
         self._epoch = 0
@@ -290,7 +386,25 @@ class SharedInflightTable(InflightTable):
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
-                self[name] = SharedInflight(self._ints, self._floats, self.layout, slot)
+                self[name] = self._shared(name, slot)
+
+    def follow_progress(self, progress: Mapping[str, int]) -> None:
+        """Publish, next to this worker's queued prefill, the progress since its oldest counted entry as
+        `progress` (this worker's `KVIndex.progress`, made after the table) counts it; its reads of the
+        host's queued prefill publish its own first."""
+        if self.row is None:
+            raise RuntimeError("the supervisor's view of the shared in-flight table is read-only")
+        self._progress = progress
+        for name, value in list(self.items()):
+            if type(value) is SharedInflight:
+                self[name] = self._shared(name, value.slot)
+
+    def _shared(self, name: str, slot: int) -> SharedInflight:
+        refresh = None
+        if self._progress is not None:
+            def refresh() -> None:
+                self._publish_progress(name)
+        return SharedInflight(self._ints, self._floats, self.layout, slot, refresh)
 
     # -- this worker's row
 
@@ -324,7 +438,7 @@ class SharedInflightTable(InflightTable):
         ints[self._total_cell] += 1
         recent = self._ledger.get(backend)
         if recent is not None:
-            self._floats[i] = recent.estimate(own.requests, own.tokens)
+            self._publish(backend, i, recent, own)
 
     def release(self, backend: str, tokens: int) -> None:
         held = self._own[backend]
@@ -340,7 +454,7 @@ class SharedInflightTable(InflightTable):
             ints[self._total_cell] -= 1
             recent = self._ledger.get(backend)
             if recent is not None:
-                self._floats[i] = recent.estimate(own.requests, own.tokens)
+                self._publish(backend, i, recent, own)
         if own.requests <= 0:
             self._unhold(backend, i)
 
@@ -351,18 +465,21 @@ class SharedInflightTable(InflightTable):
             self.pop(backend, None)
             self._ledger.pop(backend, None)
         elif cell < 0 or cell != slot * self.layout.rows + (self.row or 0):
-            self[backend] = SharedInflight(self._ints, self._floats, self.layout, slot)
+            self[backend] = self._shared(backend, slot)
 
-    def record_queued(self, backend: str, tokens: float) -> None:
+    def record_queued(self, backend: str, tokens: float, ratio: float = 1.0) -> None:
         """The work ledger's `record` for this worker: the estimated uncached prompt tokens of a request
-        just routed to `backend` (its acquire follows)."""
+        just routed to `backend` (its acquire follows); `ratio`: the ledger's estimated tokens per engine
+        token (what its progress, in engine tokens, is converted with)."""
+        self._ratio = ratio
         recent = self._ledger.get(backend)
         if recent is None:
             recent = self._ledger[backend] = RecentWork(self._ledger_depth)
-        recent.append(tokens)
+        progress = self._progress
+        recent.append(tokens, progress.get(backend, 0) if progress is not None else 0, tokens / ratio)
         held = self._own.get(backend)
         if held is not None and held[0] >= 0:
-            self._floats[held[0]] = recent.estimate(held[1].requests, held[1].tokens)
+            self._publish(backend, held[0], recent, held[1])
         slot = self._slots.get(backend)
         if slot is not None and self.row is not None:  # the ring the host-mates read (`mates_recent`)
             rows, depth = self.layout.rows, self.layout.recent
@@ -372,6 +489,30 @@ class SharedInflightTable(InflightTable):
             self._rints[self._stamps_at + at] = self._epoch
             self._rfloats[at] = tokens
             self._rints[rows + cell] = n + 1  # last: a reader that sees the count sees the entry
+
+    def _publish(self, backend: str, cell: int, recent: RecentWork, own: Inflight) -> None:
+        """This worker's part of a backend's queued prefill (and with `progress` the progress since the
+        oldest entry it counts) into its cell."""
+        self._floats[cell] = recent.estimate(own.requests, own.tokens)
+        progress = self._progress
+        if progress is not None:
+            self._publish_progress_of(cell, recent, own.requests, progress.get(backend, 0))
+
+    def _publish_progress_of(self, cell: int, recent: RecentWork, live: int, now: int) -> None:
+        off, ratio = self._p_off, self._ratio
+        self._floats[cell + off] = ratio * recent.progress(live, now)
+        self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
+
+    def _publish_progress(self, backend: str) -> None:
+        """This worker's progress on `backend` as of now (a read of the host's queued prefill: the other
+        workers' are as of their last request there)."""
+        held = self._own.get(backend)
+        progress = self._progress
+        if held is None or held[0] < 0 or progress is None:
+            return
+        recent = self._ledger.get(backend)
+        if recent is not None:
+            self._publish_progress_of(held[0], recent, held[1].requests, progress.get(backend, 0))
 
     def tick(self) -> None:
         """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the
@@ -531,6 +672,8 @@ def clear_row(buf: memoryview, layout: SharedLayout, row: int) -> None:
         ints[i] = 0
         ints[layout.slots * rows + i] = 0
         floats[i] = 0.0
+        floats[layout.slots * rows + i] = 0.0
+        floats[2 * layout.slots * rows + i] = 0.0
     ints[2 * layout.slots * rows + row] = 0
     rints, _ = layout.ring_views(buf)
     rints[row] = 0

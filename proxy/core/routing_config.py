@@ -99,6 +99,13 @@ class AffinityConfig:
     # A prompt that no backend holds any of leaves its hash home for any backend cheaper by this much.
     new_prompt_slack_tokens: int = field(default=2048, metadata={"ge": 0})
     adapter_miss_tokens: int = field(default=2048, metadata={"ge": 0})
+    # With KV events: the prefill queued on a backend is the work ledger's newest-k sum, which counts every
+    # live request's whole uncached prompt until it finishes, or the backlog bound the engines' events
+    # allow (what was sent since an entry less what the engine stored since; proxy/core/work_ledger.py,
+    # "Progress"). This is how much of the sum above the bound counts (the prompts of live requests the
+    # engine has already computed, i.e. requests now decoding): 1 the sum (without KV events always),
+    # 0 the bound alone. Measured: loadtest/results/scaleout.md Round 13.
+    running_weight: float = field(default=1.0, metadata={"ge": 0.0, "le": 1.0})
     # Eviction-aware placement (with KV events only; proxy/core/placement.py): a prompt no backend holds
     # goes, among the admissible backends whose cost is within this many tokens of the cheapest, to the
     # one whose engine evicts the oldest KV blocks. 0: off (the hash home or the cheapest, as before).

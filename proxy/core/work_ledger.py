@@ -48,10 +48,39 @@ answer's), the sum read off the prefix sums. And a pick (`FleetView`) keeps each
 its inputs changes (the live count, a record or tick here, a mate's record or tick, a new view). The sum
 is the entry-by-entry merge's exactly when the entries are, like the policy's estimates, multiples of a
 power of two (here quarters of a token: every partial sum is exact, in any order).
+
+Progress (with the engines' KV events, `progress`: `KVIndex.progress`, the tokens each engine has stored).
+The newest-k sum counts a request's whole uncached prompt for as long as it is live, decoding included,
+and none of the prefill the engine has done since: on the busiest Mooncake load it overestimated what
+the engines really had left by +48k tokens on average (loadtest/results/scaleout.md, Round 12), enough to
+send a 34k-token repeat away from the engine holding it. An engine stores a block as soon as it has
+computed it, so with events on the estimate is a backlog bound instead: whatever was queued before an
+entry's record, the backlog now is at least the tokens sent from that entry on less the tokens the
+backend stored since (Lindley's recursion, read backwards), so the estimate is the largest such
+difference over the counted entries, floored at 0. Since the oldest counted entry alone (round 13's
+first try) is not enough: a conversation that decodes for a minute keeps the oldest entry old, and a
+minute of every request's decode blocks (stored like prefill) wipes out a long prompt sent a second
+ago; from the newest entries on, that prompt still counts. Where each entry's moment comes from, per
+load path:
+- one process: each entry keeps the backend's count when it was recorded (`BacklogBound`, O(log k) a
+  read);
+- a --workers host without peers (`SharedInflight.queued`): each worker publishes, next to its part of
+  the sum, the progress its own index has seen since its oldest counted entry and its own entries'
+  bound (`SharedInflightTable`; differences within one process, so the workers' indexes need not agree
+  on a count), and the host's estimate is the sum less the largest progress, or the largest bound;
+- across replicas (`fleet_pending`, `FleetView`): entries carry ages in refresh epochs, so `tick` also
+  keeps each backend's count at every epoch (the last `history`), and the bound runs over the fleet's
+  newest K by age, each age's progress counted from the start of its epoch (up to one refresh, ~10 ms,
+  more than since the record). Every replica hears the same events, so each reads the same bound.
+The entries are the policy's estimates (prompt bytes / 4), the events count the engine's tokens: the
+bound runs in tokens, each entry divided by `ratio` (estimated per real prompt token, from every prompt
+the precise lookup tokenised: `calibrate`), and its answer is multiplied back (on the simulator's
+word-level tokenizer ~1.2; with a BPE tokenizer on English text ~1).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from itertools import accumulate, chain, islice, repeat
@@ -59,7 +88,7 @@ from operator import getitem, itemgetter, le, sub
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
-from proxy.core.inflight import (MateSource, SharedInflight, SharedInflightTable, newest_sum,
+from proxy.core.inflight import (BacklogBound, MateSource, SharedInflight, SharedInflightTable, newest_sum,
                                  with_unrecorded)
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
@@ -270,12 +299,28 @@ def _fill(k: int, younger: list[int], same: list[int]) -> list[int]:
 class WorkLedger:
     """Per backend, the estimated uncached prompt tokens of the most recent requests routed there."""
 
-    __slots__ = ("_depth", "_entries", "_epochs", "_epoch", "_serial", "_last", "_kept", "_memo", "_hints", "_plain")
+    __slots__ = ("_depth", "_entries", "_epochs", "_epoch", "_serial", "_last", "_kept", "_memo", "_hints", "_plain",
+                 "_progress", "_bounds", "_history", "_history_len", "_est", "_exact", "ratio")
 
-    def __init__(self, depth: int = 1024) -> None:
+    def __init__(self, depth: int = 1024, progress: Mapping[str, int] | None = None, history: int = 8192) -> None:
+        """`progress`: per backend, the tokens its engine has stored so far (`KVIndex.progress`, a live
+        view), to subtract the prefill done since the counted entries were recorded ("Progress" above);
+        None: the plain newest-k sum. `history`: how many refresh epochs of it `tick` keeps."""
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}")
         self._depth = depth
+        self._progress = progress
+        self._bounds: dict[str, BacklogBound] = {}  # with progress: per backend, its entries' backlog bound
+        # with progress: per backend, its count at the start of each of the last `history` epochs (a ring
+        # indexed by epoch), from the epoch it was first seen
+        self._history: dict[str, tuple[int, list[int]]] = {}
+        self._history_len = history
+        # Estimated prompt tokens per real one (`calibrate`), and the sums it is their ratio of.
+        self._est = 0.0
+        self._exact = 0.0
+        self.ratio = 1.0
         self._entries: dict[str, deque[float]] = {}
         self._epochs: dict[str, deque[int]] = {}  # the epoch each entry was recorded in (see `tick`)
         self._epoch = 0
@@ -287,9 +332,21 @@ class WorkLedger:
         self._serial = 0
         self._last: dict[str, int] = {}
         self._kept: tuple[object, object, int, object] = (None, None, -1, None)
-        self._memo: dict[str, tuple[int, int, object, object, float, int]] = {}
+        self._memo: dict[str, tuple[int, int, object, object, float, int, float]] = {}
         self._hints: dict[str, tuple[int, int]] = {}
         self._plain: dict[str, Columns] = {}
+
+    def calibrate(self, estimated: float, exact: int) -> None:
+        """A prompt the policy estimated at `estimated` tokens had `exact` (its precise lookup's count):
+        `ratio` follows their running ratio (halved sums past 10M tokens, so it tracks the traffic)."""
+        if exact <= 0 or estimated <= 0.0:
+            return
+        self._est += estimated
+        self._exact += exact
+        if self._exact > 1e7:
+            self._est *= 0.5
+            self._exact *= 0.5
+        self.ratio = self._est / self._exact
 
     def record(self, backend: str, tokens: float, inflight: Mapping[str, Inflight] | None = None) -> None:
         """Remember a request routed to `backend`; `inflight` is the mapping the policy picked with (a
@@ -302,20 +359,98 @@ class WorkLedger:
         self._epochs[backend].append(self._epoch)
         self._serial += 1
         self._last[backend] = self._serial
+        progress = self._progress
+        if progress is not None:
+            bound = self._bounds.get(backend)
+            if bound is None:
+                bound = self._bounds[backend] = BacklogBound(self._depth)
+            bound.append(tokens / self.ratio, progress.get(backend, 0))
+            if backend not in self._history:
+                self._see(backend, progress.get(backend, 0))
         if isinstance(inflight, SharedInflightTable) and inflight.row is not None:
-            inflight.record_queued(backend, tokens)
+            inflight.record_queued(backend, tokens, self.ratio)
 
-    def pending(self, backend: str, inflight: Inflight | None) -> float:
-        """Estimated prefill tokens still ahead of a new request on `backend`."""
+    def pending(self, backend: str, inflight: Inflight | None, weight: float = 1.0) -> float:
+        """Estimated prefill tokens still ahead of a new request on `backend`. With progress, `weight`
+        (`routing.affinity.running_weight`) is how much of the newest-k sum above the backlog bound counts
+        (the prompts of live requests the events show computed): 1 the sum, 0 the bound."""
         if inflight is None:
             return 0.0
         if isinstance(inflight, SharedInflight):
-            return inflight.queued
-        return newest_sum(self._entries.get(backend), inflight.requests, inflight.tokens)
+            if weight >= 1.0:
+                return inflight.queued
+            total, backlog = inflight.backlog()
+            return backlog + weight * (total - backlog)
+        entries = self._entries.get(backend)
+        got = newest_sum(entries, inflight.requests, inflight.tokens)
+        if weight >= 1.0:
+            return got
+        progress = self._progress
+        bound = self._bounds.get(backend) if progress is not None else None
+        if bound is not None and progress is not None and entries and got > 0.0:
+            known = min(inflight.requests, len(entries))
+            backlog = self.ratio * bound.backlog(known, progress.get(backend, 0))
+            if backlog > got:
+                backlog = got
+            if known < inflight.requests:  # the live requests nobody recorded, on top as before
+                backlog += got - sum(islice(reversed(entries), known), 0.0)
+            got = backlog + weight * (got - backlog)
+        return got
 
     def tick(self) -> None:
-        """One peer-load refresh has passed (the unit of the entries' ages; not a clock)."""
+        """One peer-load refresh has passed (the unit of the entries' ages; not a clock). With `progress`,
+        each backend's count now is where its progress since this epoch starts."""
         self._epoch += 1
+        progress = self._progress
+        if progress is not None:
+            at = self._epoch % self._history_len
+            history = self._history
+            for backend, count in progress.items():
+                seen = history.get(backend)
+                if seen is None:
+                    self._see(backend, count)
+                else:
+                    seen[1][at] = count
+
+    def _see(self, backend: str, count: int) -> None:
+        """Start a backend's history at `count` (as far back as it goes: no progress before it was seen)."""
+        self._history[backend] = (self._epoch, [count] * self._history_len)
+
+    def progress_since(self, backend: str, age: int) -> int:
+        """The tokens `backend` has stored since the start of the epoch `age` refreshes ago (0 without
+        `progress`; an age beyond the history or before the backend was first seen: since then)."""
+        progress = self._progress
+        if progress is None or backend not in self._history:
+            return 0
+        done = progress.get(backend, 0) - self._count_at(backend, age)
+        return done if done > 0 else 0
+
+    def _count_at(self, backend: str, age: int) -> int:
+        """`backend`'s count at the start of the epoch `age` refreshes ago (a seen backend's)."""
+        seen = self._history[backend]
+        epoch = self._epoch - age
+        oldest = max(seen[0], self._epoch - self._history_len + 1)
+        if epoch < oldest:
+            epoch = oldest
+        return seen[1][epoch % self._history_len]
+
+    def _bound_of(self, backend: str, pairs: list[tuple[int, float]]) -> float:
+        """max over the ages a of the counted entries (age, tokens) of (their tokens of age <= a, in
+        engine tokens, + the backend's count at the start of a's epoch): the backlog bound plus the count
+        now, in engine tokens."""
+        pairs.sort(key=_AGE)
+        best = -math.inf
+        sent = 0.0
+        n = len(pairs)
+        per = 1.0 / self.ratio
+        for j in range(n):
+            a, t = pairs[j]
+            sent += t * per
+            if j + 1 == n or pairs[j + 1][0] != a:
+                v = sent + self._count_at(backend, a)
+                if v > best:
+                    best = v
+        return best
 
     def recent(self, backend: str, n: int) -> tuple[RecentEntry, ...]:
         """The newest `n` entries of `backend`, newest first, as (age in epochs, tokens): what this
@@ -327,7 +462,7 @@ class WorkLedger:
         return tuple(zip(ages, islice(reversed(entries), n)))
 
     def fleet_pending(self, backend: str, own: Inflight | None, peer_requests: int, peer_tokens: int,
-                      peer_recent: Sequence[RecentEntry]) -> float:
+                      peer_recent: Sequence[RecentEntry], weight: float = 1.0) -> float:
         """The fleet's queued prefill on `backend`, as one process holding every entry would estimate it:
         the newest K entries of this process's own and the other replicas' published ones merged by age
         (ties: this process's first), K = this process's live requests + the others'; live requests
@@ -342,10 +477,25 @@ class WorkLedger:
             cols = peer_recent.vector()
         else:
             cols = columns_of([part_of(peer_recent)]) if peer_recent else _NO_COLUMNS
-        total, known = self._newest(backend, live, [], cols)
-        return with_unrecorded(total, known, live, tokens)
+        total, known, best = self._newest(backend, live, [], cols)
+        return self._with_bound(backend, with_unrecorded(total, known, live, tokens), total, best, weight)
 
-    def fleet_view(self, view: Mapping[str, Any], inflight: Mapping[str, Inflight]) -> "FleetView":
+    def _with_bound(self, backend: str, got: float, total: float, best: float, weight: float) -> float:
+        """The newest-K estimate `got` (of which `total` the entries'), with progress the backlog bound
+        (`best`, `_bound_of`, less the count now, floored at 0) plus `weight` x what the sum counts above
+        it, the unrecorded part on top."""
+        progress = self._progress
+        if progress is None or best == -math.inf or weight >= 1.0:
+            return got
+        backlog = self.ratio * (best - progress.get(backend, 0))
+        if backlog < 0.0:
+            backlog = 0.0
+        if backlog > total:
+            backlog = total
+        return backlog + weight * (total - backlog) + (got - total)
+
+    def fleet_view(self, view: Mapping[str, Any], inflight: Mapping[str, Inflight],
+                   weight: float = 1.0) -> "FleetView":
         """One pick's reader of the fleet's queued prefill with the peer `view` and this process's
         `inflight` (a --workers worker's shared table: its own row, and its mates' counts and entries
         now); see `FleetView`."""
@@ -359,11 +509,13 @@ class WorkLedger:
             if kept[0] is not view:
                 self._plain = {}
         return FleetView(self, view, host, ring[0] if ring is not None else None,
-                         host.own if host is not None else inflight.get)
+                         host.own if host is not None else inflight.get, weight)
 
-    def _newest(self, backend: str, k: int, mates: Sequence[MateSource], cols: Columns) -> tuple[float, int]:
+    def _newest(self, backend: str, k: int, mates: Sequence[MateSource],
+                cols: Columns) -> tuple[float, int, float]:
         """The sum of the newest `k` entries of this ledger's, the mates' and the parts' merged by age
-        (ties in that order), and how many there were (fewer than k if that is all)."""
+        (ties in that order), how many there were (fewer than k if that is all), and with progress their
+        `_bound_of` (else, or with none counted, -inf)."""
         entries = self._entries.get(backend)
         if entries:
             seqs: list[Sequence[int]] = [self._epochs[backend]]
@@ -390,12 +542,33 @@ class WorkLedger:
         ages, los, _his, cums, base, _n = cols
         if ages:
             total += sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, i, None))]) - base
-        return total, sum(counts)
+        if self._progress is None or backend not in self._history:
+            return total, sum(counts), -math.inf
+        # Every counted entry as (age, tokens), for the backlog bound.
+        pairs: list[tuple[int, float]] = []
+        j = 0
+        if entries:
+            now = self._epoch
+            c = counts[0]
+            pairs += [(now - e if now > e else 0, t) for e, t in zip(islice(reversed(self._epochs[backend]), c),
+                                                                      islice(reversed(entries), c))]
+            j = 1
+        for m in mates:
+            stamps, now, pre = m
+            c = counts[j]
+            last = len(stamps) - 1
+            pairs += [(now - stamps[last - x] if now > stamps[last - x] else 0, pre[x + 1] - pre[x]) for x in range(c)]
+            j += 1
+        for part_ages, lo, cum, c in zip(ages, los, cums, islice(counts, j, None)):
+            pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(c)]
+        return total, sum(counts), self._bound_of(backend, pairs) if pairs else -math.inf
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""
         self._entries.pop(backend, None)
         self._epochs.pop(backend, None)
+        self._bounds.pop(backend, None)
+        self._history.pop(backend, None)
         self._serial += 1
         self._last[backend] = self._serial
 
@@ -413,11 +586,12 @@ class FleetView:
     mate, a new view; most picks see none of that for most backends."""
 
     __slots__ = ("_work", "_view", "_host", "_counts", "_slots", "_rows", "_own_of", "_req", "_tok", "_own_req",
-                 "_own_tok", "_asked")
+                 "_own_tok", "_asked", "_weight")
 
     def __init__(self, work: WorkLedger, view: Mapping[str, Any], host: SharedInflightTable | None,
-                 counts: list[int] | None, own_of: Callable[[str], Inflight | None]) -> None:
+                 counts: list[int] | None, own_of: Callable[[str], Inflight | None], weight: float = 1.0) -> None:
         self._work = work
+        self._weight = weight  # `WorkLedger.pending`'s
         self._view = view
         self._host = host
         self._own_of = own_of  # this process's own in-flight work on a backend (a worker: its own row)
@@ -451,7 +625,7 @@ class FleetView:
                 key = self._counts[s * self._rows:(s + 1) * self._rows]  # type: ignore[index]  # with a host
         else:
             if peer is None or len(peer) < 4:
-                got = work.pending(name, self._own_of(name))
+                got = work.pending(name, self._own_of(name), self._weight)
                 if peer is not None:
                     got += peer[2]
                 self._asked[name] = got
@@ -473,7 +647,7 @@ class FleetView:
             memo = work._memo.get(name)
             if (memo is not None and memo[0] == live and memo[1] == serial and memo[3] is recent
                     and memo[2] == key):
-                total, known = memo[4], memo[5]
+                total, known, best = memo[4], memo[5], memo[6]
             else:
                 if isinstance(recent, PeerRecent):
                     cols = recent.vector()
@@ -485,9 +659,10 @@ class FleetView:
                         plain = work._plain[name] = columns_of([part_of(recent)])
                     cols = plain
                 mates = host.mate_sources(name)[1] if host is not None and key is not None else []
-                total, known = work._newest(name, live, mates, cols)
-                work._memo[name] = (live, serial, key, recent, total, known)
-            got = with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok)
+                total, known, best = work._newest(name, live, mates, cols)
+                work._memo[name] = (live, serial, key, recent, total, known, best)
+            got = work._with_bound(name, with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok),
+                                   total, best, self._weight)
         if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
             got += peer[2]
         self._asked[name] = got
