@@ -5,7 +5,9 @@
   reports the prefix as cached;
 - the same through `affinity-proxy run --workers 2`: continuations landing on either worker process;
 - a gap in a backend's sequence triggers a replay that restores the index;
-- a backend whose events never arrive is stale: the proxy routes it by the learned index.
+- a backend whose events never arrive is stale: the proxy routes it by the learned index;
+- a live request's prompt leaves the queued-prefill estimate once its engine's events show it computed
+  (routing.affinity.running_weight below 1), while it is still decoding.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 class Replica:
     """One proxy replica: its own index, subscriber, tokenizer and learned state."""
 
-    def __init__(self, fleet: Fleet, access_log: Path | None = None) -> None:
+    def __init__(self, fleet: Fleet, access_log: Path | None = None, affinity: str = "") -> None:
         model = fleet.servers[0].backend.engine.model_name
         self.model = model
         lines = []
@@ -65,7 +67,7 @@ class Replica:
             kv.append(f"      {s.name}: {{endpoint: '{endpoint}'{replay}}}")
         yaml = (
             "listen: {port: 0}\nadmin: {port: 0}\ndebug_headers: true\nhealth_checks: {enabled: false}\n"
-            "routing: {policy: affinity}\n"
+            f"routing: {{policy: affinity{', affinity: {' + affinity + '}' if affinity else ''}}}\n"
             f"backends:\n{chr(10).join(lines)}\n"
             "telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n"
             f"    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
@@ -300,3 +302,42 @@ async def test_a_chats_next_turn_follows_the_engine_that_served_its_first(fleet:
                 assert resp.status == 200, await resp.text()
                 assert resp.headers["x-affinity-backend"] == f"sim-{i}"
                 assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] >= 400
+
+
+async def test_a_decoding_requests_prompt_leaves_the_queued_prefill_once_its_blocks_are_stored() -> None:
+    """The work ledger counts a routed prompt's uncached tokens as queued prefill for as long as the
+    request is live. Once the engine's events show its blocks stored, the backlog bound no longer does:
+    a streamed request still decoding counts in full at running_weight 1 and not at all at 0, each
+    read through the proxy's own ledger, index and in-flight table."""
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    fleet = await start_fleet(2, speed=1.0, kv_events=cfg)  # real time: 2,000 tokens decode for seconds
+    rep = Replica(fleet, affinity="running_weight: 0.0")
+    await rep.start()
+    try:
+        await asyncio.sleep(0.5)
+        prompt = _words(77, 640)
+        body = {"model": rep.model, "prompt": prompt, "max_tokens": 2000, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            for i in range(2):  # each engine publishes: its index is fresh, so the precise lookup answers
+                await _direct(s, fleet, i, _words(90 + i, 64))
+            await _until(lambda: rep.index.is_fresh("sim-0") and rep.index.is_fresh("sim-1"))
+            async with s.post(rep.proxy.http_url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                backend = resp.headers["x-affinity-backend"]
+                await resp.content.readline()  # the first token: its prefill is done
+                await _until(lambda: rep.index.progress.get(backend, 0) >= 624)  # its 39 full blocks
+                work = rep.proxy._work
+                assert work is not None
+                live = rep.proxy.inflight.get(backend)
+                assert live is not None and live.requests == 1
+                full = work.pending(backend, live)
+                assert full >= 600  # the newest-k sum: the whole prompt (estimated from its bytes)
+                # The bound, in the engine's tokens (`ratio`: the prompt's own estimate over its count): all
+                # of it computed but the prompt's partial last block, stored once decode fills it.
+                assert 1.0 < work.ratio and work.pending(backend, live, 0.0) < 16 * work.ratio
+                half = work.pending(backend, live, 0.5)
+                assert half == pytest.approx((full + work.pending(backend, live, 0.0)) / 2)
+                resp.close()
+    finally:
+        await rep.stop()
+        await fleet.stop()
