@@ -411,17 +411,22 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     hosts = cfg.workers > 1 and cfg.shared_worker_load and cfg.load_view == "peers" and policy is None
     host_procs: list[tuple[int, SharedInflightTable, WorkLedger]] = []
     proc_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas * cfg.workers)]
+    # With the index, the ledgers (and a --workers host's shared table) follow the engines' progress, as
+    # the proxy's do with telemetry.kv_events: routing.affinity.running_weight decides what it counts.
+    progress = kvidx.progress if kvidx is not None else None
     for r in range(cfg.replicas if policy is None else 0):
-        replica_table, replica_ledger = InflightTable(), WorkLedger()
+        replica_table, replica_ledger = InflightTable(), WorkLedger(progress=progress)
         peers = (lambda r=r: peer_views[r]) if cfg.load_view == "peers" else None
         layout = SharedLayout(rows=cfg.workers, slots=max(1, len(names)))
         host_buf = memoryview(bytearray(layout.size)) if hosts else None
         for w in range(cfg.workers):
             table = replica_table if cfg.shared_worker_load else InflightTable()
-            ledger = replica_ledger if cfg.shared_worker_load else WorkLedger()
+            ledger = replica_ledger if cfg.shared_worker_load else WorkLedger(progress=progress)
             if host_buf is not None:
-                table, ledger = SharedInflightTable(host_buf, layout, w), WorkLedger()
+                table, ledger = SharedInflightTable(host_buf, layout, w), WorkLedger(progress=progress)
                 table.assign({n: k for k, n in enumerate(names)})
+                if progress is not None:
+                    table.follow_progress(progress)
                 host_procs.append((r, table, ledger))
                 if cfg.peer_recent:
                     peers = (lambda p=len(host_procs) - 1: proc_views[p])

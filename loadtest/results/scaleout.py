@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -227,6 +228,24 @@ def suite(name: str) -> list[ReplayConfig]:
             for over in ((), (("cost_epsilon", 1.0),)):
                 cfgs.append(ReplayConfig(policy="affinity", seed=seed, arrival_jitter_ms=jitter,
                                          affinity_overrides=over))
+    elif name.startswith("round13-weight"):
+        # Round 13: the work ledger's queued prefill as the backlog bound the engines' KV events allow,
+        # plus routing.affinity.running_weight x what the newest-k sum counts above it (work_ledger
+        # "Progress"; 1, the sum alone, is the rows before), over round 10's perturbations: eight seeds at
+        # 1 ms and 20 ms, one process and R = 4 x W = 2 with the shared ledger at 10 ms. round13-weight-W:
+        # at weight W; round13-weight-W-shapes: round10-shapes' other shapes at 1 ms (a --workers host
+        # alone reads the shared table's bound, the path where each worker publishes its progress).
+        parts = name.split("-")
+        over = (("running_weight", float(parts[2])),)
+        for seed in range(8):
+            if parts[-1] == "shapes":
+                for r, w in ((4, 1), (2, 1), (1, 2)):
+                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
+                                             load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                             arrival_jitter_ms=1.0, affinity_overrides=over))
+                continue
+            for jitter in (1.0, 20.0):
+                cfgs += _one_and_replicas(seed, jitter, over)
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -327,6 +346,7 @@ def parse_flags(flags: str) -> dict:
             out["lookup"] = words[i + 1]
         elif w == "--no-peer-recent":
             out["recent"] = False
+
         elif w == "--seed":
             out["seed"] = int(words[i + 1])
         elif w == "--arrival-jitter-ms":
@@ -367,6 +387,7 @@ def _perturbed(rows: list[dict]) -> dict[tuple, dict[tuple, dict[int, dict]]]:
         settings = f.get("affinity_set", "")
         if f["index"] != "precise":  # the learned index (round11-eps-learned): its own group, its own R = 1
             settings = f"{f['index']} index" + (f", {settings}" if settings else "")
+
         conf = (f["replicas"], f["workers"], f["load_view"], f["every"], settings, f["jitter"])
         out.setdefault(lk, {}).setdefault(conf, {})[f["seed"]] = r
     return out
@@ -457,6 +478,53 @@ def spread() -> None:
             rw = f"{conf[0]} x {conf[1]}" + (f", shared ledger {conf[3]:g} ms" if conf[2] == "peers" else "")
             print(f"| {conf[5]:g} ms | {rw} | {settings} | {len(by_seed)} | {sum(hits) / len(hits):.1f}% ({min(hits):.1f}-{max(hits):.1f}) "
                   f"| {sum(ttft) / len(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) | {means} | {vs} |")
+
+
+ROUND13_SETTINGS = ("", "running_weight=0.25", "running_weight=0.5", "running_weight=0.75")
+
+
+def progress_table() -> None:
+    """Round 13: per Mooncake load and jitter, one process and R = 4 x W = 2 at each running_weight of
+    ROUND13_SETTINGS: hit of the LRU bound and TTFT mean over seeds, each against the shipped row (weight 1)
+    of the same seed and shape (the same arrivals), and R = 4 x W = 2 against R = 1 of the same weight."""
+    rows = _rows()
+    print("| load | jitter | R x W | settings | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
+          "| vs weight 1, same seeds: hit pts / TTFT | vs R = 1, means: hit / TTFT |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for lk, groups in _perturbed(rows).items():
+        name, window, speed, _busy = lk
+        bound = _window_bound(rows, name, window)
+        if name != "mooncake" or not bound:
+            continue
+        for jitter in (1.0, 20.0):
+            for settings in ROUND13_SETTINGS:
+                for shape in ((1, 1, "own", 0.0), (4, 2, "peers", 10.0)):
+                    by_seed = groups.get((*shape, settings, jitter))
+                    if not by_seed:
+                        continue
+                    base = groups.get((*shape, "", jitter), {})
+                    seeds = sorted(by_seed)
+                    hits = [100 * (by_seed[k]["hit_ratio"] or 0) / bound for k in seeds]
+                    ttft = [1000 * by_seed[k]["ttft_mean"] for k in seeds]
+                    both = [k for k in seeds if k in base]
+                    vs = " "
+                    if settings and both:
+                        dh = sum(100 * ((by_seed[k]["hit_ratio"] or 0) - (base[k]["hit_ratio"] or 0)) / bound for k in both)
+                        t_on = sum(by_seed[k]["ttft_mean"] for k in both)
+                        t_off = sum(base[k]["ttft_mean"] for k in both)
+                        vs = f"{dh / len(both):+.1f} / {100 * (t_on / t_off - 1):+.1f}% ({len(both)})"
+                    one = groups.get((1, 1, "own", 0.0, settings, jitter), {})
+                    vs1 = " "
+                    if shape[0] > 1 and one:
+                        common = [k for k in seeds if k in one]
+                        if common:
+                            h = sum(by_seed[k]["hit_ratio"] or 0 for k in common) / sum(one[k]["hit_ratio"] or 0 for k in common)
+                            t = sum(by_seed[k]["ttft_mean"] for k in common) / sum(one[k]["ttft_mean"] for k in common)
+                            vs1 = f"{100 * (h - 1):+.1f}% / {100 * (t - 1):+.1f}%"
+                    print(f"| {window[0]:g}:{window[1]:g} x{speed:g} | {jitter:g} ms | {shape[0]} x {shape[1]} | "
+                          f"{settings or 'running_weight=1 (shipped)'} | {len(seeds)} | {statistics.mean(hits):.1f}% "
+                          f"({min(hits):.1f}-{max(hits):.1f}) | {statistics.mean(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) "
+                          f"| {vs} | {vs1} |")
 
 
 def mooncake_load(load_filter: str) -> tuple[str, Path, tuple[float, float], float, str]:
@@ -746,6 +814,7 @@ SPREAD_FIGURES: dict[str, tuple[tuple[str, ...], tuple[tuple[int, int], ...] | N
     "scaleout-spread.png": (("", "new_prompt_slack_tokens=0"), None),
     "scaleout-round11.png": (("", "eviction_band_tokens=4096", "eviction_band_tokens=2048", "cost_epsilon=1",
                               "learned index", "learned index, cost_epsilon=1"), ((1, 1), (4, 2))),
+    "scaleout-round13.png": (ROUND13_SETTINGS, ((1, 1), (4, 2))),
 }
 
 
@@ -864,12 +933,15 @@ def main() -> None:
                                           "round10-jitter20", "round10-shapes",
                                           "round11-eviction", "round11-eviction20", "round11-repeats",
                                           "round11-eps", "round11-eps20", "round11-eps-learned",
-                                          "round11-eps-learned20"))
+                                          "round11-eps-learned20", "round13-weight-0", "round13-weight-0.25",
+                                          "round13-weight-0.5", "round13-weight-0.75", "round13-weight-0.25-shapes",
+                                          "round13-weight-0.5-shapes", "round13-weight-0.75-shapes"))
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
     sub.add_parser("table")
     sub.add_parser("spread")
+    sub.add_parser("progress", help="round 13: with and without the ledger's progress, side by side")
     d = sub.add_parser("decompose")
     d.add_argument("--load", required=True, help="a Mooncake load, e.g. 0:300x1")
     d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
@@ -898,6 +970,8 @@ def main() -> None:
     elif args.cmd == "spread":
         spread()
         spread_plot()
+    elif args.cmd == "progress":
+        progress_table()
     else:
         plot()
 
