@@ -24,6 +24,11 @@ of one worker's exchange work without Redis (own row, encode, the other hosts' r
 
     .venv/bin/python loadtest/bench_peer_load.py --pick --live 8 32 --ab ../before-r5 --rounds 3
 
+`--running-weight W` adds, alternated in the same run, this tree's picks at routing.affinity.running_weight
+W with the ledgers and the host's table following the engines' progress (what KV events turn on; round 13's
+backlog bound, each pick's backend storing 2,000 more tokens), next to the picks without (W = 1: what
+following the progress costs at the default weight).
+
 Results: loadtest/results/scaleout.md, Rounds 5 and 5b.
 """
 
@@ -155,7 +160,7 @@ class _PickWorld:
     hosts' 6 processes (3 hosts x 2 workers, each a plain replica here: what matters is their rows),
     every process with `live` requests in flight per backend; the worker's policy reads the peer view."""
 
-    def __init__(self, live: int, backends: int, peers: bool, seed: int) -> None:
+    def __init__(self, live: int, backends: int, peers: bool, seed: int, weight: float | None = None) -> None:
         from proxy.control import peer_load
         from proxy.control.peer_load import host_view, merge_rows, own_load
         from proxy.core.affinity import AffinityPolicy
@@ -175,12 +180,21 @@ class _PickWorld:
         self.tables: list[Any] = [SharedInflightTable(buf, layout, 0), SharedInflightTable(buf, layout, 1)]
         for t in self.tables:
             t.assign({n: k for k, n in enumerate(self.names)})
+        # The engines' progress (KVIndex.progress), followed with a weight (with KV events), even 1.
+        self.progress: dict[str, int] | None = {n: 0 for n in self.names} if weight is not None else None
+        if self.progress is not None:
+            for t in self.tables:
+                t.follow_progress(self.progress)
         self.tables += [InflightTable() for _ in range(6)]
-        self.ledgers = [WorkLedger() for _ in self.tables]
+        self.ledgers = [WorkLedger(progress=self.progress) for _ in self.tables]
         self.live: list[list[tuple[str, int]]] = [[] for _ in self.tables]
         self.view: Any = None
         self.seen: list[Any] = [None] * len(self.tables)
-        self.policy = AffinityPolicy(RoutingConfig(), work=self.ledgers[0],
+        from dataclasses import replace
+
+        cfg = RoutingConfig()
+        cfg = replace(cfg, affinity=replace(cfg.affinity, running_weight=1.0 if weight is None else weight))
+        self.policy = AffinityPolicy(cfg, work=self.ledgers[0],
                                      peers=(lambda: self.view) if peers else None)
         for epoch in range(3 * live):  # `live` requests per backend and process, over some refreshes
             for p in range(len(self.tables)):
@@ -213,10 +227,11 @@ class _PickWorld:
         self.view = self.seen[0]
 
 
-def _pick_child(live: int, backends: int, picks: int, peers: bool, profile: bool) -> float:
+def _pick_child(live: int, backends: int, picks: int, peers: bool, profile: bool,
+                weight: float | None = None) -> float:
     from proxy.core.request import summary_from_openai
 
-    world = _PickWorld(live, backends, peers, seed=live)
+    world = _PickWorld(live, backends, peers, seed=live, weight=weight)
     keep = live * backends
     reqs = [summary_from_openai("/v1/chat/completions", b) for b in world.bodies]
     pick = world.policy.pick
@@ -237,6 +252,8 @@ def _pick_child(live: int, backends: int, picks: int, peers: bool, profile: bool
         if prof is not None:
             prof.disable()
         table.acquire(d.backend, 1000)
+        if world.progress is not None:
+            world.progress[d.backend] += 2000
         world.live[0].append((d.backend, 1000))
         if len(world.live[0]) > keep:
             old, tok = world.live[0].pop(world.rng.randrange(len(world.live[0]) // 2))
@@ -321,15 +338,19 @@ def _pick_ab(args: argparse.Namespace) -> None:
     trees = {"this": str(ROOT)}
     if args.ab:
         trees = {"base": os.path.abspath(args.ab), **trees}
+    weighted = f"weight {args.running_weight:g}"
+    if args.running_weight is not None:
+        trees[weighted] = str(ROOT)
     res: dict[tuple[str, int, bool], list[float]] = {}
     for r in range(args.rounds):
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for live in args.live:
             for name in order:
                 for peers in (True, False):
+                    weight = [str(args.running_weight)] if name == weighted else []
                     out = subprocess.run(
                         [sys.executable, "-P", __file__, "--pick-child", str(live), str(args.backends), str(args.picks),
-                         "1" if peers else "0"], env=dict(os.environ, BENCH_TREE=trees[name]),
+                         "1" if peers else "0", *weight], env=dict(os.environ, BENCH_TREE=trees[name]),
                         capture_output=True, text=True, check=True).stdout
                     res.setdefault((name, live, peers), []).append(float(out.strip().splitlines()[-1]))
         print(f"round {r} done", file=sys.stderr, flush=True)
@@ -343,6 +364,10 @@ def _pick_ab(args: argparse.Namespace) -> None:
         if args.ab:
             ratios = [t / b for t, b in zip(res[("this", live, True)], res[("base", live, True)])]
             line.append(f"this/base with peers {statistics.median(ratios):.3f}")
+        if args.running_weight is not None:
+            for peers in (True, False):
+                ratios = [t / b for t, b in zip(res[(weighted, live, peers)], res[("this", live, peers)])]
+                line.append(f"{weighted}/this {'with' if peers else 'without'} peers {statistics.median(ratios):.3f}")
         print("  ".join(line), flush=True)
 
 
@@ -359,7 +384,8 @@ def main() -> None:
         raise SystemExit(_replay_check(sys.argv[2], sys.argv[3], int(sys.argv[4])))
     if len(sys.argv) > 1 and sys.argv[1] == "--pick-child":
         live, backends, picks, peers = (int(x) for x in sys.argv[2:6])
-        print(_pick_child(live, backends, picks, bool(peers), "--profile" in sys.argv))
+        weight = float(sys.argv[6]) if len(sys.argv) > 6 and not sys.argv[6].startswith("--") else None
+        print(_pick_child(live, backends, picks, bool(peers), "--profile" in sys.argv, weight))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=8, help="exchanging processes (rows in Redis)")
@@ -375,6 +401,7 @@ def main() -> None:
     ap.add_argument("--picks", type=int, default=4000)
     ap.add_argument("--ab", help="--pick: also this other checkout's code, alternated")
     ap.add_argument("--profile", action="store_true", help="--pick: a cProfile of this tree's picks")
+    ap.add_argument("--running-weight", type=float, help="--pick: also this tree's picks at this running_weight")
     ap.add_argument("--exchange-profile", action="store_true", help="cProfile of one worker's exchange work")
     args = ap.parse_args()
     if args.exchange_profile:

@@ -332,7 +332,7 @@ class WorkLedger:
         self._serial = 0
         self._last: dict[str, int] = {}
         self._kept: tuple[object, object, int, object] = (None, None, -1, None)
-        self._memo: dict[str, tuple[int, int, object, object, float, int, float]] = {}
+        self._memo: dict[str, tuple[int, int, object, object, float, int, float, bool]] = {}
         self._hints: dict[str, tuple[int, int]] = {}
         self._plain: dict[str, Columns] = {}
 
@@ -477,7 +477,7 @@ class WorkLedger:
             cols = peer_recent.vector()
         else:
             cols = columns_of([part_of(peer_recent)]) if peer_recent else _NO_COLUMNS
-        total, known, best = self._newest(backend, live, [], cols)
+        total, known, best = self._newest(backend, live, [], cols, weight < 1.0)
         return self._with_bound(backend, with_unrecorded(total, known, live, tokens), total, best, weight)
 
     def _with_bound(self, backend: str, got: float, total: float, best: float, weight: float) -> float:
@@ -512,10 +512,10 @@ class WorkLedger:
                          host.own if host is not None else inflight.get, weight)
 
     def _newest(self, backend: str, k: int, mates: Sequence[MateSource],
-                cols: Columns) -> tuple[float, int, float]:
+                cols: Columns, bound: bool = False) -> tuple[float, int, float]:
         """The sum of the newest `k` entries of this ledger's, the mates' and the parts' merged by age
-        (ties in that order), how many there were (fewer than k if that is all), and with progress their
-        `_bound_of` (else, or with none counted, -inf)."""
+        (ties in that order), how many there were (fewer than k if that is all), and with `bound` and
+        progress their `_bound_of` (else, or with none counted, -inf)."""
         entries = self._entries.get(backend)
         if entries:
             seqs: list[Sequence[int]] = [self._epochs[backend]]
@@ -542,7 +542,7 @@ class WorkLedger:
         ages, los, _his, cums, base, _n = cols
         if ages:
             total += sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, i, None))]) - base
-        if self._progress is None or backend not in self._history:
+        if not bound or self._progress is None or backend not in self._history:
             return total, sum(counts), -math.inf
         # Every counted entry as (age, tokens), for the backlog bound.
         pairs: list[tuple[int, float]] = []
@@ -645,8 +645,9 @@ class FleetView:
         else:
             serial = work._last.get(name, 0)
             memo = work._memo.get(name)
+            bounded = self._weight < 1.0  # (a memo made without the bound does not answer with it)
             if (memo is not None and memo[0] == live and memo[1] == serial and memo[3] is recent
-                    and memo[2] == key):
+                    and memo[2] == key and (memo[7] or not bounded)):
                 total, known, best = memo[4], memo[5], memo[6]
             else:
                 if isinstance(recent, PeerRecent):
@@ -659,8 +660,8 @@ class FleetView:
                         plain = work._plain[name] = columns_of([part_of(recent)])
                     cols = plain
                 mates = host.mate_sources(name)[1] if host is not None and key is not None else []
-                total, known, best = work._newest(name, live, mates, cols)
-                work._memo[name] = (live, serial, key, recent, total, known, best)
+                total, known, best = work._newest(name, live, mates, cols, bounded)
+                work._memo[name] = (live, serial, key, recent, total, known, best, bounded)
             got = work._with_bound(name, with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok),
                                    total, best, self._weight)
         if peer is not None and len(peer) == 3:  # an older replica's row: its sum only
