@@ -5,7 +5,7 @@ the engines' events the proxy sees each engine store the blocks it computes (`KV
 estimate is the most that the tokens sent from a counted entry on exceed what the backend stored since
 that entry: in one process, across a --workers host's shared table, and across replicas (the fleet's
 newest K by age). `routing.affinity.running_weight` says how much of the newest-k sum above the bound
-counts: 1 (the default) the sum as before, 0 the bound alone."""
+counts: 1 the sum as without events, 0 the bound alone (0.5 by default)."""
 
 from __future__ import annotations
 

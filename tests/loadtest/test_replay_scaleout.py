@@ -212,12 +212,13 @@ async def test_observe_sees_each_request_reach_its_engine_with_what_every_engine
 async def test_every_load_path_routes_on_the_engines_progress_below_running_weight_one(shape: dict) -> None:
     """The ledgers (and a host's shared table) follow the index's progress in every shape: at
     running_weight 0 some long prompts are placed elsewhere than at 1 (the sum), where queued prompts
-    the engines have already computed no longer count."""
+    the engines have already computed no longer count; the default is 0.5."""
     w = load_workload("sysprompt:requests=80,rate=12,system_prompts=6,system_tokens=5000-9000,users=20,"
                       "question_tokens=200-2000,answer_tokens=20-60", seed=3)
     base = replace(BASE, index="precise", **shape)
     sums = await replay(w, replace(base, affinity_overrides=(("running_weight", 1.0),)))
     bound = await replay(w, replace(base, affinity_overrides=(("running_weight", 0.0),)))
-    assert [r.backend for r in sums.records] == [r.backend for r in (await replay(w, base)).records]  # the default
+    half = await replay(w, replace(base, affinity_overrides=(("running_weight", 0.5),)))
+    assert [r.backend for r in half.records] == [r.backend for r in (await replay(w, base)).records]  # the default
     moved = sum(a.backend != b.backend for a, b in zip(sums.records, bound.records))
     assert moved >= 3, moved
