@@ -522,7 +522,7 @@ def progress_table() -> None:
                             t = sum(by_seed[k]["ttft_mean"] for k in common) / sum(one[k]["ttft_mean"] for k in common)
                             vs1 = f"{100 * (h - 1):+.1f}% / {100 * (t - 1):+.1f}%"
                     print(f"| {window[0]:g}:{window[1]:g} x{speed:g} | {jitter:g} ms | {shape[0]} x {shape[1]} | "
-                          f"{settings or 'running_weight=1 (shipped)'} | {len(seeds)} | {statistics.mean(hits):.1f}% "
+                          f"{settings or 'running_weight=1 (before round 13)'} | {len(seeds)} | {statistics.mean(hits):.1f}% "
                           f"({min(hits):.1f}-{max(hits):.1f}) | {statistics.mean(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) "
                           f"| {vs} | {vs1} |")
 
@@ -831,10 +831,12 @@ def spread_plot() -> None:
         perturbed = {lk: {c: g for c, g in groups.items() if c[4] in settings and (shapes is None or c[:2] in shapes)}
                      for lk, groups in _perturbed(rows).items()}
         if any(perturbed.values()):
-            _spread_figure(plt, rows, perturbed, ROOT / "loadtest" / "results" / fname)
+            # (rows without settings ran at the defaults of their day: before round 13, running_weight 1)
+            plain = "weight 1" if fname == "scaleout-round13.png" else "default"
+            _spread_figure(plt, rows, perturbed, ROOT / "loadtest" / "results" / fname, plain)
 
 
-def _spread_figure(plt: Any, rows: list[dict], perturbed: dict, out: Path) -> None:
+def _spread_figure(plt: Any, rows: list[dict], perturbed: dict, out: Path, plain: str = "default") -> None:
     fig, axes = plt.subplots(2, len(perturbed), figsize=(3.8 * len(perturbed), 6.5), squeeze=False)
     for col, (lk, groups) in enumerate(perturbed.items()):
         name, window, speed, busy = lk
@@ -852,7 +854,7 @@ def _spread_figure(plt: Any, rows: list[dict], perturbed: dict, out: Path) -> No
             axes[1][col].plot([x - 0.3, x + 0.3], [sum(ttft) / len(ttft)] * 2, color="black", lw=1.5)
             short = settings.replace("new_prompt_slack_tokens", "slack").replace("eviction_band_tokens", "band") \
                 .replace("cost_epsilon", "eps").replace("cost_slack_tokens", "cslack").replace(" index", "")
-            labels.append(f"{jitter:g}ms {short or 'default'}\nR{rr}xW{ww}")
+            labels.append(f"{jitter:g}ms {short.replace('running_weight=', 'weight ') or plain}\nR{rr}xW{ww}")
         for ax in axes[:, col]:
             ax.set_xticks(range(len(labels)))
             ax.set_xticklabels(labels, fontsize=6, rotation=90)
