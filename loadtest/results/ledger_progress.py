@@ -1,5 +1,7 @@
-"""Experiment (scaleout.md round 12; not shipped): the work ledger's queued-prefill estimate, corrected by the
-prefill the engines' KV events say they have computed since.
+"""Experiment (scaleout.md round 12): the work ledger's queued-prefill estimate, corrected by the prefill the
+engines' KV events say they have computed since the oldest counted entry. Round 13 shipped a backlog bound in
+its place (proxy/core/work_ledger.py "Progress", routing.affinity.running_weight); this script runs the
+replay at running_weight 1 (the bound off) so that its own patch is the only correction, as in round 12.
 
 The cost check reads, per backend, `WorkLedger.pending`: the uncached prompt tokens of the newest k requests
 sent there, k its live requests (proxy/core/work_ledger.py). That counts a request's whole prefill for as
@@ -18,7 +20,8 @@ estimate (`fleet_pending`) are not patched, so R > 1 rows would measure nothing 
     python loadtest/results/ledger_progress.py error --load 0:300x1 --seed 0 --arrival-jitter-ms 20 [--corrected]
 
 `losses` is `scaleout.py losses` with the patch on (its tables; no figure). `error` replays once and reports, at every read of the
-estimate, how far both estimates are from what the engine really had left to prefill (its requests'
+estimate, how far both estimates (and round 13's bound, alone and at running_weight 0.5) are from what the
+engine really had left to prefill (its requests'
 prompt tokens not yet computed, a waiting request's cached prefix left out); `--corrected` picks with the
 corrected estimate, else with the shipped one.
 """
@@ -49,7 +52,7 @@ from proxy.core.kv_index import KVIndex  # noqa: E402
 STORED: dict[str, int] = {}  # backend -> tokens its engine has stored (BlockStored), as the index saw them
 _MARKS: dict[tuple[int, str], deque[int]] = {}  # (ledger, backend) -> STORED[backend] at each entry's record
 ENGINES: dict[str, Any] = {}  # `error`: the replay's engines, to read what they really have left
-ERRORS: dict[str, list[float]] = {"shipped": [], "corrected": []}
+ERRORS: dict[str, list[float]] = {"shipped": [], "corrected": [], "round 13 bound": [], "round 13 weight 0.5": []}
 PICK_WITH = ["corrected"]
 
 
@@ -66,6 +69,7 @@ def remaining_prefill(engine: Any) -> int:
 def patch() -> None:
     stored_orig = KVIndex.stored
     record_orig = work_ledger.WorkLedger.record
+    pending_orig = work_ledger.WorkLedger.pending  # round 13's: the backlog bound below weight 1
 
     def stored(self: KVIndex, backend: str, block_hashes: Any, parent: Any, token_ids: Any, block_size: int,
                **kw: Any) -> int:
@@ -78,7 +82,7 @@ def patch() -> None:
         record_orig(self, backend, tokens, inflight)
         _MARKS.setdefault((id(self), backend), deque(maxlen=self._depth)).append(STORED.get(backend, 0))
 
-    def pending(self: work_ledger.WorkLedger, backend: str, inflight: Inflight | None) -> float:
+    def pending(self: work_ledger.WorkLedger, backend: str, inflight: Inflight | None, weight: float = 1.0) -> float:
         if inflight is None:
             return 0.0
         shipped = newest_sum(self._entries.get(backend), inflight.requests, inflight.tokens)
@@ -89,6 +93,8 @@ def patch() -> None:
             actual = remaining_prefill(ENGINES[backend])
             ERRORS["shipped"].append(shipped - actual)
             ERRORS["corrected"].append(corrected - actual)
+            ERRORS["round 13 bound"].append(pending_orig(self, backend, inflight, 0.0) - actual)
+            ERRORS["round 13 weight 0.5"].append(pending_orig(self, backend, inflight, 0.5) - actual)
         return corrected if PICK_WITH[0] == "corrected" else shipped
 
     KVIndex.stored = stored  # type: ignore[method-assign, assignment]
@@ -103,7 +109,7 @@ def error(load_filter: str, seed: int, jitter: float, corrected: bool, sets: lis
     load = scaleout.mooncake_load(load_filter)
     PICK_WITH[0] = "corrected" if corrected else "shipped"
     wl = scaleout._workload(load[1], load[2])
-    over = tuple(parse_affinity_sets(sets).items())
+    over = tuple(parse_affinity_sets(["running_weight=1", *sets]).items())
     cfg = replace(scaleout._one_and_replicas(seed, jitter, over)[0], speed=load[3], max_model_len=131072)
 
     def observe(_i: int, _b: str, _rid: str, engines: Mapping[str, Any]) -> None:
@@ -135,7 +141,8 @@ def main() -> None:
     args = ap.parse_args()
     patch()
     if args.cmd == "losses":
-        scaleout.losses(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds, plot=False)
+        scaleout.losses(args.load, ["running_weight=1", *args.affinity_set], args.arrival_jitter_ms, args.seeds,
+                        plot=False)
     else:
         error(args.load, args.seed, args.arrival_jitter_ms, args.corrected, args.affinity_set)
 
