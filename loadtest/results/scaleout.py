@@ -484,7 +484,8 @@ ROUND13_SETTINGS = ("", "running_weight=0.25", "running_weight=0.5", "running_we
 
 
 def progress_table() -> None:
-    """Round 13: per Mooncake load and jitter, one process and R = 4 x W = 2 at each running_weight of
+    """Round 13: per Mooncake load and jitter, one process and R = 4 x W = 2 (and the -shapes suites' R = 4
+    and 2 single-worker replicas and one --workers 2 host) at each running_weight of
     ROUND13_SETTINGS: hit of the LRU bound and TTFT mean over seeds, each against the shipped row (weight 1)
     of the same seed and shape (the same arrivals), and R = 4 x W = 2 against R = 1 of the same weight."""
     rows = _rows()
@@ -498,7 +499,8 @@ def progress_table() -> None:
             continue
         for jitter in (1.0, 20.0):
             for settings in ROUND13_SETTINGS:
-                for shape in ((1, 1, "own", 0.0), (4, 2, "peers", 10.0)):
+                for shape in ((1, 1, "own", 0.0), (4, 2, "peers", 10.0), (4, 1, "peers", 10.0), (2, 1, "peers", 10.0),
+                              (1, 2, "peers", 10.0)):  # (the last three: round13-weight-W-shapes)
                     by_seed = groups.get((*shape, settings, jitter))
                     if not by_seed:
                         continue
@@ -515,7 +517,7 @@ def progress_table() -> None:
                         vs = f"{dh / len(both):+.1f} / {100 * (t_on / t_off - 1):+.1f}% ({len(both)})"
                     one = groups.get((1, 1, "own", 0.0, settings, jitter), {})
                     vs1 = " "
-                    if shape[0] > 1 and one:
+                    if shape[:2] != (1, 1) and one:
                         common = [k for k in seeds if k in one]
                         if common:
                             h = sum(by_seed[k]["hit_ratio"] or 0 for k in common) / sum(one[k]["hit_ratio"] or 0 for k in common)
