@@ -486,8 +486,9 @@ ROUND13_SETTINGS = ("", "running_weight=0.25", "running_weight=0.5", "running_we
 def progress_table() -> None:
     """Round 13: per Mooncake load and jitter, one process and R = 4 x W = 2 (and the -shapes suites' R = 4
     and 2 single-worker replicas and one --workers 2 host) at each running_weight of
-    ROUND13_SETTINGS: hit of the LRU bound and TTFT mean over seeds, each against the shipped row (weight 1)
-    of the same seed and shape (the same arrivals), and R = 4 x W = 2 against R = 1 of the same weight."""
+    ROUND13_SETTINGS: hit of the LRU bound and TTFT mean over seeds, each against the row recorded before
+    round 13 (weight 1, the default then) of the same seed and shape (the same arrivals), and each other
+    shape against R = 1 of the same weight."""
     rows = _rows()
     print("| load | jitter | R x W | settings | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
           "| vs weight 1, same seeds: hit pts / TTFT | vs R = 1, means: hit / TTFT |")
