@@ -335,26 +335,34 @@ def _replay_check(suite_name: str, load: str, seed: int) -> int:
 def _pick_ab(args: argparse.Namespace) -> None:
     import statistics
 
-    trees = {"this": str(ROOT)}
+    # name -> (checkout, running_weight or None: the ledgers without progress, weight 1)
+    trees: dict[str, tuple[str, float | None]] = {"this": (str(ROOT), None)}
     if args.ab:
-        trees = {"base": os.path.abspath(args.ab), **trees}
+        trees = {"base": (os.path.abspath(args.ab), None), **trees}
     weighted = f"weight {args.running_weight:g}"
     if args.running_weight is not None:
-        trees[weighted] = str(ROOT)
+        trees[weighted] = (str(ROOT), args.running_weight)
+        if args.ab:
+            trees[f"base {weighted}"] = (os.path.abspath(args.ab), args.running_weight)
     res: dict[tuple[str, int, bool], list[float]] = {}
     for r in range(args.rounds):
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for live in args.live:
             for name in order:
                 for peers in (True, False):
-                    weight = [str(args.running_weight)] if name == weighted else []
+                    tree, w = trees[name]
+                    weight = [str(w)] if w is not None else []
                     out = subprocess.run(
                         [sys.executable, "-P", __file__, "--pick-child", str(live), str(args.backends), str(args.picks),
-                         "1" if peers else "0", *weight], env=dict(os.environ, BENCH_TREE=trees[name]),
+                         "1" if peers else "0", *weight], env=dict(os.environ, BENCH_TREE=tree),
                         capture_output=True, text=True, check=True).stdout
                     res.setdefault((name, live, peers), []).append(float(out.strip().splitlines()[-1]))
         print(f"round {r} done", file=sys.stderr, flush=True)
     print(f"µs per pick (median of {args.rounds} rounds, thread CPU time)")
+
+    def ratio(a: str, b: str, live: int, peers: bool) -> float:
+        return statistics.median([x / y for x, y in zip(res[(a, live, peers)], res[(b, live, peers)])])
+
     for live in args.live:
         line = [f"live {live:3d}/backend/process:"]
         for name in trees:
@@ -362,12 +370,15 @@ def _pick_ab(args: argparse.Namespace) -> None:
             wo = statistics.median(res[(name, live, False)])
             line.append(f"{name}: {w:6.1f} with peers, {wo:5.1f} without ({w / wo:.2f}x)")
         if args.ab:
-            ratios = [t / b for t, b in zip(res[("this", live, True)], res[("base", live, True)])]
-            line.append(f"this/base with peers {statistics.median(ratios):.3f}")
+            line.append(f"this/base with peers {ratio('this', 'base', live, True):.3f}")
+            if args.running_weight is not None:
+                for peers in (True, False):
+                    line.append(f"at {weighted} this/base {'with' if peers else 'without'} peers "
+                                f"{ratio(weighted, f'base {weighted}', live, peers):.3f}")
         if args.running_weight is not None:
             for peers in (True, False):
-                ratios = [t / b for t, b in zip(res[(weighted, live, peers)], res[("this", live, peers)])]
-                line.append(f"{weighted}/this {'with' if peers else 'without'} peers {statistics.median(ratios):.3f}")
+                line.append(f"{weighted}/this {'with' if peers else 'without'} peers "
+                            f"{ratio(weighted, 'this', live, peers):.3f}")
         print("  ".join(line), flush=True)
 
 

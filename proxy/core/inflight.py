@@ -144,7 +144,7 @@ class RecentWork:
     (a ring of running totals), so that a worker republishes its queued prefill on every acquire and
     release for the price of two list reads. Same estimate as `newest_sum` over a deque of `depth`."""
 
-    __slots__ = ("_cum", "_n", "_size", "_marks", "bound")
+    __slots__ = ("_cum", "_n", "_size", "_marks", "bound", "published")
 
     def __init__(self, depth: int) -> None:
         self._size = depth + 1
@@ -152,6 +152,14 @@ class RecentWork:
         self._n = 0
         self._marks = [0] * self._size  # each entry's `mark` (by its index)
         self.bound = BacklogBound(depth)
+        # What its progress cells were last computed from (`SharedInflightTable._publish_progress_of`):
+        # the cell, the backend's count, the live requests, the entries, the ratio.
+        self.published: tuple[int, int, int, int, float] = (-1, 0, 0, 0, 0.0)
+
+    @property
+    def count(self) -> int:
+        """Entries appended so far."""
+        return self._n
 
     def append(self, tokens: float, mark: int = 0, engine_tokens: float = 0.0) -> None:
         """Record an entry; `mark`: the backend's progress count when it was recorded (see `progress`),
@@ -502,6 +510,7 @@ class SharedInflightTable(InflightTable):
         off, ratio = self._p_off, self._ratio
         self._floats[cell + off] = ratio * recent.progress(live, now)
         self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
+        recent.published = (cell, now, live, recent.count, ratio)
 
     def _publish_progress(self, backend: str) -> None:
         """This worker's progress on `backend` as of now (a read of the host's queued prefill: the other
@@ -511,8 +520,16 @@ class SharedInflightTable(InflightTable):
         if held is None or held[0] < 0 or progress is None:
             return
         recent = self._ledger.get(backend)
-        if recent is not None:
-            self._publish_progress_of(held[0], recent, held[1].requests, progress.get(backend, 0))
+        if recent is None:
+            return
+        cell, now, live = held[0], progress.get(backend, 0), held[1].requests
+        last = recent.published
+        # Unchanged since the last publication (no event, send or completion on it since; the ratio
+        # within 0.1%): the cells hold it already. Most reads are of backends with nothing new.
+        if (last[0] == cell and last[1] == now and last[2] == live and last[3] == recent.count
+                and abs(last[4] - self._ratio) <= 1e-3 * last[4]):
+            return
+        self._publish_progress_of(cell, recent, live, now)
 
     def tick(self) -> None:
         """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the

@@ -159,6 +159,32 @@ def test_a_host_subtracts_its_oldest_workers_progress_whatever_each_workers_own_
     assert view["gpu"].backlog() == (0.0, 0.0)
 
 
+def test_a_read_republishes_a_workers_progress_only_when_its_inputs_changed() -> None:
+    """A read of the host's backlog refreshes the reading worker's own cells; it skips that when the
+    engine's count, the worker's live requests and entries are as when it last published, and sees every
+    change of them."""
+    progress = {"gpu": 0}
+    led = WorkLedger(progress=progress)
+    layout = SharedLayout(rows=1, slots=1)
+    host = SharedInflightTable(memoryview(bytearray(layout.size)), layout, 0)
+    host.assign({"gpu": 0})
+    host.follow_progress(progress)
+    led.record("gpu", 10000.0, host)
+    host.acquire("gpu", 10000)
+    progress["gpu"] = 4000
+    assert host["gpu"].backlog() == (10000.0, 6000.0)
+    assert host["gpu"].backlog() == (10000.0, 6000.0)
+    progress["gpu"] = 7000  # an event: seen on the next read
+    assert host["gpu"].backlog() == (10000.0, 3000.0)
+    led.record("gpu", 5000.0, host)  # a send: 15,000 sent, 7,000 done since the first entry
+    host.acquire("gpu", 5000)
+    assert host["gpu"].backlog() == (15000.0, 8000.0)
+    host.release("gpu", 10000)  # the first finished: the second alone, nothing done since it
+    assert host["gpu"].backlog() == (5000.0, 5000.0)
+    progress["gpu"] = 9000
+    assert host["gpu"].backlog() == (5000.0, 3000.0)
+
+
 def test_the_bound_counts_the_engines_tokens_not_the_policys_estimates() -> None:
     """The policy estimates prompt bytes / 4, the events count the engine's tokens: calibrated on 5,000
     estimated tokens that were 4,000, an entry of 12,500 estimated is 10,000 engine tokens, gone once the
