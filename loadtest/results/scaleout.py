@@ -246,6 +246,28 @@ def suite(name: str) -> list[ReplayConfig]:
                 continue
             for jitter in (1.0, 20.0):
                 cfgs += _one_and_replicas(seed, jitter, over)
+    elif name.startswith(("round14-R1:", "round14-pair:", "round14-shapes:")):
+        # Round 14: the settings after the colon (k=v,k=v; running_weight 0.5, the default, unless named).
+        # round14-R1: a screen, one process, eight seeds at 20 ms and 1 ms (one process at 1 ms is one
+        # trajectory: seed 0 alone); round14-pair: round 10's pair (one process and R = 4 x W = 2, shared
+        # ledger at 10 ms), eight seeds at 1 and 20 ms; round14-shapes: round10-shapes' other shapes at 1 ms.
+        over = tuple((k, float(v)) for k, _, v in (kv.partition("=") for kv in name.partition(":")[2].split(",")))
+        if not any(k == "running_weight" for k, _ in over):
+            over = (("running_weight", 0.5),) + over
+        kind = name.partition(":")[0]
+        for seed in range(8):
+            if kind == "round14-shapes":
+                for r, w in ((4, 1), (2, 1), (1, 2)):
+                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
+                                             load_view="peers", peer_refresh_ms=10.0, seed=seed,
+                                             arrival_jitter_ms=1.0, affinity_overrides=over))
+            elif kind == "round14-pair":
+                for jitter in (1.0, 20.0):
+                    cfgs += _one_and_replicas(seed, jitter, over)
+            else:
+                for jitter in (1.0, 20.0) if seed == 0 else (20.0,):
+                    cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
+                                             affinity_overrides=over))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -481,17 +503,21 @@ def spread() -> None:
 
 
 ROUND13_SETTINGS = ("", "running_weight=0.25", "running_weight=0.5", "running_weight=0.75")
+# Round 14: running_weight 0.5 (round 13's default) with uncached_weight 3 (the default then) and 2.
+ROUND14_SETTINGS = ("running_weight=0.5", "running_weight=0.5 uncached_weight=2")
 
 
-def progress_table() -> None:
-    """Round 13: per Mooncake load and jitter, one process and R = 4 x W = 2 (and the -shapes suites' R = 4
-    and 2 single-worker replicas and one --workers 2 host) at each running_weight of
-    ROUND13_SETTINGS: hit of the LRU bound and TTFT mean over seeds, each against the row recorded before
-    round 13 (weight 1, the default then) of the same seed and shape (the same arrivals), and each other
-    shape against R = 1 of the same weight."""
+def progress_table(settings_list: Sequence[str] = ROUND13_SETTINGS, base: str = "",
+                   base_label: str = "running_weight=1 (before round 13)", vs_label: str = "vs weight 1") -> None:
+    """Round 13 (and 14): per Mooncake load and jitter, one process and R = 4 x W = 2 (and the -shapes
+    suites' R = 4 and 2 single-worker replicas and one --workers 2 host) at each of `settings_list`: hit
+    of the LRU bound and TTFT mean over seeds, each against the row of the `base` settings of the same
+    seed and shape (the same arrivals), and each other shape against R = 1 of the same settings. Round
+    13: each running_weight against the rows recorded before it (weight 1, the default then); round 14:
+    uncached_weight 2 against 3 at running_weight 0.5."""
     rows = _rows()
-    print("| load | jitter | R x W | settings | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
-          "| vs weight 1, same seeds: hit pts / TTFT | vs R = 1, means: hit / TTFT |")
+    print(f"| load | jitter | R x W | settings | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
+          f"| {vs_label}, same seeds: hit pts / TTFT | vs R = 1, means: hit / TTFT |")
     print("|---|---|---|---|---|---|---|---|---|")
     for lk, groups in _perturbed(rows).items():
         name, window, speed, _busy = lk
@@ -499,22 +525,23 @@ def progress_table() -> None:
         if name != "mooncake" or not bound:
             continue
         for jitter in (1.0, 20.0):
-            for settings in ROUND13_SETTINGS:
+            for settings in settings_list:
                 for shape in ((1, 1, "own", 0.0), (4, 2, "peers", 10.0), (4, 1, "peers", 10.0), (2, 1, "peers", 10.0),
-                              (1, 2, "peers", 10.0)):  # (the last three: round13-weight-W-shapes)
+                              (1, 2, "peers", 10.0)):  # (the last three: the -shapes suites)
                     by_seed = groups.get((*shape, settings, jitter))
                     if not by_seed:
                         continue
-                    base = groups.get((*shape, "", jitter), {})
+                    base_rows = groups.get((*shape, base, jitter), {})
                     seeds = sorted(by_seed)
                     hits = [100 * (by_seed[k]["hit_ratio"] or 0) / bound for k in seeds]
                     ttft = [1000 * by_seed[k]["ttft_mean"] for k in seeds]
-                    both = [k for k in seeds if k in base]
+                    both = [k for k in seeds if k in base_rows]
                     vs = " "
-                    if settings and both:
-                        dh = sum(100 * ((by_seed[k]["hit_ratio"] or 0) - (base[k]["hit_ratio"] or 0)) / bound for k in both)
+                    if settings != base and both:
+                        dh = sum(100 * ((by_seed[k]["hit_ratio"] or 0) - (base_rows[k]["hit_ratio"] or 0)) / bound
+                                 for k in both)
                         t_on = sum(by_seed[k]["ttft_mean"] for k in both)
-                        t_off = sum(base[k]["ttft_mean"] for k in both)
+                        t_off = sum(base_rows[k]["ttft_mean"] for k in both)
                         vs = f"{dh / len(both):+.1f} / {100 * (t_on / t_off - 1):+.1f}% ({len(both)})"
                     one = groups.get((1, 1, "own", 0.0, settings, jitter), {})
                     vs1 = " "
@@ -525,9 +552,53 @@ def progress_table() -> None:
                             t = sum(by_seed[k]["ttft_mean"] for k in common) / sum(one[k]["ttft_mean"] for k in common)
                             vs1 = f"{100 * (h - 1):+.1f}% / {100 * (t - 1):+.1f}%"
                     print(f"| {window[0]:g}:{window[1]:g} x{speed:g} | {jitter:g} ms | {shape[0]} x {shape[1]} | "
-                          f"{settings or 'running_weight=1 (before round 13)'} | {len(seeds)} | {statistics.mean(hits):.1f}% "
+                          f"{settings or base_label} | {len(seeds)} | {statistics.mean(hits):.1f}% "
                           f"({min(hits):.1f}-{max(hits):.1f}) | {statistics.mean(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) "
                           f"| {vs} | {vs1} |")
+
+
+def screen_table(settings_list: Sequence[str], base: str = "running_weight=0.5") -> None:
+    """Round 14's screens (suites round14-R1:...): one process, per Mooncake load and jitter, each setting
+    against the `base` rows of the same seeds: hit of the LRU bound, TTFT mean, p90 and p99 (at 1 ms one
+    process is one trajectory: seed 0 alone)."""
+    rows = _rows()
+    print("| load | jitter | settings | seeds | hit of the bound | TTFT mean ms | p90 | p99 "
+          "| vs base, same seeds: hit pts / mean / p90 / p99 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for lk, groups in _perturbed(rows).items():
+        name, window, speed, _busy = lk
+        bound = _window_bound(rows, name, window)
+        if name != "mooncake" or not bound:
+            continue
+        for jitter in (1.0, 20.0):
+            base_rows = groups.get((1, 1, "own", 0.0, base, jitter), {})
+            for settings in settings_list:
+                got = groups.get((1, 1, "own", 0.0, settings, jitter), {})
+                seeds = [k for k in sorted(got) if k in base_rows and (jitter != 1.0 or k == 0)]
+                if not seeds:
+                    continue
+
+                def mean(g: dict, key: str) -> float:
+                    return statistics.mean(g[k][key] or 0 for k in seeds)
+
+                def change(key: str) -> str:
+                    return f"{100 * (mean(got, key) / mean(base_rows, key) - 1):+.1f}%"
+
+                hit = 100 * mean(got, "hit_ratio") / bound
+                dh = hit - 100 * mean(base_rows, "hit_ratio") / bound
+                label = settings or "running_weight=1 (before round 13)"
+                print(f"| {window[0]:g}:{window[1]:g} x{speed:g} | {jitter:g} ms | {label} | {len(seeds)} | {hit:.1f}% "
+                      f"| {1000 * mean(got, 'ttft_mean'):,.0f} | {1000 * mean(got, 'ttft_p90'):,.0f} "
+                      f"| {1000 * mean(got, 'ttft_p99'):,.0f} | {dh:+.1f} / {change('ttft_mean')} / {change('ttft_p90')} "
+                      f"/ {change('ttft_p99')} |")
+
+
+# Round 14's screens, in the order they ran (running_weight 0.5 each; the base is 0.5 with the defaults then).
+ROUND14_SCREENS = ("", "running_weight=0.5 cost_slack_tokens=16384", "running_weight=0.5 uncached_weight=4",
+                   "running_weight=0.5 cost_epsilon=0.5", "running_weight=0.5 uncached_weight=2",
+                   "running_weight=0.5 uncached_weight=1.5",
+                   "running_weight=0.5 uncached_weight=1.5 cost_slack_tokens=4096 new_prompt_slack_tokens=1024",
+                   "running_weight=0.5 eviction_band_tokens=4096", "running_weight=0.5 uncached_weight=2.5")
 
 
 def mooncake_load(load_filter: str) -> tuple[str, Path, tuple[float, float], float, str]:
@@ -818,7 +889,12 @@ SPREAD_FIGURES: dict[str, tuple[tuple[str, ...], tuple[tuple[int, int], ...] | N
     "scaleout-round11.png": (("", "eviction_band_tokens=4096", "eviction_band_tokens=2048", "cost_epsilon=1",
                               "learned index", "learned index, cost_epsilon=1"), ((1, 1), (4, 2))),
     "scaleout-round13.png": (ROUND13_SETTINGS, ((1, 1), (4, 2))),
+    "scaleout-round14.png": (("",) + ROUND14_SETTINGS, ((1, 1), (4, 2))),
 }
+
+
+# (round 14's Azure check has no rows at the settings compared: its Mooncake columns only)
+MOONCAKE_FIGURES = ("scaleout-round14.png",)
 
 
 def spread_plot() -> None:
@@ -832,10 +908,11 @@ def spread_plot() -> None:
     rows = _rows()
     for fname, (settings, shapes) in SPREAD_FIGURES.items():
         perturbed = {lk: {c: g for c, g in groups.items() if c[4] in settings and (shapes is None or c[:2] in shapes)}
-                     for lk, groups in _perturbed(rows).items()}
+                     for lk, groups in _perturbed(rows).items()
+                     if lk[0] == "mooncake" or fname not in MOONCAKE_FIGURES}
         if any(perturbed.values()):
             # (rows without settings ran at the defaults of their day: before round 13, running_weight 1)
-            plain = "weight 1" if fname == "scaleout-round13.png" else "default"
+            plain = "weight 1" if fname in ("scaleout-round13.png", "scaleout-round14.png") else "default"
             _spread_figure(plt, rows, perturbed, ROOT / "loadtest" / "results" / fname, plain)
 
 
@@ -856,7 +933,8 @@ def _spread_figure(plt: Any, rows: list[dict], perturbed: dict, out: Path, plain
             axes[0][col].plot([x - 0.3, x + 0.3], [sum(hits) / len(hits)] * 2, color="black", lw=1.5)
             axes[1][col].plot([x - 0.3, x + 0.3], [sum(ttft) / len(ttft)] * 2, color="black", lw=1.5)
             short = settings.replace("new_prompt_slack_tokens", "slack").replace("eviction_band_tokens", "band") \
-                .replace("cost_epsilon", "eps").replace("cost_slack_tokens", "cslack").replace(" index", "")
+                .replace("cost_epsilon", "eps").replace("cost_slack_tokens", "cslack").replace(" index", "") \
+                .replace("uncached_weight=", "uw ")
             labels.append(f"{jitter:g}ms {short.replace('running_weight=', 'weight ') or plain}\nR{rr}xW{ww}")
         for ax in axes[:, col]:
             ax.set_xticks(range(len(labels)))
@@ -929,24 +1007,36 @@ def plot() -> None:
     print(f"wrote {out}")
 
 
+
+SUITES = ("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
+          "round5-placement", "round8-nps", "round10-chaos", "round10-jitter20", "round10-shapes",
+          "round11-eviction", "round11-eviction20", "round11-repeats", "round11-eps", "round11-eps20",
+          "round11-eps-learned", "round11-eps-learned20", "round13-weight-0", "round13-weight-0.25",
+          "round13-weight-0.5", "round13-weight-0.75", "round13-weight-0.25-shapes", "round13-weight-0.5-shapes",
+          "round13-weight-0.75-shapes")
+
+
+def _suite_name(name: str) -> str:
+    """argparse: a suite `suite` knows (round14-{R1,pair,shapes}:k=v[,k=v] for any affinity settings)."""
+    if name in SUITES:
+        return name
+    if name.startswith(("round14-R1:", "round14-pair:", "round14-shapes:")) and all("=" in kv for kv in name.partition(":")[2].split(",")):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown suite {name!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("suite", choices=("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
-                                          "round5-placement", "round8-nps", "round10-chaos",
-                                          "round10-jitter20", "round10-shapes",
-                                          "round11-eviction", "round11-eviction20", "round11-repeats",
-                                          "round11-eps", "round11-eps20", "round11-eps-learned",
-                                          "round11-eps-learned20", "round13-weight-0", "round13-weight-0.25",
-                                          "round13-weight-0.5", "round13-weight-0.75", "round13-weight-0.25-shapes",
-                                          "round13-weight-0.5-shapes", "round13-weight-0.75-shapes"))
+    r.add_argument("suite", type=_suite_name, help="a suite: " + ", ".join(SUITES) + ", or round14-{R1,pair,shapes}:k=v[,k=v]")
     r.add_argument("--only", help="only the loads whose name contains this (mooncake, azure)")
     r.add_argument("--load", help="only the load of this window and speed, e.g. 0:300x1")
     r.add_argument("--seed", type=int, help="only the configurations of this replica-assignment seed")
     sub.add_parser("table")
     sub.add_parser("spread")
     sub.add_parser("progress", help="round 13: with and without the ledger's progress, side by side")
+    sub.add_parser("round14", help="round 14: the screens at running_weight 0.5, then uncached_weight 2 against 3")
     d = sub.add_parser("decompose")
     d.add_argument("--load", required=True, help="a Mooncake load, e.g. 0:300x1")
     d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
@@ -977,6 +1067,13 @@ def main() -> None:
         spread_plot()
     elif args.cmd == "progress":
         progress_table()
+    elif args.cmd == "round14":
+        screen_table(ROUND14_SCREENS)
+        print()
+        progress_table(ROUND14_SETTINGS, base="running_weight=0.5", base_label="running_weight=0.5",
+                       vs_label="vs uncached_weight 3")
+        print()
+        progress_table(ROUND14_SETTINGS[1:], vs_label="vs weight 1 (before round 13)")
     else:
         plot()
 
