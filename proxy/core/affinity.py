@@ -29,7 +29,8 @@ because at a few requests in flight per GPU a tight cap sheds most reuses off th
 Then the **cost check** (`cost_aware`): request counts cannot see that one request is a 90k-token document
 and the next a 500-token chat turn, and a request's time to first token is the prefill queued ahead of it
 plus its own uncached prefill. A backend's cost for this request is the uncached prompt tokens of what this
-policy sent it that are still in flight (`WorkLedger`) plus `uncached_weight` x the prompt tokens it does
+policy sent it that are still in flight (`WorkLedger`) plus `uncached_weight` (by default 3, or 2 against the
+queued prefill the engines' KV events bound, see `routing_config`) x the prompt tokens it does
 not hold (from its prefix index) plus `adapter_miss_tokens` when its fresh telemetry does not list the
 request's LoRA adapter, per unit of weight. An admissible primary is kept unless another admissible
 backend costs less than (cost - `cost_slack_tokens`) / (1 + `cost_epsilon`), or, when the primary holds
@@ -280,6 +281,10 @@ class AffinityPolicy:
         weight = a.running_weight
         self._pending: Callable[[str, Inflight | None], float] = (
             self._work.pending if weight >= 1.0 else functools.partial(self._work.pending, weight=weight))
+        # What an uncached token weighs against a queued one: `uncached_weight`, or by default 2 against
+        # the backlog bound (a ledger following the engines' progress, weight < 1) and 3 against the sum.
+        bounded = self._work.follows_progress and weight < 1.0
+        self._uw = a.uncached_weight if a.uncached_weight is not None else (2.0 if bounded else 3.0)
         # Other replicas share the backends: read the engines' own counts when they see more (see below).
         self._shared_backends = cfg.shared_backends
         self._peers = peers
@@ -610,7 +615,7 @@ class AffinityPolicy:
                 queued_here = pending(primary, get(primary))
                 uncached = self._uncached(prompt_tokens, matched)
                 adapter_here = _adapter_cost(miss, ring.adapters, adapter, primary)
-                cost = (queued_here + a.uncached_weight * uncached + adapter_here) / w
+                cost = (queued_here + self._uw * uncached + adapter_here) / w
                 if matched > 0 or matched == -1:
                     # The affine backend holds part of the prompt: leave it only for one clearly cheaper,
                     # by a factor (1 + cost_epsilon) plus cost_slack_tokens.
@@ -712,7 +717,7 @@ class AffinityPolicy:
         best_i, best_m, best_c, best_s = -1, 0, limit, -1.0
         info = ring.info
         get = bound.inflight.get
-        uw = self._a.uncached_weight
+        uw = self._uw
         block_tokens = self._block_tokens
         idxs: list[PrefixIndex] | None = None
         for i, name in enumerate(ring.names):
@@ -760,7 +765,7 @@ class AffinityPolicy:
         the bounded-load rule admits and this prompt's cost on each, as `_cheapest` counts it."""
         info = ring.info
         get = bound.inflight.get
-        uw = self._a.uncached_weight
+        uw = self._uw
         block_tokens = self._block_tokens
         idxs = self._ring_indexes(ring)
 

@@ -95,7 +95,14 @@ class AffinityConfig:
     cost_aware: bool = True
     cost_epsilon: float = field(default=0.25, metadata={"ge": 0.0})
     cost_slack_tokens: int = field(default=8192, metadata={"ge": 0})
-    uncached_weight: float = field(default=3.0, metadata={"ge": 0.0})
+    # null (the default): 3 when the queued prefill is the newest-k sum (no KV events, or running_weight
+    # 1), 2 when it is the backlog bound the engines' KV events allow plus running_weight x the rest. The
+    # sum overstates the queue (it counts decoding requests' prompts), so an uncached token weighed 3
+    # queued ones against it; against the bound at running_weight 0.5, 3 left multi-turn repeats and
+    # prefix-sharing prompts on backends full of decoding requests, where 2 measured TTFT mean -1.3% to
+    # -6.8% on both multi-turn Mooncake loads (R = 1 to 4 x 2, eight seeds) and the single-turn ones
+    # unchanged; 1.5, 2.5 and 4 were worse: loadtest/results/scaleout.md Round 14.
+    uncached_weight: float | None = field(default=None, metadata={"ge": 0.0})
     # A prompt that no backend holds any of leaves its hash home for any backend cheaper by this much.
     new_prompt_slack_tokens: int = field(default=2048, metadata={"ge": 0})
     adapter_miss_tokens: int = field(default=2048, metadata={"ge": 0})
@@ -107,7 +114,7 @@ class AffinityConfig:
     # 0 the bound alone. 0.5, measured on both Mooncake windows at ~80% and ~96% busy over eight seeds,
     # R = 1 and R = 4 x W = 2: TTFT mean -11% to -13% on the busiest load, -2% to -4% on two others,
     # +2% to +4% on the multi-turn one at ~80% (1 and 0.75 lose the first; 0.25, the second's tail):
-    # loadtest/results/scaleout.md Round 13.
+    # loadtest/results/scaleout.md Round 13; with uncached_weight's default 2 there, +0.2% to +2.1% (Round 14).
     running_weight: float = field(default=0.5, metadata={"ge": 0.0, "le": 1.0})
     # Eviction-aware placement (with KV events only; proxy/core/placement.py): a prompt no backend holds
     # goes, among the admissible backends whose cost is within this many tokens of the cheapest, to the

@@ -336,6 +336,11 @@ class WorkLedger:
         self._hints: dict[str, tuple[int, int]] = {}
         self._plain: dict[str, Columns] = {}
 
+    @property
+    def follows_progress(self) -> bool:
+        """Whether the engines' progress bounds the queued prefill (a ledger given `progress`)."""
+        return self._progress is not None
+
     def calibrate(self, estimated: float, exact: int) -> None:
         """A prompt the policy estimated at `estimated` tokens had `exact` (its precise lookup's count):
         `ratio` follows their running ratio (halved sums past 10M tokens, so it tracks the traffic)."""

@@ -238,6 +238,35 @@ def test_a_weight_under_one_keeps_a_new_prompt_home_when_the_events_show_its_que
         AffinityConfig(running_weight=1.5)
 
 
+def test_an_uncached_token_weighs_two_queued_ones_against_the_bound_and_three_against_the_sum() -> None:
+    """A ~20k-token document's repeat, its holder with another 50,000 tokens sent and nothing stored
+    since (so the bound and the sum agree on 70,000 queued), the others idle. Re-prefilling the document
+    elsewhere costs 3 x 20k against the sum (stay), 2 x 20k against the bound (leave): by default
+    `uncached_weight` is 2 only where the ledger follows the engines' progress at running_weight < 1."""
+    snap = fleet(4)
+    doc = "".join(f"section {i} of the long shared document. " for i in range(2000))
+
+    def leaves(events: bool, **affinity: float) -> bool:
+        led = WorkLedger(progress={n: 0 for n in snap.names} if events else None)
+        cfg = replace(RoutingConfig(), affinity=AffinityConfig(**affinity))  # type: ignore[arg-type]  # by name
+        pol = AffinityPolicy(cfg, work=led)
+        holder = pol.pick(prompt(doc + "question one"), snap, {}).backend
+        led.record(holder, 50000.0)
+        live = {n: Inflight(1, 100) for n in snap.names}
+        live[holder] = Inflight(2, 70000)
+        d = pol.pick(prompt(doc + "question two"), snap, live)
+        assert (d.backend == holder) == (d.reason is not Reason.OVERLOAD_FALLBACK)
+        return d.backend != holder
+
+    assert leaves(True)
+    assert leaves(True, uncached_weight=2.0) and leaves(False, uncached_weight=2.0)
+    assert not leaves(True, uncached_weight=3.0)
+    assert not leaves(False)
+    assert not leaves(True, running_weight=1.0)
+    with pytest.raises(ValueError):
+        AffinityConfig(uncached_weight=-1.0)
+
+
 def test_the_index_counts_the_prefill_each_engine_stored_once() -> None:
     idx = KVIndex()
     idx.track("gpu", model="m")
