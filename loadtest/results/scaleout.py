@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -251,23 +251,24 @@ def suite(name: str) -> list[ReplayConfig]:
         # round14-R1: a screen, one process, eight seeds at 20 ms and 1 ms (one process at 1 ms is one
         # trajectory: seed 0 alone); round14-pair: round 10's pair (one process and R = 4 x W = 2, shared
         # ledger at 10 ms), eight seeds at 1 and 20 ms; round14-shapes: round10-shapes' other shapes at 1 ms.
-        over = tuple((k, float(v)) for k, _, v in (kv.partition("=") for kv in name.partition(":")[2].split(",")))
-        if not any(k == "running_weight" for k, _ in over):
-            over = (("running_weight", 0.5),) + over
+        sets: tuple[tuple[str, float], ...] = tuple(
+            (k, float(v)) for k, _, v in (kv.partition("=") for kv in name.partition(":")[2].split(",")))
+        if not any(k == "running_weight" for k, _ in sets):
+            sets = (("running_weight", 0.5),) + sets
         kind = name.partition(":")[0]
         for seed in range(8):
             if kind == "round14-shapes":
                 for r, w in ((4, 1), (2, 1), (1, 2)):
                     cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise",
                                              load_view="peers", peer_refresh_ms=10.0, seed=seed,
-                                             arrival_jitter_ms=1.0, affinity_overrides=over))
+                                             arrival_jitter_ms=1.0, affinity_overrides=sets))
             elif kind == "round14-pair":
                 for jitter in (1.0, 20.0):
-                    cfgs += _one_and_replicas(seed, jitter, over)
+                    cfgs += _one_and_replicas(seed, jitter, sets)
             else:
                 for jitter in (1.0, 20.0) if seed == 0 else (20.0,):
                     cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
-                                             affinity_overrides=over))
+                                             affinity_overrides=sets))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -502,6 +503,15 @@ def spread() -> None:
                   f"| {sum(ttft) / len(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) | {means} | {vs} |")
 
 
+def _mooncake_groups(rows: list[dict]) -> Iterator[tuple[tuple, dict[tuple, dict[int, dict]], float]]:
+    """The perturbed rows of each Mooncake load (`_perturbed`), with its window's LRU bound."""
+    for lk, groups in _perturbed(rows).items():
+        name, window, _speed, _busy = lk
+        bound = _window_bound(rows, name, window)
+        if name == "mooncake" and bound:
+            yield lk, groups, bound
+
+
 ROUND13_SETTINGS = ("", "running_weight=0.25", "running_weight=0.5", "running_weight=0.75")
 # Round 14: running_weight 0.5 (round 13's default) with uncached_weight 3 (the default then) and 2.
 ROUND14_SETTINGS = ("running_weight=0.5", "running_weight=0.5 uncached_weight=2")
@@ -519,11 +529,7 @@ def progress_table(settings_list: Sequence[str] = ROUND13_SETTINGS, base: str = 
     print(f"| load | jitter | R x W | settings | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
           f"| {vs_label}, same seeds: hit pts / TTFT | vs R = 1, means: hit / TTFT |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for lk, groups in _perturbed(rows).items():
-        name, window, speed, _busy = lk
-        bound = _window_bound(rows, name, window)
-        if name != "mooncake" or not bound:
-            continue
+    for (_name, window, speed, _busy), groups, bound in _mooncake_groups(rows):
         for jitter in (1.0, 20.0):
             for settings in settings_list:
                 for shape in ((1, 1, "own", 0.0), (4, 2, "peers", 10.0), (4, 1, "peers", 10.0), (2, 1, "peers", 10.0),
@@ -565,11 +571,7 @@ def screen_table(settings_list: Sequence[str], base: str = "running_weight=0.5")
     print("| load | jitter | settings | seeds | hit of the bound | TTFT mean ms | p90 | p99 "
           "| vs base, same seeds: hit pts / mean / p90 / p99 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for lk, groups in _perturbed(rows).items():
-        name, window, speed, _busy = lk
-        bound = _window_bound(rows, name, window)
-        if name != "mooncake" or not bound:
-            continue
+    for (_name, window, speed, _busy), groups, bound in _mooncake_groups(rows):
         for jitter in (1.0, 20.0):
             base_rows = groups.get((1, 1, "own", 0.0, base, jitter), {})
             for settings in settings_list:

@@ -159,16 +159,22 @@ def test_a_host_subtracts_its_oldest_workers_progress_whatever_each_workers_own_
     assert view["gpu"].backlog() == (0.0, 0.0)
 
 
+def _one_worker_host(progress: dict[str, int]) -> SharedInflightTable:
+    """The shared table of a --workers host's only worker, with one backend "gpu", following `progress`."""
+    layout = SharedLayout(rows=1, slots=1)
+    host = SharedInflightTable(memoryview(bytearray(layout.size)), layout, 0)
+    host.assign({"gpu": 0})
+    host.follow_progress(progress)
+    return host
+
+
 def test_a_read_republishes_a_workers_progress_only_when_its_inputs_changed() -> None:
     """A read of the host's backlog refreshes the reading worker's own cells; it skips that when the
     engine's count, the worker's live requests and entries are as when it last published, and sees every
     change of them."""
     progress = {"gpu": 0}
     led = WorkLedger(progress=progress)
-    layout = SharedLayout(rows=1, slots=1)
-    host = SharedInflightTable(memoryview(bytearray(layout.size)), layout, 0)
-    host.assign({"gpu": 0})
-    host.follow_progress(progress)
+    host = _one_worker_host(progress)
     led.record("gpu", 10000.0, host)
     host.acquire("gpu", 10000)
     progress["gpu"] = 4000
@@ -194,10 +200,7 @@ def test_the_bound_counts_the_engines_tokens_not_the_policys_estimates() -> None
     led.calibrate(5000.0, 4000)
     led.calibrate(0.0, 10)  # nothing to learn from
     assert led.ratio == 1.25
-    layout = SharedLayout(rows=1, slots=1)
-    host = SharedInflightTable(memoryview(bytearray(layout.size)), layout, 0)
-    host.assign({"gpu": 0})
-    host.follow_progress(progress)
+    host = _one_worker_host(progress)
     led.record("gpu", 12500.0, host)
     host.acquire("gpu", 12500)
     progress["gpu"] = 6000
