@@ -603,6 +603,38 @@ ROUND14_SCREENS = ("", "running_weight=0.5 cost_slack_tokens=16384", "running_we
                    "running_weight=0.5 eviction_band_tokens=4096", "running_weight=0.5 uncached_weight=2.5")
 
 
+def host_gap(load_filter: str, seeds: int, jitter: float) -> None:
+    """Round 14: where a --workers 2 host (no peers) loses against one process. Per seed, side by side:
+    one process; two workers sharing one in-flight table and ledger (one process's load view, each worker
+    its own learned state); and the --workers host as it runs, each worker its own row of the shared table
+    (the host's backlog bound: the sum less the largest progress, or the largest worker's own bound)."""
+    load = mooncake_load(load_filter)
+    _name, trace, window, speed, _busy = load
+    wl = _workload(trace, window)
+    shapes = {
+        "one process": {},
+        "2 workers, one table": {"workers": 2, "load_view": "own"},
+        "2 workers, shared-memory host": {"workers": 2, "load_view": "peers", "peer_refresh_ms": 10.0},
+    }
+    got: dict[str, list[dict]] = {k: [] for k in shapes}
+    for seed in range(seeds):
+        for label, over in shapes.items():
+            cfg = ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter, speed=speed,
+                               max_model_len=131072, **over)  # type: ignore[arg-type]  # fields by name
+            s = summarize(asyncio.run(replay(wl, cfg)), wl)
+            got[label].append(s)
+            print(f"seed {seed} {label}: TTFT mean {1000 * s['ttft_mean']:.0f} ms, hit {100 * (s['hit_ratio'] or 0):.2f}%",
+                  file=sys.stderr, flush=True)
+    print(f"| {load_filter}, {jitter:g} ms, {seeds} seeds | TTFT mean ms: mean (min-max) | hit: mean | vs one process |")
+    print("|---|---|---|---|")
+    base = statistics.mean(x["ttft_mean"] for x in got["one process"])
+    for label, rs in got.items():
+        t = [1000 * x["ttft_mean"] for x in rs]
+        print(f"| {label} | {statistics.mean(t):,.0f} ({min(t):,.0f}-{max(t):,.0f}) "
+              f"| {100 * statistics.mean(x['hit_ratio'] or 0 for x in rs):.2f}% "
+              f"| {100 * (statistics.mean(x['ttft_mean'] for x in rs) / base - 1):+.1f}% |")
+
+
 def mooncake_load(load_filter: str) -> tuple[str, Path, tuple[float, float], float, str]:
     """The Mooncake load of LOADS named like 0:300x1 (window and speed); exits naming it if there is none."""
     load = next((ld for ld in LOADS if f"{ld[2][0]:g}:{ld[2][1]:g}x{ld[3]:g}" == load_filter and ld[0] == "mooncake"), None)
@@ -1050,6 +1082,10 @@ def main() -> None:
     ls.add_argument("--arrival-jitter-ms", type=float, default=1.0)
     ls.add_argument("--seeds", type=int, default=8)
     ls.add_argument("--replicas", action="store_true", help="R = 4 x W = 2 (shared ledger, 10 ms) instead of one process")
+    hg = sub.add_parser("host-gap", help="round 14: one process, two workers on one table, a --workers 2 host")
+    hg.add_argument("--load", required=True, help="a Mooncake load, e.g. 900:1200x1")
+    hg.add_argument("--seeds", type=int, default=8)
+    hg.add_argument("--arrival-jitter-ms", type=float, default=1.0)
     lo = sub.add_parser("lottery")
     lo.add_argument("--seeds", type=int, default=30, help="seeds per seeded placement rule")
     sub.add_parser("plot")
@@ -1062,6 +1098,8 @@ def main() -> None:
         decompose(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds)
     elif args.cmd == "losses":
         losses(args.load, args.affinity_set, args.arrival_jitter_ms, args.seeds, args.replicas)
+    elif args.cmd == "host-gap":
+        host_gap(args.load, args.seeds, args.arrival_jitter_ms)
     elif args.cmd == "lottery":
         lottery(args.seeds)
     elif args.cmd == "spread":
