@@ -32,7 +32,8 @@ from collections import Counter, deque
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from types import UnionType
+from typing import Any, Callable, Mapping, Sequence, get_args, get_type_hints
 
 from loadtest.records import Record, RunResult
 from loadtest.run import add_workload_args, prepare_workload
@@ -231,8 +232,18 @@ _KINDS = (bool, int, float)  # the AffinityConfig field types a replay can overr
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
-def _field_kinds() -> dict[str, type]:
-    return {f.name: type(f.default) for f in fields(AffinityConfig)}
+def _field_kinds() -> dict[str, Any]:
+    """Each AffinityConfig field's type, an optional one's as the type it takes when set (`uncached_weight:
+    float | None` is a float): from the annotations, since a default of None names no type."""
+    hints = get_type_hints(AffinityConfig)
+    out: dict[str, Any] = {}
+    for f in fields(AffinityConfig):
+        kind = hints[f.name]
+        if isinstance(kind, UnionType):
+            set_as = [a for a in get_args(kind) if a is not type(None)]
+            kind = set_as[0] if len(set_as) == 1 else kind
+        out[f.name] = kind
+    return out
 
 
 def _typed(overrides: Sequence[tuple[str, float | int | bool]]) -> dict[str, float | int | bool]:

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.replay import ReplayConfig, replay, scaleout_label  # noqa: E402
+from loadtest.replay import ReplayConfig, parse_affinity_sets, replay, scaleout_label  # noqa: E402
 from loadtest.report import summarize  # noqa: E402
 from loadtest.workloads import load_workload  # noqa: E402
 from loadtest.workloads.model import Workload  # noqa: E402
@@ -246,15 +246,13 @@ def suite(name: str) -> list[ReplayConfig]:
                 continue
             for jitter in (1.0, 20.0):
                 cfgs += _one_and_replicas(seed, jitter, over)
-    elif name.startswith(("round14-R1:", "round14-pair:", "round14-shapes:")):
+    elif name.startswith(ROUND14_SUITES):
         # Round 14: the settings after the colon (k=v,k=v; running_weight 0.5, the default, unless named).
         # round14-R1: a screen, one process, eight seeds at 20 ms and 1 ms (one process at 1 ms is one
         # trajectory: seed 0 alone); round14-pair: round 10's pair (one process and R = 4 x W = 2, shared
         # ledger at 10 ms), eight seeds at 1 and 20 ms; round14-shapes: round10-shapes' other shapes at 1 ms.
-        sets: tuple[tuple[str, float], ...] = tuple(
-            (k, float(v)) for k, _, v in (kv.partition("=") for kv in name.partition(":")[2].split(",")))
-        if not any(k == "running_weight" for k, _ in sets):
-            sets = (("running_weight", 0.5),) + sets
+        named = parse_affinity_sets(name.partition(":")[2].split(","))
+        sets = tuple({"running_weight": 0.5, **named}.items())
         kind = name.partition(":")[0]
         for seed in range(8):
             if kind == "round14-shapes":
@@ -664,7 +662,6 @@ def decompose(load_filter: str, sets: list[str], jitter: float, seeds: int) -> N
     replay's placements against the bound: what the placement loses; the replay against that: what the
     engines' timing loses (queueing, KV held by running requests, preemption); one engine as large as the
     whole fleet, what that timing costs one pool."""
-    from loadtest.replay import parse_affinity_sets
     from loadtest.workloads.bound import PLACEMENT_RULES, placed_caches
 
     load = mooncake_load(load_filter)
@@ -794,7 +791,6 @@ def losses(load_filter: str, sets: list[str], jitter: float, seeds: int, replica
     from loadtest.workloads.bound import bound_steps, one_cache_bound
 
     load = mooncake_load(load_filter)
-    from loadtest.replay import parse_affinity_sets
 
     name, trace, window, speed, busy = load
     wl = _workload(trace, window)
@@ -1041,20 +1037,25 @@ def plot() -> None:
     print(f"wrote {out}")
 
 
-
 SUITES = ("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "round5-20", "round5-seeds",
           "round5-placement", "round8-nps", "round10-chaos", "round10-jitter20", "round10-shapes",
           "round11-eviction", "round11-eviction20", "round11-repeats", "round11-eps", "round11-eps20",
           "round11-eps-learned", "round11-eps-learned20", "round13-weight-0", "round13-weight-0.25",
           "round13-weight-0.5", "round13-weight-0.75", "round13-weight-0.25-shapes", "round13-weight-0.5-shapes",
           "round13-weight-0.75-shapes")
+# Round 14's suites take affinity settings after the colon: round14-R1:uncached_weight=2,cost_epsilon=0.5.
+ROUND14_SUITES = ("round14-R1:", "round14-pair:", "round14-shapes:")
 
 
 def _suite_name(name: str) -> str:
     """argparse: a suite `suite` knows (round14-{R1,pair,shapes}:k=v[,k=v] for any affinity settings)."""
     if name in SUITES:
         return name
-    if name.startswith(("round14-R1:", "round14-pair:", "round14-shapes:")) and all("=" in kv for kv in name.partition(":")[2].split(",")):
+    if name.startswith(ROUND14_SUITES):
+        try:
+            parse_affinity_sets(name.partition(":")[2].split(","))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"suite {name!r}: {e}") from None
         return name
     raise argparse.ArgumentTypeError(f"unknown suite {name!r}")
 

@@ -133,6 +133,9 @@ def test_affinity_settings_take_their_field_types() -> None:
 
     sets = parse_affinity_sets(["cost_aware=false", "request_epsilon=3", "eviction_band_tokens=4096"])
     assert sets == {"cost_aware": False, "request_epsilon": 3.0, "eviction_band_tokens": 4096}
+    # An optional setting (None by default) takes the type it has when set.
+    assert parse_affinity_sets(["uncached_weight=6"]) == {"uncached_weight": 6.0}
+    assert type(routing_config(replace(BASE, affinity_overrides=(("uncached_weight", 2),))).affinity.uncached_weight) is float
     aff = routing_config(replace(BASE, affinity_overrides=(("cost_aware", 0), ("eviction_band_tokens", 2048.0)))).affinity
     assert aff.cost_aware is False and type(aff.eviction_band_tokens) is int and aff.eviction_band_tokens == 2048
     assert type(routing_config(replace(BASE, affinity_overrides=(("epsilon", 1),))).affinity.epsilon) is float
