@@ -147,6 +147,13 @@ class ReplayConfig:
     replicas: int = 1
     workers: int = 1
     shared_worker_load: bool = True
+    # With workers > 1 and shared load, and load_view "own": False, the workers of a replica share one
+    # in-flight table and one work ledger (an idealised host: one process's load view, each worker its
+    # own learned state); True, each worker has its own row of the proxy's shared-memory table
+    # (SharedInflightTable) and its own ledger, as `--workers N` runs without routing.peer_load (the
+    # shipped Deployment): the host's queued prefill is read from the shared block
+    # (`SharedInflight.backlog`). (load_view "peers" always models the shared-memory host.)
+    host_table: bool = False
     # learned: each process's own indexes only. precise: each also consults proxy/core/kv_index.py, fed
     # by the engines' own BlockStored/BlockRemoved events, delivered to every replica after this delay.
     index: str = "learned"
@@ -301,6 +308,8 @@ def scaleout_label(cfg: ReplayConfig) -> str:
     parts = [f"R{cfg.replicas}xW{cfg.workers}", cfg.index]
     if cfg.workers > 1:
         parts.append("shared-load" if cfg.shared_worker_load else "separate-load")
+        if cfg.host_table and cfg.shared_worker_load and cfg.load_view == "own":
+            parts.append("shm-host")
     if cfg.index == "precise":
         parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
         if cfg.precise_lookup != "proxy":
@@ -419,7 +428,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
     # --workers hosts (see ReplayConfig.peer_recent): per process (its replica, its table, its ledger), and
     # what it last read from the others.
-    hosts = cfg.workers > 1 and cfg.shared_worker_load and cfg.load_view == "peers" and policy is None
+    hosts = (cfg.workers > 1 and cfg.shared_worker_load and policy is None
+             and (cfg.load_view == "peers" or (cfg.host_table and cfg.load_view == "own")))
     host_procs: list[tuple[int, SharedInflightTable, WorkLedger]] = []
     proc_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas * cfg.workers)]
     # With the index, the ledgers (and a --workers host's shared table) follow the engines' progress, as
@@ -439,7 +449,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 if progress is not None:
                     table.follow_progress(progress)
                 host_procs.append((r, table, ledger))
-                if cfg.peer_recent:
+                if cfg.peer_recent and cfg.load_view == "peers":
                     peers = (lambda p=len(host_procs) - 1: proc_views[p])
             view = None
             if cfg.policy == "affinity":
@@ -771,6 +781,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=1, help="worker processes per replica (a random one per request)")
     ap.add_argument("--shared-worker-load", action=argparse.BooleanOptionalAction, default=True,
                     help="workers of one replica share in-flight counts and the work ledger (the product does)")
+    ap.add_argument("--host-table", action="store_true",
+                    help="with --workers > 1 and --load-view own: each worker its own row of the proxy's "
+                         "shared-memory in-flight table and its own ledger, as --workers runs without "
+                         "routing.peer_load (default: one table and ledger for all, an idealised host)")
     ap.add_argument("--index", default="learned", choices=INDEXES,
                     help="learned: each process's own indexes; precise: also the engines' KV events (proxy/core/kv_index.py)")
     ap.add_argument("--peer-recent", action=argparse.BooleanOptionalAction, default=True,
@@ -814,6 +828,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             session_header=args.session_header, seed=args.seed,
             adapters=tuple(a for a in args.adapters.split(",") if a),
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
+            host_table=args.host_table,
             index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
             precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
             peer_recent=args.peer_recent, arrival_jitter_ms=args.arrival_jitter_ms,

@@ -602,17 +602,20 @@ ROUND14_SCREENS = ("", "running_weight=0.5 cost_slack_tokens=16384", "running_we
 
 
 def host_gap(load_filter: str, seeds: int, jitter: float) -> None:
-    """Round 14: where a --workers 2 host (no peers) loses against one process. Per seed, side by side:
-    one process; two workers sharing one in-flight table and ledger (one process's load view, each worker
-    its own learned state); and the --workers host as it runs, each worker its own row of the shared table
-    (the host's backlog bound: the sum less the largest progress, or the largest worker's own bound)."""
+    """Rounds 14-15: where a --workers 2 host loses against one process. Per seed, side by side: one
+    process; two workers sharing one in-flight table and ledger (one process's load view, each worker its
+    own learned state); the --workers host as the Deployment runs it, without routing.peer_load, each
+    worker its own row of the shared table (the host's queued prefill read from the shared block,
+    `SharedInflight.backlog`); and the same host with routing.peer_load and no other replica (the
+    host-mates' entries merged by age, `FleetView`)."""
     load = mooncake_load(load_filter)
     _name, trace, window, speed, _busy = load
     wl = _workload(trace, window)
     shapes = {
         "one process": {},
         "2 workers, one table": {"workers": 2, "load_view": "own"},
-        "2 workers, shared-memory host": {"workers": 2, "load_view": "peers", "peer_refresh_ms": 10.0},
+        "2 workers, shared-memory host": {"workers": 2, "host_table": True},
+        "2 workers, shared-memory host, peer_load": {"workers": 2, "load_view": "peers", "peer_refresh_ms": 10.0},
     }
     got: dict[str, list[dict]] = {k: [] for k in shapes}
     for seed in range(seeds):
