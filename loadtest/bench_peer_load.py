@@ -254,6 +254,9 @@ def _pick_child(live: int, backends: int, picks: int, peers: bool, profile: bool
         table.acquire(d.backend, 1000)
         if world.progress is not None:
             world.progress[d.backend] += 2000
+            for t in world.tables[:2]:  # each worker's subscriber publishes its count (round 15 on)
+                if hasattr(t, "publish_count"):
+                    t.publish_count(d.backend)
         world.live[0].append((d.backend, 1000))
         if len(world.live[0]) > keep:
             old, tok = world.live[0].pop(world.rng.randrange(len(world.live[0]) // 2))

@@ -147,9 +147,10 @@ class ReplayConfig:
     replicas: int = 1
     workers: int = 1
     shared_worker_load: bool = True
-    # With workers > 1 and shared load, and load_view "own": False, the workers of a replica share one
-    # in-flight table and one work ledger (an idealised host: one process's load view, each worker its
-    # own learned state); True, each worker has its own row of the proxy's shared-memory table
+    # With workers > 1 and shared load, and load_view "own" or "engines" (what a replica reads without
+    # routing.peer_load: its own load, or with routing.shared_backends also the engines'): False, the
+    # workers of a replica share one in-flight table and one work ledger (an idealised host: one
+    # process's load view, each worker its own learned state); True, each has its own row of the proxy's shared-memory table
     # (SharedInflightTable) and its own ledger, as `--workers N` runs without routing.peer_load (the
     # shipped Deployment): the host's queued prefill is read from the shared block
     # (`SharedInflight.backlog`). (load_view "peers" always models the shared-memory host.)
@@ -192,6 +193,8 @@ class ReplayConfig:
 #             per-backend in-flight requests, tokens and queued uncached prefill, and reads the others'
 #             (the policy's `peers` input), with `routing.shared_backends` as the fallback
 LOAD_VIEWS = ("own", "engines", "fleet-counts", "peers")
+# The load views a replica has without routing.peer_load: `host_table` models its --workers host with them.
+HOST_TABLE_VIEWS = ("own", "engines")
 INDEXES = ("learned", "precise")
 # The precise index's lookup in each process:
 #   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
@@ -308,7 +311,7 @@ def scaleout_label(cfg: ReplayConfig) -> str:
     parts = [f"R{cfg.replicas}xW{cfg.workers}", cfg.index]
     if cfg.workers > 1:
         parts.append("shared-load" if cfg.shared_worker_load else "separate-load")
-        if cfg.host_table and cfg.shared_worker_load and cfg.load_view == "own":
+        if cfg.host_table and cfg.shared_worker_load and cfg.load_view in HOST_TABLE_VIEWS:
             parts.append("shm-host")
     if cfg.index == "precise":
         parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
@@ -429,7 +432,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     # --workers hosts (see ReplayConfig.peer_recent): per process (its replica, its table, its ledger), and
     # what it last read from the others.
     hosts = (cfg.workers > 1 and cfg.shared_worker_load and policy is None
-             and (cfg.load_view == "peers" or (cfg.host_table and cfg.load_view == "own")))
+             and (cfg.load_view == "peers" or (cfg.host_table and cfg.load_view in HOST_TABLE_VIEWS)))
     host_procs: list[tuple[int, SharedInflightTable, WorkLedger]] = []
     proc_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas * cfg.workers)]
     # With the index, the ledgers (and a --workers host's shared table) follow the engines' progress, as
@@ -605,6 +608,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 kvidx.removed(name, ev.keys)
             else:
                 kvidx.clear(name)
+        for _r, table, _ledger in host_procs:  # each worker's subscriber publishes its count (on_progress)
+            table.publish_count(name)
 
     while True:
         t_arr = arrivals[i] + net if i < len(items) else inf
@@ -782,7 +787,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shared-worker-load", action=argparse.BooleanOptionalAction, default=True,
                     help="workers of one replica share in-flight counts and the work ledger (the product does)")
     ap.add_argument("--host-table", action="store_true",
-                    help="with --workers > 1 and --load-view own: each worker its own row of the proxy's "
+                    help="with --workers > 1 and --load-view own or engines: each worker its own row of the proxy's "
                          "shared-memory in-flight table and its own ledger, as --workers runs without "
                          "routing.peer_load (default: one table and ledger for all, an idealised host)")
     ap.add_argument("--index", default="learned", choices=INDEXES,

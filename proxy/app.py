@@ -322,6 +322,9 @@ class AffinityProxy:
             on_reload.extend(self._host.on_reload)
         # KV-event subscriber (a data-plane service, one per routing process): its subscriptions follow reloads.
         self.kv_events = self.precise.subscriber(self.metrics.registry, self.store) if self.precise is not None else None
+        if self.kv_events is not None and isinstance(self.inflight, SharedInflightTable) and self.inflight.row is not None:
+            # Its host-mates measure this worker's entries' progress with its index's count, as of its events.
+            self.kv_events.on_progress = self.inflight.publish_count
         if self.kv_events is not None:
             on_reload.append(self.kv_events.reload)
         if self.peer_load is not None:

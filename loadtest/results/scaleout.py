@@ -60,6 +60,8 @@ def flags(cfg: ReplayConfig) -> str:
         out.append(f"--workers {cfg.workers}")
         if not cfg.shared_worker_load:
             out.append("--no-shared-worker-load")
+        elif cfg.host_table and cfg.load_view != "peers":
+            out.append("--host-table")
     if cfg.index != "learned":
         out.append(f"--index {cfg.index} --kv-event-delay-ms {cfg.kv_event_delay_ms:g}")
         if cfg.precise_lookup != "proxy":
@@ -267,6 +269,18 @@ def suite(name: str) -> list[ReplayConfig]:
                 for jitter in (1.0, 20.0) if seed == 0 else (20.0,):
                     cfgs.append(ReplayConfig(policy="affinity", index="precise", seed=seed, arrival_jitter_ms=jitter,
                                              affinity_overrides=sets))
+    elif name == "round15-host":
+        # Round 15: --workers hosts without routing.peer_load, as the Deployment runs them (each worker its
+        # own row of the shared-memory table, `host_table`), next to one process: with the engines' KV
+        # events (one host of 2 workers, and 2 replicas of one each: the Deployment) and without (the
+        # learned index), the defaults, eight seeds at 1 ms. The same suite on round 14's host read is
+        # recorded with the note "@ round 14 host read" (`round15`).
+        for seed in range(8):
+            for index, shapes in (("precise", ((1, 1), (1, 2), (2, 2))), ("learned", ((1, 1), (1, 2)))):
+                for r, w in shapes:
+                    cfgs.append(ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, seed=seed,
+                                             arrival_jitter_ms=1.0, host_table=w > 1,
+                                             affinity_overrides=ROUND15_SETS[index]))
     elif name == "prefix":  # the rows of `core` with the matcher's defer_prefix on
         cfgs = [c for c in suite("core") if c.precise_lookup == "proxy-prefix"]
     elif name == "views":
@@ -559,6 +573,87 @@ def progress_table(settings_list: Sequence[str] = ROUND13_SETTINGS, base: str = 
                           f"{settings or base_label} | {len(seeds)} | {statistics.mean(hits):.1f}% "
                           f"({min(hits):.1f}-{max(hits):.1f}) | {statistics.mean(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) "
                           f"| {vs} | {vs1} |")
+
+
+ROUND15_NOTE = " @ round 14 host read"
+# Round 15's settings, the defaults named (rows without settings are of older defaults): with KV events
+# (round 14's rows of one process are these), and without (uncached_weight resolves to 3 there).
+ROUND15_SETS = {"precise": (("running_weight", 0.5), ("uncached_weight", 2.0)),
+                "learned": (("running_weight", 0.5), ("uncached_weight", 3.0))}
+
+
+def import_rows(other: Path, suite_name: str, note: str) -> None:
+    """Append the rows of `suite_name` that another checkout recorded (its scaleout.jsonl; e.g. the suite
+    run on older code) to this one's, each key and its flags with `note` (" @ words": parse_flags keeps
+    it apart), unless already there."""
+    keys = {key_of(ld, c) for ld in LOADS for c in suite(suite_name)}
+    have = {r["key"] for r in _rows()} if OUT.exists() else set()
+    added = 0
+    with OUT.open("a") as fh:
+        for line in other.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if row["key"] in keys and row["key"] + note not in have:
+                row["key"] += note
+                row["flags"] += note
+                fh.write(json.dumps(row) + "\n")
+                added += 1
+    print(f"{added} rows of {suite_name} from {other}{note}")
+
+
+def round15_table() -> None:
+    """Round 15 (suite round15-host): per Mooncake load, each --workers host without routing.peer_load
+    (and one process, the reference) with and without KV events: hit of the LRU bound and TTFT mean over
+    seeds, against one process of the same index and seeds, and against the same shape on round 14's
+    host read (rows noted ROUND15_NOTE, the suite run on that code)."""
+    rows = _rows()
+    print("| load | index | R x W | seeds | hit of the bound: mean (min-max) | TTFT mean ms: mean (min-max) "
+          "| vs one process, same seeds: hit pts / TTFT | round 14's host read: TTFT mean ms | this vs round 14, same seeds: hit pts / TTFT |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, window, speed in [(ld[0], ld[2], ld[3]) for ld in LOADS if ld[0] == "mooncake"]:
+        bound = _window_bound(rows, name, window)
+        if not bound:
+            continue
+        prefix = f"{name} {window[0]:g}:{window[1]:g} x{speed:g} | "
+        for index in ("precise", "learned"):
+            for r, w in ((1, 1), (1, 2), (2, 2)):
+                cfg0 = ReplayConfig(policy="affinity", replicas=r, workers=w, index=index, arrival_jitter_ms=1.0,
+                                    host_table=w > 1, affinity_overrides=ROUND15_SETS[index])
+                this, old, one = {}, {}, {}
+                for seed in range(8):
+                    key = prefix + flags(replace(cfg0, seed=seed))
+                    this_row = next((x for x in rows if x["key"] == key), None)
+                    if this_row is None:
+                        continue
+                    this[seed] = this_row
+                    old_row = next((x for x in rows if x["key"] == key + ROUND15_NOTE), None)
+                    if old_row is not None:
+                        old[seed] = old_row
+                    one_key = prefix + flags(replace(cfg0, seed=seed, replicas=1, workers=1, host_table=False))
+                    one_row = next((x for x in rows if x["key"] == one_key), None)
+                    if one_row is not None:
+                        one[seed] = one_row
+                if not this:
+                    continue
+                seeds = sorted(this)
+                hits = [100 * (this[k]["hit_ratio"] or 0) / bound for k in seeds]
+                ttft = [1000 * this[k]["ttft_mean"] for k in seeds]
+
+                def vs(ref: dict[int, dict]) -> str:
+                    both = [k for k in seeds if k in ref]
+                    if not both or ref is this:
+                        return " "
+                    dh = sum(100 * ((this[k]["hit_ratio"] or 0) - (ref[k]["hit_ratio"] or 0)) / bound for k in both)
+                    t = sum(this[k]["ttft_mean"] for k in both) / sum(ref[k]["ttft_mean"] for k in both)
+                    return f"{dh / len(both):+.1f} / {100 * (t - 1):+.1f}% ({len(both)})"
+
+                old_t = [1000 * old[k]["ttft_mean"] for k in seeds if k in old]
+                old_s = f"{statistics.mean(old_t):,.0f} ({min(old_t):,.0f}-{max(old_t):,.0f})" if old_t else " "
+                print(f"| {window[0]:g}:{window[1]:g} x{speed:g} | {index} | {r} x {w} | {len(seeds)} "
+                      f"| {statistics.mean(hits):.1f}% ({min(hits):.1f}-{max(hits):.1f}) "
+                      f"| {statistics.mean(ttft):,.0f} ({min(ttft):,.0f}-{max(ttft):,.0f}) "
+                      f"| {vs(one) if (r, w) != (1, 1) else ' '} | {old_s} | {vs(old)} |")
 
 
 def screen_table(settings_list: Sequence[str], base: str = "running_weight=0.5") -> None:
@@ -1045,7 +1140,7 @@ SUITES = ("core", "prefix", "views", "matrix", "round4", "round4b", "round5", "r
           "round11-eviction", "round11-eviction20", "round11-repeats", "round11-eps", "round11-eps20",
           "round11-eps-learned", "round11-eps-learned20", "round13-weight-0", "round13-weight-0.25",
           "round13-weight-0.5", "round13-weight-0.75", "round13-weight-0.25-shapes", "round13-weight-0.5-shapes",
-          "round13-weight-0.75-shapes")
+          "round13-weight-0.75-shapes", "round15-host")
 # Round 14's suites take affinity settings after the colon: round14-R1:uncached_weight=2,cost_epsilon=0.5.
 ROUND14_SUITES = ("round14-R1:", "round14-pair:", "round14-shapes:")
 
@@ -1075,6 +1170,11 @@ def main() -> None:
     sub.add_parser("spread")
     sub.add_parser("progress", help="round 13: with and without the ledger's progress, side by side")
     sub.add_parser("round14", help="round 14: the screens at running_weight 0.5, then uncached_weight 2 against 3")
+    sub.add_parser("round15", help="round 15: --workers hosts without routing.peer_load (suite round15-host)")
+    imp = sub.add_parser("import-rows", help="append another checkout's rows of a suite with a note (round15)")
+    imp.add_argument("jsonl", type=Path, help="the other checkout's loadtest/results/scaleout.jsonl")
+    imp.add_argument("--suite", default="round15-host")
+    imp.add_argument("--note", default=ROUND15_NOTE)
     d = sub.add_parser("decompose")
     d.add_argument("--load", required=True, help="a Mooncake load, e.g. 0:300x1")
     d.add_argument("--affinity-set", action="append", default=[], metavar="KEY=VALUE")
@@ -1111,6 +1211,10 @@ def main() -> None:
         spread_plot()
     elif args.cmd == "progress":
         progress_table()
+    elif args.cmd == "round15":
+        round15_table()
+    elif args.cmd == "import-rows":
+        import_rows(args.jsonl, args.suite, args.note)
     elif args.cmd == "round14":
         screen_table(ROUND14_SCREENS)
         print()

@@ -125,6 +125,9 @@ class KVEventSubscriber:
         `load_tokenizers`: called with `telemetry.kv_events.tokenizers` of every reloaded configuration
         (`PreciseMatcher.load_tokenizers`: a model added, or whose folder changed, gets its tokenizer)."""
         self.index = index
+        # Called with a backend's name after each batch of its events is applied (a --workers worker:
+        # `SharedInflightTable.publish_count`, so its host-mates read its index's count as of now).
+        self.on_progress: Callable[[str], None] | None = None
         self._feeds: dict[str, _Feed] = {}
         self._tracked: dict[str, str] = {}  # backend -> the model its block keys are seeded with
         for name, ep in backends.items():
@@ -423,6 +426,8 @@ class KVEventSubscriber:
             applied += 1
             if isinstance(ev, AllBlocksCleared):
                 _log.info("KV events from %s: all blocks cleared", name)
+        if applied and self.on_progress is not None:
+            self.on_progress(name)
         now = self._clock()
         feed.recent.append((now, applied))
         feed.last_ts = batch.ts

@@ -26,11 +26,12 @@ itself.
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, islice
-from operator import add
+from operator import add, ge, sub
 from typing import Callable, Mapping, cast
 
 from proxy.core.decision import Inflight
@@ -210,7 +211,12 @@ class SharedLayout:
     backend's rows are adjacent, so a read sums one short contiguous run. Then the
     ledger rings (`recent` entries per worker and backend): int64 epoch[row] (each worker's refresh
     count), appended[slot][row] (entries ever appended to the ring), stamp[slot][row][recent] (the epoch
-    of each entry); float64 tokens[slot][row][recent].
+    of each entry), mark[slot][row][recent] (the backend's progress count in that worker's index when
+    the entry was recorded), seq[slot][row][recent] (the entry's place among every worker's sends to
+    the backend: one more than the newest of any worker's when it was recorded), count[slot][row] (the
+    worker's progress count as it last published it); float64 tokens[slot][row][recent] (the policy's
+    estimate), engine[slot][row][recent] (the same in engine tokens): what a worker reads the host's
+    newest K entries from (`SharedInflightTable.host_estimate`).
     """
 
     rows: int
@@ -231,12 +237,12 @@ class SharedLayout:
 
     @property
     def ring_int_cells(self) -> int:
-        return self.rows + self.slots * self.rows * (1 + self.recent)
+        return self.rows + self.slots * self.rows * (2 + 3 * self.recent)
 
     @property
     def size(self) -> int:
         """Bytes the buffer must have."""
-        return self._base + 8 * (self.ring_int_cells + self.slots * self.rows * self.recent)
+        return self._base + 8 * (self.ring_int_cells + 2 * self.slots * self.rows * self.recent)
 
     def views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
         """The int64 and float64 cells of `buf` (in-flight work; queued prefill and its progress)."""
@@ -246,7 +252,8 @@ class SharedLayout:
         return buf[:split].cast("q"), buf[split:self._base].cast("d")
 
     def ring_views(self, buf: memoryview) -> tuple[memoryview[int], memoryview[float]]:
-        """The ledger rings' int64 cells (epochs, counts, stamps) and float64 cells (tokens) of `buf`."""
+        """The ledger rings' int64 cells (epochs, appended, stamps, marks, counts) and float64 cells
+        (tokens, engine tokens) of `buf`."""
         if len(buf) < self.size:
             raise ValueError(f"shared in-flight buffer has {len(buf)} bytes, the layout needs {self.size}")
         split = self._base + 8 * self.ring_int_cells
@@ -261,10 +268,11 @@ class SharedInflight(Inflight):
     as of now before `queued` reads it."""
 
     __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "_p", "_pend", "_b", "_bend",
-                 "_refresh", "slot")
+                 "_refresh", "_merged", "slot")
 
     def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int,
-                 refresh: Callable[[], None] | None = None) -> None:
+                 refresh: Callable[[], None] | None = None,
+                 merged: Callable[[], tuple[float, float]] | None = None) -> None:
         rows = layout.rows
         self._ints = ints
         self._floats = floats
@@ -279,6 +287,7 @@ class SharedInflight(Inflight):
         self._b = self._p + layout.slots * rows
         self._bend = self._b + rows
         self._refresh = refresh
+        self._merged = merged
 
     @property
     def requests(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
@@ -291,19 +300,31 @@ class SharedInflight(Inflight):
 
     @property
     def queued(self) -> float:
-        """Estimated uncached prefill tokens queued on the backend, over every worker: the sum of their
-        parts (each worker's newest-k sum)."""
+        """Estimated uncached prefill tokens queued on the backend, over every worker: a worker reads the
+        host's newest K entries (K: every worker's live requests there), as one process holding them all
+        would (`merged`, `SharedInflightTable.host_estimate`); the supervisor's view the sum of each
+        worker's own newest k."""
+        if self._merged is not None:
+            return self._merged()[0]
         return sum(self._floats[self._q:self._qend])
 
     def backlog(self) -> tuple[float, float]:
-        """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound:
-        the sum less the largest progress (the progress since the oldest entry counted over all of them),
-        or the largest worker's own bound if that is more, floored at 0 (without: `queued` again)."""
+        """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound
+        (without: `queued` again). A worker's read (`merged`) takes both over the host's newest K entries,
+        as one process holding them all would (`SharedInflightTable.host_estimate`). The supervisor's
+        view, which has no index, reads the parts each worker published as of its last send or read
+        there: the sum less the largest progress (the progress since the oldest entry counted over all of
+        them), or the largest worker's own bound, floored at 0. (Round 14's worker read those too: the
+        sum of each worker's newest k, and a bound that left out the others' sends after a worker's
+        entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on the
+        busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
+        if self._refresh is not None:  # this worker's own parts, for the supervisor's view
+            self._refresh()
+        if self._merged is not None:
+            return self._merged()
         total: float = sum(self._floats[self._q:self._qend])
         if total <= 0.0:
             return total, total
-        if self._refresh is not None:
-            self._refresh()
         floats = self._floats
         got = total - max(floats[self._p:self._pend])
         bound = max(floats[self._b:self._bend])
@@ -352,6 +373,17 @@ class SharedInflightTable(InflightTable):
         self._rints, self._rfloats = layout.ring_views(buf)
         self._epoch = 0
         self._stamps_at = layout.rows + layout.slots * layout.rows
+        cells = layout.slots * layout.rows
+        self._marks_at = self._stamps_at + cells * layout.recent  # mark[slot][row][recent] in the ring ints
+        self._seqs_at = self._marks_at + cells * layout.recent  # seq[slot][row][recent]
+        self._count_at = self._seqs_at + cells * layout.recent  # count[slot][row]
+        self._engine_at = cells * layout.recent  # engine[slot][row][recent] in the ring floats
+        # slot -> (what `host_estimate` last read: per worker its live requests and entries appended; the
+        # tokens in flight, the ratio),
+        # (that read's estimate, its entries' sum, per worker its part of the bound (before the floor),
+        # the counts it was read at), its answer.
+        self._merged_memo: dict[int, tuple[tuple[float, ...], tuple[float, float, list[float], list[int]],
+                                           tuple[float, float]]] = {}
         # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
         # `_ring`'s last answer.
         self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
@@ -391,6 +423,7 @@ class SharedInflightTable(InflightTable):
                 self._rints[self.layout.rows + slot * self.layout.rows + self.row] = 0
                 self._ring_cache.clear()
                 self._source_cache.clear()
+                self._merged_memo.clear()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -408,11 +441,14 @@ class SharedInflightTable(InflightTable):
                 self[name] = self._shared(name, value.slot)
 
     def _shared(self, name: str, slot: int) -> SharedInflight:
-        refresh = None
+        refresh = merged = None
         if self._progress is not None:
             def refresh() -> None:
                 self._publish_progress(name)
-        return SharedInflight(self._ints, self._floats, self.layout, slot, refresh)
+        if self.row is not None:
+            def merged() -> tuple[float, float]:
+                return self.host_estimate(name, slot)
+        return SharedInflight(self._ints, self._floats, self.layout, slot, refresh, merged)
 
     # -- this worker's row
 
@@ -484,7 +520,8 @@ class SharedInflightTable(InflightTable):
         if recent is None:
             recent = self._ledger[backend] = RecentWork(self._ledger_depth)
         progress = self._progress
-        recent.append(tokens, progress.get(backend, 0) if progress is not None else 0, tokens / ratio)
+        mark = progress.get(backend, 0) if progress is not None else 0
+        recent.append(tokens, mark, tokens / ratio)
         held = self._own.get(backend)
         if held is not None and held[0] >= 0:
             self._publish(backend, held[0], recent, held[1])
@@ -492,11 +529,15 @@ class SharedInflightTable(InflightTable):
         if slot is not None and self.row is not None:  # the ring the host-mates read (`mates_recent`)
             rows, depth = self.layout.rows, self.layout.recent
             cell = slot * rows + self.row
-            n = self._rints[rows + cell]
+            rints = self._rints
+            n = rints[rows + cell]
             at = cell * depth + n % depth
-            self._rints[self._stamps_at + at] = self._epoch
+            rints[self._stamps_at + at] = self._epoch
+            rints[self._marks_at + at] = mark
+            rints[self._seqs_at + at] = self._next_seq(slot)
             self._rfloats[at] = tokens
-            self._rints[rows + cell] = n + 1  # last: a reader that sees the count sees the entry
+            self._rfloats[self._engine_at + at] = tokens / ratio
+            rints[rows + cell] = n + 1  # last: a reader that sees the count sees the entry
 
     def _publish(self, backend: str, cell: int, recent: RecentWork, own: Inflight) -> None:
         """This worker's part of a backend's queued prefill (and with `progress` the progress since the
@@ -510,6 +551,7 @@ class SharedInflightTable(InflightTable):
         off, ratio = self._p_off, self._ratio
         self._floats[cell + off] = ratio * recent.progress(live, now)
         self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
+        self._rints[self._count_at + cell] = now
         recent.published = (cell, now, live, recent.count, ratio)
 
     def _publish_progress(self, backend: str) -> None:
@@ -530,6 +572,119 @@ class SharedInflightTable(InflightTable):
                 and abs(last[4] - self._ratio) <= 1e-3 * last[4]):
             return
         self._publish_progress_of(cell, recent, live, now)
+
+    def publish_count(self, backend: str) -> None:
+        """The engine's count on `backend` in this worker's index, now, into its row (what a host-mate's
+        `host_estimate` measures this worker's entries' progress with): called after every batch of the
+        backend's events this worker applies (`KVEventSubscriber.on_progress`), so a mate's read is never
+        older than the events; its own reads and sends publish it too."""
+        progress = self._progress
+        slot = self._slots.get(backend)
+        if progress is None or slot is None or self.row is None:
+            return
+        self._rints[self._count_at + slot * self.layout.rows + self.row] = progress.get(backend, 0)
+
+    def _next_seq(self, slot: int) -> int:
+        """One more than the newest entry's seq of any worker on `slot` (0 with none): entries of every
+        worker in the order they were sent (two workers' sends at the same moment may tie), also after a
+        worker restarted (its row cleared)."""
+        rints, rows, depth = self._rints, self.layout.rows, self.layout.recent
+        first = slot * rows
+        newest = -1
+        for cell in range(first, first + rows):
+            n = rints[rows + cell]
+            if n > 0:
+                seq = rints[self._seqs_at + cell * depth + (n - 1) % depth]
+                if seq > newest:
+                    newest = seq
+        return newest + 1
+
+    def host_estimate(self, backend: str, slot: int) -> tuple[float, float]:
+        """The host's queued prefill on `backend` (its `slot`) as one process holding every worker's
+        entries estimates it (`WorkLedger.pending`), and with progress its backlog bound (else the same
+        again): K = every worker's live requests there; the newest K entries of all the workers' rings
+        by seq, their sum, live requests beyond them at the in-flight average; the bound, max over those
+        entries j of (the engine tokens sent from j on, less the progress since j), times this worker's
+        ratio, at most the sum, plus what the sum counts beyond the entries. An entry's progress is its
+        own worker's count now less its mark (a difference within one index: the workers' counts need
+        not agree; each publishes its count after every batch of events, `publish_count`). A worker's
+        ring keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
+        answer is kept until a worker's live requests, entries or count there change."""
+        rows, depth = self.layout.rows, self.layout.recent
+        ints, rints = self._ints, self._rints
+        first = slot * rows
+        live = ints[first:first + rows].tolist()
+        k = sum(live)
+        if k <= 0 or self.row is None:
+            return 0.0, 0.0
+        tokens: int = sum(ints[self._tok_off + first:self._tok_off + first + rows])
+        counts = rints[rows + first:rows + first + rows].tolist()
+        progress = self._progress
+        nows: list[int] = []
+        if progress is not None:
+            nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
+            nows[self.row] = progress.get(backend, 0)
+        key = (*live, *counts, tokens, self._ratio)
+        kept = self._merged_memo.get(slot)
+        if kept is not None and kept[0] == key:
+            # The same entries: only the counts may have moved, and an entry's progress with its own
+            # worker's count, so each worker's part of the bound by as much (`_answer`).
+            got, total, parts, then = kept[1]
+            if not nows:
+                return got, got
+            if nows == then:
+                return kept[2]
+            if all(map(ge, nows, then)):
+                answer = self._answer(got, total, max(map(sub, parts, map(sub, nows, then))))
+                self._merged_memo[slot] = (key, (got, total, list(map(sub, parts, map(sub, nows, then))), nows), answer)
+                return answer
+        rfloats = self._rfloats
+        # Every worker's newest min(K, ring) entries: (seq, row, its estimate, engine tokens, progress since).
+        entries: list[tuple[int, int, float, float, int]] = []
+        for r in range(rows):
+            count = counts[r]
+            n = min(k, count, depth)
+            if n <= 0:
+                continue
+            base = (first + r) * depth
+            lo, hi = (count - n) % depth, count % depth or depth
+            spans: list[tuple[int, int]] = [(base + lo, base + hi)] if lo < hi else [
+                (base + lo, base + depth), (base, base + hi)]  # wrapped: lo .. depth - 1, then 0 .. hi - 1
+            now = nows[r] if nows else 0
+            for a, b in spans:
+                seqs = rints[self._seqs_at + a:self._seqs_at + b].tolist()
+                est = _floats(rfloats[a:b])
+                if nows:
+                    marks = rints[self._marks_at + a:self._marks_at + b].tolist()
+                    engine = _floats(rfloats[self._engine_at + a:self._engine_at + b])
+                    entries += [(q, r, t, e, now - m if now > m else 0)
+                                for q, t, e, m in zip(seqs, est, engine, marks)]
+                else:
+                    entries += [(q, r, t, 0.0, 0) for q, t in zip(seqs, est)]
+        entries.sort(reverse=True)
+        del entries[k:]
+        known = len(entries)
+        total = 0.0
+        sent = 0.0
+        # Per worker, the largest (sent from its entry j on - the progress since j) over its counted entries.
+        parts = [-math.inf] * rows
+        for _q, r, t, e, done in entries:  # newest first: what was sent from each entry on
+            total += t
+            sent += e
+            if sent - done > parts[r]:
+                parts[r] = sent - done
+        got = with_unrecorded(total, known, k, tokens)
+        answer = self._answer(got, total, max(parts)) if nows else (got, got)
+        self._merged_memo[slot] = (key, (got, total, parts, nows), answer)
+        return answer
+
+    def _answer(self, got: float, total: float, bound: float) -> tuple[float, float]:
+        """`host_estimate`'s answer from the newest-K estimate `got` (`total` of it the entries') and the
+        bound in engine tokens before its floor, as `WorkLedger.pending` reads one process's."""
+        backlog = self._ratio * bound if bound > 0.0 else 0.0
+        if backlog > got:
+            backlog = got
+        return got, backlog + got - total
 
     def tick(self) -> None:
         """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the
@@ -694,8 +849,10 @@ def clear_row(buf: memoryview, layout: SharedLayout, row: int) -> None:
     ints[2 * layout.slots * rows + row] = 0
     rints, _ = layout.ring_views(buf)
     rints[row] = 0
+    count_at = rows + layout.slots * rows * (1 + 3 * layout.recent)  # count[slot][row] (SharedLayout)
     for slot in range(layout.slots):
         rints[rows + slot * rows + row] = 0
+        rints[count_at + slot * rows + row] = 0
 
 
 def slot_is_idle(buf: memoryview, layout: SharedLayout, slot: int) -> bool:

@@ -308,3 +308,31 @@ async def test_precise_wait_ms_is_validated_and_wires_the_routers_hook() -> None
     assert off is not None and off.prepare is None  # never wait: the learned index routes long first sightings
     with pytest.raises(ValueError, match="precise_wait_ms"):
         parse_config(base + "    precise_wait_ms: -5\n")
+
+
+async def test_a_workers_host_mates_read_its_index_count_as_of_each_batch(rig) -> None:
+    """A --workers worker's subscriber publishes its index's count after every batch it applies
+    (`on_progress`), so a host-mate's read of the host's queued prefill subtracts the engine's progress
+    since this worker's entry at once, not as of this worker's next request there."""
+    from proxy.core.inflight import SharedInflightTable, SharedLayout
+    from proxy.core.work_ledger import WorkLedger
+
+    r = rig()
+    layout = SharedLayout(rows=2, slots=1)
+    buf = memoryview(bytearray(layout.size))
+    w0, w1 = SharedInflightTable(buf, layout, 0), SharedInflightTable(buf, layout, 1)
+    for t in (w0, w1):
+        t.assign({"b0": 0})
+    w0.follow_progress(r.index.progress)
+    w1.follow_progress({"b0": 0})  # the mate's own index (not fed here)
+    r.sub.on_progress = w0.publish_count
+    r.pub.start()
+    await r.sub.start()
+    await r.connected()
+    WorkLedger(progress=r.index.progress).record("b0", 100.0, w0)
+    w0.acquire("b0", 100)
+    assert w1["b0"].backlog() == (100.0, 100.0)
+    # One prefill of three blocks (12 tokens) stored since worker 0's entry (single blocks are decode).
+    r.pub.publish([Stored((100, 101, 102), None, tuple(W[:3 * BS]), None)])
+    await _until(lambda: w1["b0"].backlog() == (100.0, 88.0))
+    w0.release("b0", 100)

@@ -159,6 +159,101 @@ def test_a_host_subtracts_its_oldest_workers_progress_whatever_each_workers_own_
     assert view["gpu"].backlog() == (0.0, 0.0)
 
 
+def test_a_hosts_bound_counts_every_workers_entries_sent_after_one_as_one_process_does() -> None:
+    """Worker 0 sent a short prompt long ago (computed; it is decoding), then worker 1 and worker 0 one
+    long prompt each at the same moment; the engine has computed 10,000 tokens since. One process holding
+    the three entries reads 60,000 sent since the long ones, 10,000 done: 50,000 queued. Each worker's own
+    bound sees only its own long prompt (20,000) and the sum less the oldest entry's progress counts the
+    short one alone (1,000): a worker's read merges both rows (the counts offset, as two indexes started
+    at different times) and counts the host's newest entries, as one process; the supervisor's view
+    (without the rings) still reads the parts."""
+    layout = SharedLayout(rows=2, slots=1)
+    buf = memoryview(bytearray(layout.size))
+    w0, w1, view = (SharedInflightTable(buf, layout, row) for row in (0, 1, None))
+    for t in (w0, w1, view):
+        t.assign({"gpu": 0})
+    p0, p1 = {"gpu": 0}, {"gpu": 1_000_000}
+    w0.follow_progress(p0)
+    w1.follow_progress(p1)
+    l0, l1 = WorkLedger(progress=p0), WorkLedger(progress=p1)
+    one = WorkLedger(progress=p0)  # one process that sent all three
+
+    def send(ledger: WorkLedger, table: SharedInflightTable, tokens: float) -> None:
+        ledger.record("gpu", tokens, table)
+        table.acquire("gpu", int(tokens))
+        one.record("gpu", tokens)
+
+    def events(tokens: int) -> None:  # each worker's subscriber applies them and publishes its count
+        p0["gpu"] += tokens
+        p1["gpu"] += tokens
+        w0.publish_count("gpu")
+        w1.publish_count("gpu")
+
+    send(l0, w0, 1000.0)
+    events(50000)
+    send(l1, w1, 30000.0)
+    send(l0, w0, 30000.0)
+    events(10000)
+    assert one.pending("gpu", Inflight(3, 61000), 0.0) == 50000.0
+    assert w0["gpu"].backlog() == (61000.0, 50000.0)
+    assert w1["gpu"].backlog() == (61000.0, 50000.0)
+    assert view["gpu"].backlog() == (61000.0, 20000.0)
+    assert WorkLedger().pending("gpu", w1["gpu"], 0.5) == 50000.0 + 0.5 * 11000.0
+    # Worker 1's long prompt finished. Two live: like one process, the host counts its newest two
+    # entries (the two long prompts: which request finished is not known), not worker 0's own two.
+    w1.release("gpu", 30000)
+    assert one.pending("gpu", Inflight(2, 31000), 0.0) == 50000.0
+    assert w0["gpu"].backlog() == w1["gpu"].backlog() == (60000.0, 50000.0)
+    assert view["gpu"].backlog() == (31000.0, 20000.0)  # the view: worker 0's own parts
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_hosts_estimate_is_one_processs_over_every_workers_entries(seed: int) -> None:
+    """Random sends from three workers (each ring 8 deep, so they wrap), random completions, random
+    progress: each worker reads the queued prefill and the bound one process that sent everything reads,
+    at every weight, with and without the engines' events, as long as the host's live requests fit one
+    ring; beyond, the entries out of the rings count at the in-flight average."""
+    import random
+
+    rng = random.Random(seed)
+    layout = SharedLayout(rows=3, slots=1, recent=8)
+    events = seed % 2 == 0
+    progress = {"gpu": 0}
+    buf = memoryview(bytearray(layout.size))
+    tables = [SharedInflightTable(buf, layout, row) for row in range(3)]
+    ledgers = [WorkLedger(progress=progress if events else None) for _ in range(3)]
+    for t in tables:
+        t.assign({"gpu": 0})
+        if events:
+            t.follow_progress(progress)
+    one = WorkLedger(progress=progress if events else None)
+    live: list[tuple[int, int]] = []  # (worker, tokens) of the requests in flight
+    for step in range(80):
+        if live and rng.random() < 0.4:
+            w, tokens = live.pop(rng.randrange(len(live)))
+            tables[w].release("gpu", tokens)
+        else:
+            w = rng.randrange(3)
+            tokens = rng.choice((500, 2000, 8000, 30000))
+            ledgers[w].record("gpu", float(tokens), tables[w])
+            tables[w].acquire("gpu", tokens)
+            one.record("gpu", float(tokens))
+            live.append((w, tokens))
+        if events:
+            progress["gpu"] += rng.choice((0, 0, 1000, 5000, 20000))
+            for t in tables:
+                t.publish_count("gpu")
+        flight = Inflight(len(live), sum(tokens for _w, tokens in live))
+        for weight in (0.0, 0.5, 1.0):
+            expect = one.pending("gpu", flight, weight)
+            for t in tables:
+                got = WorkLedger().pending("gpu", t["gpu"], weight)
+                if len(live) <= 8:
+                    assert got == expect, (seed, step, weight)
+                elif not events or weight >= 1.0:
+                    assert got <= expect + 1e-6 * expect or len(live) > 8
+
+
 def _one_worker_host(progress: dict[str, int]) -> SharedInflightTable:
     """The shared table of a --workers host's only worker, with one backend "gpu", following `progress`."""
     layout = SharedLayout(rows=1, slots=1)

@@ -85,6 +85,22 @@ async def test_workers_without_shared_load_each_see_only_their_own_requests() ->
     assert collections.Counter(r.status for r in separate.records) == {200: 60}
 
 
+async def test_a_host_table_replays_each_worker_on_its_own_row_of_the_shared_block() -> None:
+    """host_table: a --workers host as the Deployment runs it (no routing.peer_load): each worker its own
+    row of the proxy's SharedInflightTable and its own ledger, the host's queued prefill read from the
+    block; not the idealised host whose workers share one table and ledger."""
+    w = workload()
+    cfg = replace(BASE, workers=2, index="precise", speed=10.0)
+    ideal, host = await replay(w, cfg), await replay(w, replace(cfg, host_table=True))
+    assert host.meta["label"] == "replay:affinity R1xW2 precise shared-load shm-host delay 50ms"
+    assert [r.backend for r in ideal.records] != [r.backend for r in host.records]
+    assert collections.Counter(r.status for r in host.records) == {200: 60}
+    again = await replay(w, replace(cfg, host_table=True))
+    assert [(r.backend, r.ttft) for r in host.records] == [(r.backend, r.ttft) for r in again.records]
+    # Only with shared load and the own load view (load_view "peers" always runs the shared block).
+    assert "shm-host" not in scaleout_label(replace(cfg, host_table=True, load_view="peers"))
+
+
 def test_labels_name_the_scale_out_shape() -> None:
     assert scaleout_label(ReplayConfig()) == ""
     assert scaleout_label(ReplayConfig(replicas=4, load_view="engines")) == " R4xW1 learned load engines"
