@@ -583,9 +583,9 @@ ROUND15_SETS = {"precise": (("running_weight", 0.5), ("uncached_weight", 2.0)),
 
 
 def import_rows(other: Path, suite_name: str, note: str) -> None:
-    """Append the rows of `suite_name` that another checkout recorded (its scaleout.jsonl; e.g. the suite
-    run on older code) to this one's, each key and its flags with `note` (" @ words": parse_flags keeps
-    it apart), unless already there."""
+    """Append the --workers host rows of `suite_name` that another checkout recorded (its scaleout.jsonl;
+    e.g. the suite run on older code) to this one's, each key and its flags with `note` (" @ words":
+    parse_flags keeps it apart), unless already there."""
     keys = {key_of(ld, c) for ld in LOADS for c in suite(suite_name)}
     have = {r["key"] for r in _rows()} if OUT.exists() else set()
     added = 0
@@ -594,7 +594,7 @@ def import_rows(other: Path, suite_name: str, note: str) -> None:
             if not line.strip():
                 continue
             row = json.loads(line)
-            if row["key"] in keys and row["key"] + note not in have:
+            if row["key"] in keys and row["key"] + note not in have and "--host-table" in row["key"]:
                 row["key"] += note
                 row["flags"] += note
                 fh.write(json.dumps(row) + "\n")
