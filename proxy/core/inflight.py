@@ -16,11 +16,14 @@ never torn; a sum over the rows may be one update old, like any counter read con
 holds per backend: the worker's requests and tokens in flight, and its share of the queued uncached
 prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py), and
 with the engines' KV events the progress its own index has seen since the oldest of those (the
-ledger's "Progress"), its newest `recent` ledger entries (uncached tokens, stamped with the worker's refresh epoch) in a ring,
-with the worker's current epoch: with routing.peer_load a worker reads its host-mates' entries and counts
-from here, both of one moment, rather than as they last published them to Redis (`mates`, `mates_recent`;
-proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates no shared memory
-itself.
+ledger's "Progress") and its index's count now; its newest `recent` ledger entries in a ring (uncached
+tokens, stamped with the worker's refresh epoch, its count at the send and the entry's place among every
+worker's sends to the backend), with the worker's current epoch. A worker reads the host's queued
+prefill from the rings, the newest K of every worker's entries as one process holding them all would
+(`SharedInflightTable.host_estimate`); with routing.peer_load it reads its host-mates' entries and counts
+from here, both of one moment, rather than as they last published them to Redis (`mates`,
+`mates_recent`; proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates
+no shared memory itself.
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ not record (from before a restart) count at the data plane's own per-request ave
 no clock, at most `depth` entries per backend.
 
 With `--workers N` the in-flight mapping is a `SharedInflightTable` (proxy/core/inflight.py): `record`
-also hands the estimate to it, each worker publishes the same estimate for its own live requests into its
-row of the shared block, and `pending` reads the sum over every worker (`SharedInflight.queued`), so the
-cost check sees the prefill every worker has queued on a backend, as one process would.
+also hands the entry to it (into the worker's ring in the shared block, with its place among every
+worker's sends to that backend), and `pending` reads the host's estimate (`SharedInflight.queued`,
+`.backlog`: `SharedInflightTable.host_estimate`), the newest K of every worker's entries (K the host's
+live requests there), so the cost check sees the prefill every worker has queued on a backend, as one
+process would. (Until round 15 it read the sum of each worker's own newest k_w: not additive, see
+below; a --workers 2 host lost 10% TTFT mean to one process on the busiest Mooncake load.)
 
 Across proxy replicas (`routing.peer_load`) the estimate must be the fleet's, and "the newest k entries"
 is not additive: the sum over replicas of each one's newest k_r (k_r its own live count) is not the
@@ -31,8 +34,8 @@ time), `recent()` gives the newest entries as (age in epochs, tokens) for the pu
 `fleet_pending()` merges the other replicas' published entries with this process's own by age and sums
 the fleet's newest K, as one process holding every entry would.
 
-The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
-summed). With `routing.peer_load` each worker publishes its own part for the other hosts
+Within one `--workers` host the shared block orders every worker's entries (above). With
+`routing.peer_load` each worker publishes its own part for the other hosts
 (proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
 (`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
 worker's own row of the shared table as `own` and every other worker's entries, the mates' before the
@@ -64,10 +67,10 @@ ago; from the newest entries on, that prompt still counts. Where each entry's mo
 load path:
 - one process: each entry keeps the backend's count when it was recorded (`BacklogBound`, O(log k) a
   read);
-- a --workers host without peers (`SharedInflight.queued`): each worker publishes, next to its part of
-  the sum, the progress its own index has seen since its oldest counted entry and its own entries'
-  bound (`SharedInflightTable`; differences within one process, so the workers' indexes need not agree
-  on a count), and the host's estimate is the sum less the largest progress, or the largest bound;
+- a --workers host without peers (`SharedInflight.backlog`): each entry in the shared block keeps its
+  worker's count at its record, and each worker publishes its count after every batch of events, so a
+  read takes the bound over the host's newest K entries as one process does (`host_estimate`;
+  differences within one worker's index, so the workers' indexes need not agree on a count);
 - across replicas (`fleet_pending`, `FleetView`): entries carry ages in refresh epochs, so `tick` also
   keeps each backend's count at every epoch (the last `history`), and the bound runs over the fleet's
   newest K by age, each age's progress counted from the start of its epoch (up to one refresh, ~10 ms,
