@@ -91,8 +91,8 @@ from operator import getitem, itemgetter, le, sub
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
-from proxy.core.inflight import (BacklogBound, MateSource, SharedInflight, SharedInflightTable, newest_sum,
-                                 with_unrecorded)
+from proxy.core.inflight import (BacklogBound, HostSource, MateSource, SharedInflight, SharedInflightTable,
+                                 newest_sum, with_unrecorded)
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]
@@ -442,22 +442,36 @@ class WorkLedger:
             epoch = oldest
         return seen[1][epoch % self._history_len]
 
-    def _bound_of(self, backend: str, pairs: list[tuple[int, float]]) -> float:
+    def _bound_of(self, backend: str, pairs: list[tuple[int, float]],
+                  exact: Sequence[tuple[int, float, int]] = ()) -> float:
         """max over the ages a of the counted entries (age, tokens) of (their tokens of age <= a, in
         engine tokens, + the backend's count at the start of a's epoch): the backlog bound plus the count
-        now, in engine tokens."""
+        now, in engine tokens. `exact`: a --workers host's own entries (age, engine tokens, the count at
+        its send), newest first, ages ascending: each counts from its own send, after the younger entries
+        and the host's newer ones of its age (before the other hosts' of its age)."""
         pairs.sort(key=_AGE)
         best = -math.inf
         sent = 0.0
         n = len(pairs)
         per = 1.0 / self.ratio
-        for j in range(n):
+        i, m = 0, len(exact)
+        j = 0
+        while i < m or j < n:
+            if i < m and (j >= n or exact[i][0] <= pairs[j][0]):
+                _a, e, c = exact[i]
+                sent += e
+                v = sent + c
+                if v > best:
+                    best = v
+                i += 1
+                continue
             a, t = pairs[j]
             sent += t * per
             if j + 1 == n or pairs[j + 1][0] != a:
                 v = sent + self._count_at(backend, a)
                 if v > best:
                     best = v
+            j += 1
         return best
 
     def recent(self, backend: str, n: int) -> tuple[RecentEntry, ...]:
@@ -520,10 +534,14 @@ class WorkLedger:
                          host.own if host is not None else inflight.get, weight)
 
     def _newest(self, backend: str, k: int, mates: Sequence[MateSource],
-                cols: Columns, bound: bool = False) -> tuple[float, int, float]:
+                cols: Columns, bound: bool = False, host: HostSource | None = None) -> tuple[float, int, float]:
         """The sum of the newest `k` entries of this ledger's, the mates' and the parts' merged by age
         (ties in that order), how many there were (fewer than k if that is all), and with `bound` and
-        progress their `_bound_of` (else, or with none counted, -inf)."""
+        progress their `_bound_of` (else, or with none counted, -inf). `host`: a --workers worker's host
+        (its own entries and its mates' in the order they were sent, `SharedInflightTable.host_source`),
+        in place of this ledger's and `mates`."""
+        if host is not None:
+            return self._newest_host(backend, k, host, cols, bound)
         entries = self._entries.get(backend)
         if entries:
             seqs: list[Sequence[int]] = [self._epochs[backend]]
@@ -570,6 +588,30 @@ class WorkLedger:
         for part_ages, lo, cum, c in zip(ages, los, cums, islice(counts, j, None)):
             pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(c)]
         return total, sum(counts), self._bound_of(backend, pairs) if pairs else -math.inf
+
+    def _newest_host(self, backend: str, k: int, host: HostSource, cols: Columns,
+                     bound: bool) -> tuple[float, int, float]:
+        """`_newest` with the host's entries as one source, before the other hosts' parts on a tie."""
+        epochs, now, pre, marks, engine = host
+        hint = self._hints.get(backend)
+        counts, age = newest_k(k, [epochs], [now], cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
+        if age >= 0:
+            self._hints[backend] = (age, self._epoch)
+        c = counts[0]
+        total = pre[c]
+        ages, los, _his, cums, base, _n = cols
+        if ages:
+            total += sum([cum[lo + x] for cum, lo, x in zip(cums, los, islice(counts, 1, None))]) - base
+        if not bound or self._progress is None or backend not in self._history:
+            return total, sum(counts), -math.inf
+        last = len(epochs) - 1
+        exact = [(now - epochs[last - x], engine[x], marks[x]) for x in range(c)] if marks else []
+        pairs: list[tuple[int, float]] = []
+        for part_ages, lo, cum, n in zip(ages, los, cums, islice(counts, 1, None)):
+            pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(n)]
+        if not exact and not pairs:
+            return total, sum(counts), -math.inf
+        return total, sum(counts), self._bound_of(backend, pairs, exact)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""
@@ -667,8 +709,10 @@ class FleetView:
                     if plain is None:
                         plain = work._plain[name] = columns_of([part_of(recent)])
                     cols = plain
-                mates = host.mate_sources(name)[1] if host is not None and key is not None else []
-                total, known, best = work._newest(name, live, mates, cols, bounded)
+                # A worker's host as one source (its own entries and its mates' in the order they were
+                # sent, each with its own progress), the other hosts' parts merged with it by age.
+                src = host.host_source(name) if host is not None and key is not None else None
+                total, known, best = work._newest(name, live, [], cols, bounded, src)
                 work._memo[name] = (live, serial, key, recent, total, known, best, bounded)
             got = work._with_bound(name, with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok),
                                    total, best, self._weight)
