@@ -148,7 +148,7 @@ class RecentWork:
     (a ring of running totals), so that a worker republishes its queued prefill on every acquire and
     release for the price of two list reads. Same estimate as `newest_sum` over a deque of `depth`."""
 
-    __slots__ = ("_cum", "_n", "_size", "_marks", "bound", "published")
+    __slots__ = ("_cum", "_n", "_size", "_marks", "bound")
 
     def __init__(self, depth: int) -> None:
         self._size = depth + 1
@@ -156,9 +156,6 @@ class RecentWork:
         self._n = 0
         self._marks = [0] * self._size  # each entry's `mark` (by its index)
         self.bound = BacklogBound(depth)
-        # What its progress cells were last computed from (`SharedInflightTable._publish_progress_of`):
-        # the cell, the backend's count, the live requests, the entries, the ratio.
-        self.published: tuple[int, int, int, int, float] = (-1, 0, 0, 0, 0.0)
 
     @property
     def count(self) -> int:
@@ -275,14 +272,13 @@ class SharedInflight(Inflight):
     """One backend's in-flight work summed over every worker's row: what a policy reads.
 
     Read-only: the owning `SharedInflightTable` writes its own row; `requests`, `tokens` and `queued` are
-    computed from the shared cells at each read. `refresh`: the owner's, to publish its own row's progress
-    as of now before `queued` reads it."""
+    computed from the shared cells at each read. `merged`: the owner's `host_estimate` of this backend (a
+    worker that follows the engines' progress)."""
 
     __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "_p", "_pend", "_b", "_bend",
-                 "_refresh", "_merged", "slot")
+                 "_merged", "slot")
 
     def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int,
-                 refresh: Callable[[], None] | None = None,
                  merged: Callable[[], tuple[float, float]] | None = None) -> None:
         rows = layout.rows
         self._ints = ints
@@ -297,7 +293,6 @@ class SharedInflight(Inflight):
         self._pend = self._p + rows
         self._b = self._p + layout.slots * rows
         self._bend = self._b + rows
-        self._refresh = refresh
         self._merged = merged
 
     @property
@@ -325,14 +320,12 @@ class SharedInflight(Inflight):
         """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound
         (without: `queued` again). A worker's read (`merged`) takes both over the host's newest K entries,
         as one process holding them all would (`SharedInflightTable.host_estimate`). The supervisor's
-        view, which has no index, reads the parts each worker published as of its last send or read
-        there: the sum less the largest progress (the progress since the oldest entry counted over all of
+        view, which has no index, reads the parts each worker published as of its last send or
+        completion there: the sum less the largest progress (the progress since the oldest entry counted over all of
         them), or the largest worker's own bound, floored at 0. (Round 14's worker read those too: the
         sum of each worker's newest k, and a bound that left out the others' sends after a worker's
         entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on the
         busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
-        if self._refresh is not None:  # this worker's own parts, for the supervisor's view
-            self._refresh()
         if self._merged is not None:
             return self._merged()
         total: float = sum(self._floats[self._q:self._qend])
@@ -391,12 +384,12 @@ class SharedInflightTable(InflightTable):
         self._seqs_at = self._marks_at + cells * layout.recent  # seq[slot][row][recent]
         self._count_at = self._seqs_at + cells * layout.recent  # count[slot][row]
         self._engine_at = cells * layout.recent  # engine[slot][row][recent] in the ring floats
-        # slot -> (what `host_estimate` last read: per worker its live requests and entries appended; the
-        # tokens in flight, the ratio),
+        # slot -> (what `host_estimate` last read: per worker its live requests, per worker its entries
+        # appended, the tokens in flight, the ratio),
         # (that read's estimate, its entries' sum, per worker its part of the bound (before the floor),
         # the counts it was read at), its answer.
-        self._merged_memo: dict[int, tuple[tuple[float, ...], tuple[float, float, list[float], list[int]],
-                                           tuple[float, float]]] = {}
+        self._merged_memo: dict[int, tuple[tuple[list[int], list[int], int, float],
+                                           tuple[float, float, list[float], list[int]], tuple[float, float]]] = {}
         # slot -> (its rings' counts and newest seqs, their entries newest first: seq, row, epoch, tokens,
         # mark, engine tokens), what `host_source` last read.
         self._host_sources: dict[int, tuple[list[int], list[tuple[int, int, int, float, int, float]]]] = {}
@@ -458,14 +451,11 @@ class SharedInflightTable(InflightTable):
                 self[name] = self._shared(name, value.slot)
 
     def _shared(self, name: str, slot: int) -> SharedInflight:
-        refresh = merged = None
+        merged = None
         if self._progress is not None:
-            def refresh() -> None:
-                self._publish_progress(name)
-
             def merged() -> tuple[float, float]:
                 return self.host_estimate(name, slot)
-        return SharedInflight(self._ints, self._floats, self.layout, slot, refresh, merged)
+        return SharedInflight(self._ints, self._floats, self.layout, slot, merged)
 
     # -- this worker's row
 
@@ -569,26 +559,6 @@ class SharedInflightTable(InflightTable):
         self._floats[cell + off] = ratio * recent.progress(live, now)
         self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
         self._rints[self._count_at + cell] = now
-        recent.published = (cell, now, live, recent.count, ratio)
-
-    def _publish_progress(self, backend: str) -> None:
-        """This worker's progress on `backend` as of now (a read of the host's queued prefill: the other
-        workers' are as of their last request there)."""
-        held = self._own.get(backend)
-        progress = self._progress
-        if held is None or held[0] < 0 or progress is None:
-            return
-        recent = self._ledger.get(backend)
-        if recent is None:
-            return
-        cell, now, live = held[0], progress.get(backend, 0), held[1].requests
-        last = recent.published
-        # Unchanged since the last publication (no event, send or completion on it since; the ratio
-        # within 0.1%): the cells hold it already. Most reads are of backends with nothing new.
-        if (last[0] == cell and last[1] == now and last[2] == live and last[3] == recent.count
-                and abs(last[4] - self._ratio) <= 1e-3 * last[4]):
-            return
-        self._publish_progress_of(cell, recent, live, now)
 
     def publish_count(self, backend: str) -> None:
         """The engine's count on `backend` in this worker's index, now, into its row (what a host-mate's
@@ -642,7 +612,7 @@ class SharedInflightTable(InflightTable):
         counts = rints[rows + first:rows + first + rows].tolist()
         nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
         nows[self.row] = progress.get(backend, 0)
-        key = (*live, *counts, tokens, self._ratio)
+        key = (live, counts, tokens, self._ratio)
         kept = self._merged_memo.get(slot)
         if kept is not None and kept[0] == key:
             # The same entries: only the counts may have moved, and an entry's progress with its own
@@ -789,12 +759,12 @@ class SharedInflightTable(InflightTable):
         rows = self.layout.rows
         return self._rints[rows:rows + rows * self.layout.slots].tolist(), self._rints[0:rows].tolist()
 
-    def host_source(self, backend: str) -> HostSource | None:
-        """Every worker's entries of `backend` as one source in the order they were sent (see
-        `HostSource`): what a pick with peer load merges with the other hosts' by age, the host's own in
-        their exact order and with their exact progress (`WorkLedger._newest`). None without a slot.
-        The entries are read and ordered again only when a worker's ring there changed; their ages and
-        counts follow the workers' epochs and counts at each call."""
+    def host_source(self, backend: str, k: int) -> HostSource | None:
+        """Every worker's newest `k` entries of `backend` (a pick takes no more) as one source in the
+        order they were sent (see `HostSource`): what a pick with peer load merges with the other hosts'
+        by age, the host's own in their exact order and with their exact progress (`WorkLedger._newest`).
+        None without a slot. The entries are read and ordered again only when a worker's ring there
+        changed; their ages and counts follow the workers' epochs and counts at each call."""
         slot = self._slots.get(backend)
         if slot is None or self.row is None:
             return None
@@ -827,6 +797,8 @@ class SharedInflightTable(InflightTable):
                                    _floats(rfloats[self._engine_at + a:self._engine_at + b]))
             ordered.sort(reverse=True)
             self._host_sources[slot] = (key, ordered)
+        if len(ordered) > k:
+            ordered = ordered[:k]
         epochs = rints[0:rows].tolist()
         mine = epochs[self.row]
         ages = list(accumulate([epochs[e[1]] - e[2] if epochs[e[1]] > e[2] else 0 for e in ordered], max))

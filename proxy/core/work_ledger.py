@@ -711,7 +711,7 @@ class FleetView:
                     cols = plain
                 # A worker's host as one source (its own entries and its mates' in the order they were
                 # sent, each with its own progress), the other hosts' parts merged with it by age.
-                src = host.host_source(name) if host is not None and key is not None else None
+                src = host.host_source(name, live) if host is not None and key is not None else None
                 total, known, best = work._newest(name, live, [], cols, bounded, src)
                 work._memo[name] = (live, serial, key, recent, total, known, best, bounded)
             got = work._with_bound(name, with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok),
