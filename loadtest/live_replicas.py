@@ -316,6 +316,8 @@ def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
     return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
                         speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas,
                         workers=spec.workers,
+                        # a live --workers replica is the shared-memory host (without peer load too)
+                        host_table=spec.workers > 1,
                         index=spec.index, kv_event_delay_ms=kv_event_delay_ms, load_view=spec.load_view,
                         peer_refresh_ms=float(spec.peer_refresh_ms),
                         # the proxy's precise lookup as the live replicas run it: their own offload threshold

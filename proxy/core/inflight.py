@@ -16,11 +16,14 @@ never torn; a sum over the rows may be one update old, like any counter read con
 holds per backend: the worker's requests and tokens in flight, and its share of the queued uncached
 prefill (the work ledger's estimate for that worker's live requests, see proxy/core/work_ledger.py), and
 with the engines' KV events the progress its own index has seen since the oldest of those (the
-ledger's "Progress"), its newest `recent` ledger entries (uncached tokens, stamped with the worker's refresh epoch) in a ring,
-with the worker's current epoch: with routing.peer_load a worker reads its host-mates' entries and counts
-from here, both of one moment, rather than as they last published them to Redis (`mates`, `mates_recent`;
-proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates no shared memory
-itself.
+ledger's "Progress") and its index's count now; its newest `recent` ledger entries in a ring (uncached
+tokens, stamped with the worker's refresh epoch, its count at the send and the entry's place among every
+worker's sends to the backend), with the worker's current epoch. A worker reads the host's queued
+prefill from the rings, the newest K of every worker's entries as one process holding them all would
+(`SharedInflightTable.host_estimate`); with routing.peer_load it reads its host-mates' entries and counts
+from here, both of one moment, rather than as they last published them to Redis (`mates`,
+`mates_recent`; proxy/core/affinity.py `_with_peers`). This module only interprets a buffer; it creates
+no shared memory itself.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import math
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from itertools import accumulate, islice
+from itertools import accumulate, islice, repeat
 from operator import add, ge, sub
 from typing import Callable, Mapping, cast
 
@@ -145,7 +148,7 @@ class RecentWork:
     (a ring of running totals), so that a worker republishes its queued prefill on every acquire and
     release for the price of two list reads. Same estimate as `newest_sum` over a deque of `depth`."""
 
-    __slots__ = ("_cum", "_n", "_size", "_marks", "bound", "published")
+    __slots__ = ("_cum", "_n", "_size", "_marks", "bound")
 
     def __init__(self, depth: int) -> None:
         self._size = depth + 1
@@ -153,9 +156,6 @@ class RecentWork:
         self._n = 0
         self._marks = [0] * self._size  # each entry's `mark` (by its index)
         self.bound = BacklogBound(depth)
-        # What its progress cells were last computed from (`SharedInflightTable._publish_progress_of`):
-        # the cell, the backend's count, the live requests, the entries, the ratio.
-        self.published: tuple[int, int, int, int, float] = (-1, 0, 0, 0, 0.0)
 
     @property
     def count(self) -> int:
@@ -195,6 +195,14 @@ class RecentWork:
 # epochs oldest first, its epoch now (an entry's age: max(0, now - its epoch)), and the prefix sums of its
 # tokens newest first (pre[0] = 0.0, pre[c] the sum of its newest c).
 MateSource = tuple[list[int], int, list[float]]
+
+# Every worker's ring of one backend as one source for a pick with peer load (`SharedInflightTable.
+# host_source`): its entries in the order they were sent (seq), their epochs oldest first in the reading
+# worker's epochs (an entry's age in its own worker's, never less than a newer entry's), the reader's epoch
+# now, the prefix sums of their tokens newest first, and newest first each entry's engine count at its
+# send in the reader's index (its mark, moved by how far the reader's count is from its worker's) and its
+# engine tokens (both empty without progress).
+HostSource = tuple[list[int], int, list[float], list[int], list[float]]
 
 # The ledger entries of each worker a host-mate can read (the fleet's newest K rarely needs more of one
 # process's; the same bound as a published row's, proxy/control/peer_load.py PEER_RECENT_MAX).
@@ -264,14 +272,13 @@ class SharedInflight(Inflight):
     """One backend's in-flight work summed over every worker's row: what a policy reads.
 
     Read-only: the owning `SharedInflightTable` writes its own row; `requests`, `tokens` and `queued` are
-    computed from the shared cells at each read. `refresh`: the owner's, to publish its own row's progress
-    as of now before `queued` reads it."""
+    computed from the shared cells at each read. `merged`: the owner's `host_estimate` of this backend (a
+    worker that follows the engines' progress)."""
 
     __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "_p", "_pend", "_b", "_bend",
-                 "_refresh", "_merged", "slot")
+                 "_merged", "slot")
 
     def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int,
-                 refresh: Callable[[], None] | None = None,
                  merged: Callable[[], tuple[float, float]] | None = None) -> None:
         rows = layout.rows
         self._ints = ints
@@ -286,7 +293,6 @@ class SharedInflight(Inflight):
         self._pend = self._p + rows
         self._b = self._p + layout.slots * rows
         self._bend = self._b + rows
-        self._refresh = refresh
         self._merged = merged
 
     @property
@@ -300,10 +306,12 @@ class SharedInflight(Inflight):
 
     @property
     def queued(self) -> float:
-        """Estimated uncached prefill tokens queued on the backend, over every worker: a worker reads the
-        host's newest K entries (K: every worker's live requests there), as one process holding them all
-        would (`merged`, `SharedInflightTable.host_estimate`); the supervisor's view the sum of each
-        worker's own newest k."""
+        """Estimated uncached prefill tokens queued on the backend, over every worker: a worker that
+        follows the engines' progress reads the host's newest K entries (K: every worker's live requests
+        there), as one process holding them all would (`merged`, `SharedInflightTable.host_estimate`);
+        without KV events (and in the supervisor's view) the sum of each worker's own newest k. (Round 15
+        measured the newest K there too: within the noise of a host whose workers each learn only what
+        they routed, -1% to +4% TTFT mean, for 2.7x the CPU of a pick.)"""
         if self._merged is not None:
             return self._merged()[0]
         return sum(self._floats[self._q:self._qend])
@@ -312,14 +320,12 @@ class SharedInflight(Inflight):
         """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound
         (without: `queued` again). A worker's read (`merged`) takes both over the host's newest K entries,
         as one process holding them all would (`SharedInflightTable.host_estimate`). The supervisor's
-        view, which has no index, reads the parts each worker published as of its last send or read
-        there: the sum less the largest progress (the progress since the oldest entry counted over all of
+        view, which has no index, reads the parts each worker published as of its last send or
+        completion there: the sum less the largest progress (the progress since the oldest entry counted over all of
         them), or the largest worker's own bound, floored at 0. (Round 14's worker read those too: the
         sum of each worker's newest k, and a bound that left out the others' sends after a worker's
         entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on the
         busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
-        if self._refresh is not None:  # this worker's own parts, for the supervisor's view
-            self._refresh()
         if self._merged is not None:
             return self._merged()
         total: float = sum(self._floats[self._q:self._qend])
@@ -378,12 +384,15 @@ class SharedInflightTable(InflightTable):
         self._seqs_at = self._marks_at + cells * layout.recent  # seq[slot][row][recent]
         self._count_at = self._seqs_at + cells * layout.recent  # count[slot][row]
         self._engine_at = cells * layout.recent  # engine[slot][row][recent] in the ring floats
-        # slot -> (what `host_estimate` last read: per worker its live requests and entries appended; the
-        # tokens in flight, the ratio),
+        # slot -> (what `host_estimate` last read: per worker its live requests, per worker its entries
+        # appended, the tokens in flight, the ratio),
         # (that read's estimate, its entries' sum, per worker its part of the bound (before the floor),
         # the counts it was read at), its answer.
-        self._merged_memo: dict[int, tuple[tuple[float, ...], tuple[float, float, list[float], list[int]],
-                                           tuple[float, float]]] = {}
+        self._merged_memo: dict[int, tuple[tuple[list[int], list[int], int, float],
+                                           tuple[float, float, list[float], list[int]], tuple[float, float]]] = {}
+        # slot -> (its rings' counts and newest seqs, their entries newest first: seq, row, epoch, tokens,
+        # mark, engine tokens), what `host_source` last read.
+        self._host_sources: dict[int, tuple[list[int], list[tuple[int, int, int, float, int, float]]]] = {}
         # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
         # `_ring`'s last answer.
         self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
@@ -424,6 +433,7 @@ class SharedInflightTable(InflightTable):
                 self._ring_cache.clear()
                 self._source_cache.clear()
                 self._merged_memo.clear()
+                self._host_sources.clear()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -441,14 +451,11 @@ class SharedInflightTable(InflightTable):
                 self[name] = self._shared(name, value.slot)
 
     def _shared(self, name: str, slot: int) -> SharedInflight:
-        refresh = merged = None
+        merged = None
         if self._progress is not None:
-            def refresh() -> None:
-                self._publish_progress(name)
-        if self.row is not None:
             def merged() -> tuple[float, float]:
                 return self.host_estimate(name, slot)
-        return SharedInflight(self._ints, self._floats, self.layout, slot, refresh, merged)
+        return SharedInflight(self._ints, self._floats, self.layout, slot, merged)
 
     # -- this worker's row
 
@@ -552,26 +559,6 @@ class SharedInflightTable(InflightTable):
         self._floats[cell + off] = ratio * recent.progress(live, now)
         self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
         self._rints[self._count_at + cell] = now
-        recent.published = (cell, now, live, recent.count, ratio)
-
-    def _publish_progress(self, backend: str) -> None:
-        """This worker's progress on `backend` as of now (a read of the host's queued prefill: the other
-        workers' are as of their last request there)."""
-        held = self._own.get(backend)
-        progress = self._progress
-        if held is None or held[0] < 0 or progress is None:
-            return
-        recent = self._ledger.get(backend)
-        if recent is None:
-            return
-        cell, now, live = held[0], progress.get(backend, 0), held[1].requests
-        last = recent.published
-        # Unchanged since the last publication (no event, send or completion on it since; the ratio
-        # within 0.1%): the cells hold it already. Most reads are of backends with nothing new.
-        if (last[0] == cell and last[1] == now and last[2] == live and last[3] == recent.count
-                and abs(last[4] - self._ratio) <= 1e-3 * last[4]):
-            return
-        self._publish_progress_of(cell, recent, live, now)
 
     def publish_count(self, backend: str) -> None:
         """The engine's count on `backend` in this worker's index, now, into its row (what a host-mate's
@@ -600,43 +587,43 @@ class SharedInflightTable(InflightTable):
         return newest + 1
 
     def host_estimate(self, backend: str, slot: int) -> tuple[float, float]:
-        """The host's queued prefill on `backend` (its `slot`) as one process holding every worker's
-        entries estimates it (`WorkLedger.pending`), and with progress its backlog bound (else the same
-        again): K = every worker's live requests there; the newest K entries of all the workers' rings
-        by seq, their sum, live requests beyond them at the in-flight average; the bound, max over those
-        entries j of (the engine tokens sent from j on, less the progress since j), times this worker's
-        ratio, at most the sum, plus what the sum counts beyond the entries. An entry's progress is its
-        own worker's count now less its mark (a difference within one index: the workers' counts need
-        not agree; each publishes its count after every batch of events, `publish_count`). A worker's
-        ring keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
-        answer is kept until a worker's live requests, entries or count there change."""
+        """The host's queued prefill on `backend` (its `slot`) and its backlog bound, as one process
+        holding every worker's entries reads them (`WorkLedger.pending` with the engines' progress):
+        K = every worker's live requests there; the newest K entries of all the workers' rings by seq,
+        their sum, live requests beyond them at the in-flight average; the bound, max over those entries
+        j of (the engine tokens sent from j on, less the progress since j), times this worker's ratio, at
+        most the sum, plus what the sum counts beyond the entries. An entry's progress is its own
+        worker's count now less its mark (a difference within one index: the workers' counts need not
+        agree; each publishes its count after every batch of events, `publish_count`). A worker's ring
+        keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
+        answer is kept until a worker's live requests, entries or tokens there change; a count moving
+        alone shifts that worker's part of the bound. For a worker following the engines' progress."""
         rows, depth = self.layout.rows, self.layout.recent
+        progress = self._progress
+        if progress is None or self.row is None:
+            raise RuntimeError("the host's estimate is read by a worker that follows the engines' progress")
         ints, rints = self._ints, self._rints
         first = slot * rows
         live = ints[first:first + rows].tolist()
         k = sum(live)
-        if k <= 0 or self.row is None:
+        if k <= 0:
             return 0.0, 0.0
         tokens: int = sum(ints[self._tok_off + first:self._tok_off + first + rows])
         counts = rints[rows + first:rows + first + rows].tolist()
-        progress = self._progress
-        nows: list[int] = []
-        if progress is not None:
-            nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
-            nows[self.row] = progress.get(backend, 0)
-        key = (*live, *counts, tokens, self._ratio)
+        nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
+        nows[self.row] = progress.get(backend, 0)
+        key = (live, counts, tokens, self._ratio)
         kept = self._merged_memo.get(slot)
         if kept is not None and kept[0] == key:
             # The same entries: only the counts may have moved, and an entry's progress with its own
             # worker's count, so each worker's part of the bound by as much (`_answer`).
             got, total, parts, then = kept[1]
-            if not nows:
-                return got, got
             if nows == then:
                 return kept[2]
             if all(map(ge, nows, then)):
-                answer = self._answer(got, total, max(map(sub, parts, map(sub, nows, then))))
-                self._merged_memo[slot] = (key, (got, total, list(map(sub, parts, map(sub, nows, then))), nows), answer)
+                moved = list(map(sub, parts, map(sub, nows, then)))
+                answer = self._answer(got, total, max(moved))
+                self._merged_memo[slot] = (key, (got, total, moved, nows), answer)
                 return answer
         rfloats = self._rfloats
         # Every worker's newest min(K, ring) entries: (seq, row, its estimate, engine tokens, progress since).
@@ -650,17 +637,13 @@ class SharedInflightTable(InflightTable):
             lo, hi = (count - n) % depth, count % depth or depth
             spans: list[tuple[int, int]] = [(base + lo, base + hi)] if lo < hi else [
                 (base + lo, base + depth), (base, base + hi)]  # wrapped: lo .. depth - 1, then 0 .. hi - 1
-            now = nows[r] if nows else 0
+            now = nows[r]
             for a, b in spans:
                 seqs = rints[self._seqs_at + a:self._seqs_at + b].tolist()
                 est = _floats(rfloats[a:b])
-                if nows:
-                    marks = rints[self._marks_at + a:self._marks_at + b].tolist()
-                    engine = _floats(rfloats[self._engine_at + a:self._engine_at + b])
-                    entries += [(q, r, t, e, now - m if now > m else 0)
-                                for q, t, e, m in zip(seqs, est, engine, marks)]
-                else:
-                    entries += [(q, r, t, 0.0, 0) for q, t in zip(seqs, est)]
+                marks = rints[self._marks_at + a:self._marks_at + b].tolist()
+                engine = _floats(rfloats[self._engine_at + a:self._engine_at + b])
+                entries += [(q, r, t, e, now - m if now > m else 0) for q, t, e, m in zip(seqs, est, engine, marks)]
         entries.sort(reverse=True)
         del entries[k:]
         known = len(entries)
@@ -674,7 +657,7 @@ class SharedInflightTable(InflightTable):
             if sent - done > parts[r]:
                 parts[r] = sent - done
         got = with_unrecorded(total, known, k, tokens)
-        answer = self._answer(got, total, max(parts)) if nows else (got, got)
+        answer = self._answer(got, total, max(parts))
         self._merged_memo[slot] = (key, (got, total, parts, nows), answer)
         return answer
 
@@ -775,6 +758,59 @@ class SharedInflightTable(InflightTable):
         epoch has (a mate restarting from zero both: within a refresh it cannot reach them again)."""
         rows = self.layout.rows
         return self._rints[rows:rows + rows * self.layout.slots].tolist(), self._rints[0:rows].tolist()
+
+    def host_source(self, backend: str, k: int) -> HostSource | None:
+        """Every worker's newest `k` entries of `backend` (a pick takes no more) as one source in the
+        order they were sent (see `HostSource`): what a pick with peer load merges with the other hosts'
+        by age, the host's own in their exact order and with their exact progress (`WorkLedger._newest`).
+        None without a slot. The entries are read and ordered again only when a worker's ring there
+        changed; their ages and counts follow the workers' epochs and counts at each call."""
+        slot = self._slots.get(backend)
+        if slot is None or self.row is None:
+            return None
+        rows, depth = self.layout.rows, self.layout.recent
+        rints, rfloats = self._rints, self._rfloats
+        first = slot * rows
+        counts = rints[rows + first:rows + first + rows].tolist()
+        # Each ring's count and newest seq (a restarted worker that sent as many again has other seqs).
+        key = counts + [rints[self._seqs_at + (first + r) * depth + (c - 1) % depth] if c > 0 else -1
+                        for r, c in enumerate(counts)]
+        kept = self._host_sources.get(slot)
+        if kept is not None and kept[0] == key:
+            ordered = kept[1]
+        else:
+            # (seq, row, epoch, tokens, mark, engine tokens) of every worker's ring, newest first.
+            ordered = []
+            for r in range(rows):
+                count = counts[r]
+                n = min(count, depth)
+                if n <= 0:
+                    continue
+                base = (first + r) * depth
+                lo, hi = (count - n) % depth, count % depth or depth
+                spans: list[tuple[int, int]] = [(base + lo, base + hi)] if lo < hi else [
+                    (base + lo, base + depth), (base, base + hi)]
+                for a, b in spans:
+                    ordered += zip(rints[self._seqs_at + a:self._seqs_at + b].tolist(), repeat(r),
+                                   rints[self._stamps_at + a:self._stamps_at + b].tolist(), _floats(rfloats[a:b]),
+                                   rints[self._marks_at + a:self._marks_at + b].tolist(),
+                                   _floats(rfloats[self._engine_at + a:self._engine_at + b]))
+            ordered.sort(reverse=True)
+            self._host_sources[slot] = (key, ordered)
+        if len(ordered) > k:
+            ordered = ordered[:k]
+        epochs = rints[0:rows].tolist()
+        mine = epochs[self.row]
+        ages = list(accumulate([epochs[e[1]] - e[2] if epochs[e[1]] > e[2] else 0 for e in ordered], max))
+        pre = list(accumulate([e[3] for e in ordered], initial=0.0))
+        progress = self._progress
+        if progress is None:
+            return [mine - a for a in reversed(ages)], mine, pre, [], []
+        nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
+        nows[self.row] = progress.get(backend, 0)
+        shift = [nows[self.row] - n for n in nows]
+        return ([mine - a for a in reversed(ages)], mine, pre, [e[4] + shift[e[1]] for e in ordered],
+                [e[5] for e in ordered])
 
     def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
         """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same

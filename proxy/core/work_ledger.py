@@ -15,9 +15,12 @@ not record (from before a restart) count at the data plane's own per-request ave
 no clock, at most `depth` entries per backend.
 
 With `--workers N` the in-flight mapping is a `SharedInflightTable` (proxy/core/inflight.py): `record`
-also hands the estimate to it, each worker publishes the same estimate for its own live requests into its
-row of the shared block, and `pending` reads the sum over every worker (`SharedInflight.queued`), so the
-cost check sees the prefill every worker has queued on a backend, as one process would.
+also hands the entry to it (into the worker's ring in the shared block, with its place among every
+worker's sends to that backend), and `pending` reads the host's estimate (`SharedInflight.queued`,
+`.backlog`: `SharedInflightTable.host_estimate`), the newest K of every worker's entries (K the host's
+live requests there), so the cost check sees the prefill every worker has queued on a backend, as one
+process would. (Until round 15 it read the sum of each worker's own newest k_w: not additive, see
+below; a --workers 2 host lost 10% TTFT mean to one process on the busiest Mooncake load.)
 
 Across proxy replicas (`routing.peer_load`) the estimate must be the fleet's, and "the newest k entries"
 is not additive: the sum over replicas of each one's newest k_r (k_r its own live count) is not the
@@ -31,8 +34,8 @@ time), `recent()` gives the newest entries as (age in epochs, tokens) for the pu
 `fleet_pending()` merges the other replicas' published entries with this process's own by age and sums
 the fleet's newest K, as one process holding every entry would.
 
-The host-wide shared sum above has the same flaw within one `--workers` host (each worker's newest k_w,
-summed). With `routing.peer_load` each worker publishes its own part for the other hosts
+Within one `--workers` host the shared block orders every worker's entries (above). With
+`routing.peer_load` each worker publishes its own part for the other hosts
 (proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
 (`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
 worker's own row of the shared table as `own` and every other worker's entries, the mates' before the
@@ -64,10 +67,10 @@ ago; from the newest entries on, that prompt still counts. Where each entry's mo
 load path:
 - one process: each entry keeps the backend's count when it was recorded (`BacklogBound`, O(log k) a
   read);
-- a --workers host without peers (`SharedInflight.queued`): each worker publishes, next to its part of
-  the sum, the progress its own index has seen since its oldest counted entry and its own entries'
-  bound (`SharedInflightTable`; differences within one process, so the workers' indexes need not agree
-  on a count), and the host's estimate is the sum less the largest progress, or the largest bound;
+- a --workers host without peers (`SharedInflight.backlog`): each entry in the shared block keeps its
+  worker's count at its record, and each worker publishes its count after every batch of events, so a
+  read takes the bound over the host's newest K entries as one process does (`host_estimate`;
+  differences within one worker's index, so the workers' indexes need not agree on a count);
 - across replicas (`fleet_pending`, `FleetView`): entries carry ages in refresh epochs, so `tick` also
   keeps each backend's count at every epoch (the last `history`), and the bound runs over the fleet's
   newest K by age, each age's progress counted from the start of its epoch (up to one refresh, ~10 ms,
@@ -88,8 +91,8 @@ from operator import getitem, itemgetter, le, sub
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
-from proxy.core.inflight import (BacklogBound, MateSource, SharedInflight, SharedInflightTable, newest_sum,
-                                 with_unrecorded)
+from proxy.core.inflight import (BacklogBound, HostSource, MateSource, SharedInflight, SharedInflightTable,
+                                 newest_sum, with_unrecorded)
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]
@@ -439,22 +442,36 @@ class WorkLedger:
             epoch = oldest
         return seen[1][epoch % self._history_len]
 
-    def _bound_of(self, backend: str, pairs: list[tuple[int, float]]) -> float:
+    def _bound_of(self, backend: str, pairs: list[tuple[int, float]],
+                  exact: Sequence[tuple[int, float, int]] = ()) -> float:
         """max over the ages a of the counted entries (age, tokens) of (their tokens of age <= a, in
         engine tokens, + the backend's count at the start of a's epoch): the backlog bound plus the count
-        now, in engine tokens."""
+        now, in engine tokens. `exact`: a --workers host's own entries (age, engine tokens, the count at
+        its send), newest first, ages ascending: each counts from its own send, after the younger entries
+        and the host's newer ones of its age (before the other hosts' of its age)."""
         pairs.sort(key=_AGE)
         best = -math.inf
         sent = 0.0
         n = len(pairs)
         per = 1.0 / self.ratio
-        for j in range(n):
+        i, m = 0, len(exact)
+        j = 0
+        while i < m or j < n:
+            if i < m and (j >= n or exact[i][0] <= pairs[j][0]):
+                _a, e, c = exact[i]
+                sent += e
+                v = sent + c
+                if v > best:
+                    best = v
+                i += 1
+                continue
             a, t = pairs[j]
             sent += t * per
             if j + 1 == n or pairs[j + 1][0] != a:
                 v = sent + self._count_at(backend, a)
                 if v > best:
                     best = v
+            j += 1
         return best
 
     def recent(self, backend: str, n: int) -> tuple[RecentEntry, ...]:
@@ -517,10 +534,14 @@ class WorkLedger:
                          host.own if host is not None else inflight.get, weight)
 
     def _newest(self, backend: str, k: int, mates: Sequence[MateSource],
-                cols: Columns, bound: bool = False) -> tuple[float, int, float]:
+                cols: Columns, bound: bool = False, host: HostSource | None = None) -> tuple[float, int, float]:
         """The sum of the newest `k` entries of this ledger's, the mates' and the parts' merged by age
         (ties in that order), how many there were (fewer than k if that is all), and with `bound` and
-        progress their `_bound_of` (else, or with none counted, -inf)."""
+        progress their `_bound_of` (else, or with none counted, -inf). `host`: a --workers worker's host
+        (its own entries and its mates' in the order they were sent, `SharedInflightTable.host_source`),
+        in place of this ledger's and `mates`."""
+        if host is not None:
+            return self._newest_host(backend, k, host, cols, bound)
         entries = self._entries.get(backend)
         if entries:
             seqs: list[Sequence[int]] = [self._epochs[backend]]
@@ -567,6 +588,30 @@ class WorkLedger:
         for part_ages, lo, cum, c in zip(ages, los, cums, islice(counts, j, None)):
             pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(c)]
         return total, sum(counts), self._bound_of(backend, pairs) if pairs else -math.inf
+
+    def _newest_host(self, backend: str, k: int, host: HostSource, cols: Columns,
+                     bound: bool) -> tuple[float, int, float]:
+        """`_newest` with the host's entries as one source, before the other hosts' parts on a tie."""
+        epochs, now, pre, marks, engine = host
+        hint = self._hints.get(backend)
+        counts, age = newest_k(k, [epochs], [now], cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
+        if age >= 0:
+            self._hints[backend] = (age, self._epoch)
+        c = counts[0]
+        total = pre[c]
+        ages, los, _his, cums, base, _n = cols
+        if ages:
+            total += sum([cum[lo + x] for cum, lo, x in zip(cums, los, islice(counts, 1, None))]) - base
+        if not bound or self._progress is None or backend not in self._history:
+            return total, sum(counts), -math.inf
+        last = len(epochs) - 1
+        exact = [(now - epochs[last - x], engine[x], marks[x]) for x in range(c)] if marks else []
+        pairs: list[tuple[int, float]] = []
+        for part_ages, lo, cum, n in zip(ages, los, cums, islice(counts, 1, None)):
+            pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(n)]
+        if not exact and not pairs:
+            return total, sum(counts), -math.inf
+        return total, sum(counts), self._bound_of(backend, pairs, exact)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""
@@ -664,8 +709,10 @@ class FleetView:
                     if plain is None:
                         plain = work._plain[name] = columns_of([part_of(recent)])
                     cols = plain
-                mates = host.mate_sources(name)[1] if host is not None and key is not None else []
-                total, known, best = work._newest(name, live, mates, cols, bounded)
+                # A worker's host as one source (its own entries and its mates' in the order they were
+                # sent, each with its own progress), the other hosts' parts merged with it by age.
+                src = host.host_source(name, live) if host is not None and key is not None else None
+                total, known, best = work._newest(name, live, [], cols, bounded, src)
                 work._memo[name] = (live, serial, key, recent, total, known, best, bounded)
             got = work._with_bound(name, with_unrecorded(total, known, live, (own.tokens if own is not None else 0) + tok),
                                    total, best, self._weight)

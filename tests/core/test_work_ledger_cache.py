@@ -1,66 +1,57 @@
 """What a pick with the peer load keeps between picks (issue 13, round 5b): per backend, the fleet's
 queued prefill is computed once and kept until one of its inputs changes, and the other replicas'
 entries are never merged per refresh (each published row is bisected where a pick needs it). Both must
-give exactly round 5's estimate (the mates' rings merged with the other hosts' entries by age, then with
-this worker's own, entry by entry), and a kept answer must never outlive a change of what it was
-computed from: a new view, a mate's record or tick, this worker's record or tick, a live count."""
+give exactly the entry-by-entry merge (since round 15: the host's entries in the order they were sent,
+merged with the other hosts' by age; round 5's put this worker's own first, then its mates'), and a kept
+answer must never outlive a change of what it was computed from: a new view, a mate's record or tick,
+this worker's record or tick, a live count."""
 
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from proxy.control.peer_load import merge_loads
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight
 from proxy.core.inflight import SharedInflightTable, SharedLayout, with_unrecorded
-from proxy.core.work_ledger import PeerRecent, RecentEntry, WorkLedger
+from proxy.core.work_ledger import PeerRecent, WorkLedger
 
 
-def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
-    """Round 5's merge of a worker's host-mates' entries (`first`) with the other hosts' (`second`), each
-    sorted by age: the newest `n`, sorted by age (stable: `first`'s on a tie). Part of the reference."""
-    if not first:
-        return second
-    if not second:
-        return first
-    return sorted([*first, *second], key=lambda e: e[0])[:n]
-
-
-def _old_fleet_pending(work: WorkLedger, backend: str, own: Inflight | None, peer_requests: int,
-                       peer_tokens: int, peer_recent: Sequence[RecentEntry]) -> float:
-    """Round 5's `WorkLedger.fleet_pending`, entry by entry: the reference."""
-    live = (own.requests if own is not None else 0) + peer_requests
-    if live <= 0:
-        return 0.0
-    tokens = (own.tokens if own is not None else 0) + peer_tokens
-    peer_recent = sorted(peer_recent, key=lambda e: e[0])
-    entries = work._entries.get(backend)
-    mine = zip(reversed(entries), reversed(work._epochs[backend])) if entries is not None else iter(())
-    now = work._epoch
-    total, known, p, n_peer = 0.0, 0, 0, len(peer_recent)
-    nxt = next(mine, None)
-    while known < live and (nxt is not None or p < n_peer):
-        if nxt is not None and (p >= n_peer or now - nxt[1] <= peer_recent[p][0]):
-            total += nxt[0]
-            nxt = next(mine, None)
-        else:
-            total += peer_recent[p][1]
-            p += 1
-        known += 1
-    return with_unrecorded(total, known, live, tokens)
-
-
-def _reference(view: Mapping[str, Any], host: SharedInflightTable, work: WorkLedger, name: str) -> float:
-    """Round 5's `_with_peers` pending of a --workers worker."""
+def _reference_host(view: Mapping[str, Any], world: "_Host", name: str) -> float:
+    """Round 15's: the host's own entries (each worker's newest `recent` of the backend, its ring) in the
+    order they were sent, each aged by its own worker's epochs (never younger than a newer one), merged
+    entry by entry with the other hosts' by age (the host's first on a tie); the newest K of them."""
+    me = world.tables[0]
     peer = view.get(name)
-    own = host.own(name)
-    req, tok = host.mates(name)
-    rest = tuple(peer[3]) if peer is not None and len(peer) > 3 else ()
+    own = me.own(name)
+    req, tok = me.mates(name)
+    rest = sorted(peer[3], key=lambda e: e[0]) if peer is not None and len(peer) > 3 else []
     if peer is not None:
         req, tok = req + peer[0], tok + peer[1]
     live = req + (own.requests if own is not None else 0)
-    got = _old_fleet_pending(work, name, own, req, tok, merge_recent(host.mates_recent(name, live), rest, live))
+    if live <= 0:
+        got = 0.0
+    else:
+        tokens = tok + (own.tokens if own is not None else 0)
+        sends = [(i, w, t, ep) for i, (w, n, t, ep) in enumerate(world.log) if n == name]
+        kept = [e for w in range(3) for e in [x for x in sends if x[1] == w][-world.recent:]]
+        kept.sort(reverse=True)  # newest first
+        mine: list[tuple[int, float]] = []
+        oldest = 0
+        for _i, w, t, ep in kept:
+            oldest = max(oldest, world.epochs[w] - ep)
+            mine.append((oldest, t))
+        total, known, a, b = 0.0, 0, 0, 0
+        while known < live and (a < len(mine) or b < len(rest)):
+            if a < len(mine) and (b >= len(rest) or mine[a][0] <= rest[b][0]):
+                total += mine[a][1]
+                a += 1
+            else:
+                total += rest[b][1]
+                b += 1
+            known += 1
+        got = with_unrecorded(total, known, live, tokens)
     if peer is not None and len(peer) == 3:
         got += peer[2]
     return got
@@ -78,11 +69,15 @@ class _Host:
             t.assign({n: k for k, n in enumerate(names)})
         self.ledgers = [WorkLedger() for _ in self.tables]
         self.live: list[list[str]] = [[], [], []]
+        self.recent = recent
+        self.epochs = [0, 0, 0]
+        self.log: list[tuple[int, str, float, int]] = []  # every send: (worker, backend, tokens, its epoch)
 
     def send(self, w: int, name: str, uncached: float) -> None:
         self.ledgers[w].record(name, uncached, self.tables[w])
         self.tables[w].acquire(name, 100)
         self.live[w].append(name)
+        self.log.append((w, name, uncached, self.epochs[w]))
 
     def finish(self, w: int, rng: random.Random) -> None:
         if self.live[w]:
@@ -91,13 +86,14 @@ class _Host:
     def tick(self, w: int) -> None:
         self.ledgers[w].tick()
         self.tables[w].tick()
+        self.epochs[w] += 1
 
     def pending(self, view: Mapping[str, Any]) -> dict[str, float]:
         _out, pending = AffinityPolicy._with_peers(view, self.tables[0], self.ledgers[0])
         return {n: pending(n, None) for n in self.names}
 
     def reference(self, view: Mapping[str, Any]) -> dict[str, float]:
-        return {n: _reference(view, self.tables[0], self.ledgers[0], n) for n in self.names}
+        return {n: _reference_host(view, self, n) for n in self.names}
 
 
 def _rows(rng: random.Random, names: list[str], n_rows: int) -> list[dict[str, Any]]:
@@ -149,6 +145,7 @@ def test_a_kept_estimate_follows_each_change_of_its_inputs() -> None:
     def record(w: int, *tokens: float) -> None:
         for t in tokens:
             host.ledgers[w].record("a", t, host.tables[w])
+            host.log.append((w, "a", t, host.epochs[w]))
 
     record(0, 1.0, 2.0, 4.0)
     host.tables[0].acquire("a", 100)
@@ -181,10 +178,13 @@ def test_a_kept_estimate_follows_each_change_of_its_inputs() -> None:
     check()
     host.tables[2].acquire("a", 100)  # a mate's live request more
     check()
-    # The newest K over every source (ties: own, the mates by row, the other hosts'), K = the live count.
-    assert steps == [4 + 2 + 1 + 16, 23, 4 + 2 + 1 + 256 + 16, 4 + 2 + 1 + 32 + 64, 4 + 2 + 1 + 32 + 512,
-                     2048 + 4 + 2 + 1 + 32, 32 + 512 + 1024 + 2048 + 4, 32 + 512 + 1024 + 2048,
-                     32 + 512 + 1024 + 2048 + 4]
+    # The newest K (K = the live count) of the host's entries in the order they were sent, each aged by
+    # its own worker's epochs (never younger than a newer one), and the other hosts' (the host's first on
+    # a tie of ages). Before round 15: this worker's own first, then the mates' by row (23, not 60).
+    assert steps == [32 + 16 + 8 + 4, 60, 256 + 32 + 16 + 8 + 4,
+                     64 + 256 + 32 + 16 + 8,  # the mate's tick aged its entries and everything sent before
+                     512 + 1024 + 256 + 32 + 16, 2048 + 512 + 1024 + 256 + 32, 512 + 1024 + 2048 + 256 + 32,
+                     512 + 1024 + 2048 + 256, 512 + 1024 + 2048 + 256 + 32]
 
 
 def test_the_others_entries_read_as_their_merge_by_age() -> None:

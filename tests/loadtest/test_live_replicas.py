@@ -74,3 +74,14 @@ def test_routing_line_sums_the_replicas_and_sets_the_replay_beside_them() -> Non
     line = routing_line(meta, {"reasons": {"cache_hit": 9, "hash": 2, "least_loaded": 1}})
     assert line.startswith("reasons live/replay: cache_hit 7/9, hash 4/2, least_loaded 0/1;"), line
     assert "precise waits 4 (mean 100 ms), timed out 1, skipped at the concurrency cap 2" in line
+
+
+def test_the_replay_beside_a_workers_replica_models_its_shared_memory_host() -> None:
+    """A live `run --workers 2` replica is the shared-memory host whatever its load view: the replay it
+    is compared with runs each worker on its own row of the block (`host_table`), not one table."""
+    from loadtest.live_replicas import replay_config
+    from loadtest.replay import scaleout_label
+
+    one = replay_config(LiveSpec(replicas=1, workers=2, load_view="own"), 50.0)
+    assert one.host_table and "shm-host" in scaleout_label(one)
+    assert not replay_config(LiveSpec(replicas=2, workers=1, load_view="own"), 50.0).host_table
