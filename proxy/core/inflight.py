@@ -560,6 +560,11 @@ class SharedInflightTable(InflightTable):
         self._floats[cell + 2 * off] = ratio * recent.bound.backlog(min(live, self._ledger_depth), now)
         self._rints[self._count_at + cell] = now
 
+    @property
+    def follows_progress(self) -> bool:
+        """Whether this worker follows the engines' progress (`follow_progress`: KV events on)."""
+        return self._progress is not None
+
     def publish_count(self, backend: str) -> None:
         """The engine's count on `backend` in this worker's index, now, into its row (what a host-mate's
         `host_estimate` measures this worker's entries' progress with): called after every batch of the

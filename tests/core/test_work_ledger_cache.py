@@ -1,21 +1,72 @@
 """What a pick with the peer load keeps between picks (issue 13, round 5b): per backend, the fleet's
 queued prefill is computed once and kept until one of its inputs changes, and the other replicas'
 entries are never merged per refresh (each published row is bisected where a pick needs it). Both must
-give exactly the entry-by-entry merge (since round 15: the host's entries in the order they were sent,
-merged with the other hosts' by age; round 5's put this worker's own first, then its mates'), and a kept
-answer must never outlive a change of what it was computed from: a new view, a mate's record or tick,
-this worker's record or tick, a live count."""
+give exactly the entry-by-entry merge (round 5's: this worker's own entries first, then its mates'; with
+KV events since round 15, the host's entries in the order they were sent), merged with the other hosts'
+by age, and a kept answer must never outlive a change of what it was computed from: a new view, a
+mate's record or tick, this worker's record or tick, a live count."""
 
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import pytest
 
 from proxy.control.peer_load import merge_loads
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight
 from proxy.core.inflight import SharedInflightTable, SharedLayout, with_unrecorded
-from proxy.core.work_ledger import PeerRecent, WorkLedger
+from proxy.core.work_ledger import PeerRecent, RecentEntry, WorkLedger
+
+
+def merge_recent(first: Sequence[RecentEntry], second: Sequence[RecentEntry], n: int) -> Sequence[RecentEntry]:
+    """Round 5's merge of a worker's host-mates' entries (`first`) with the other hosts' (`second`), each
+    sorted by age: the newest `n`, sorted by age (stable: `first`'s on a tie). Part of the reference."""
+    if not first:
+        return second
+    if not second:
+        return first
+    return sorted([*first, *second], key=lambda e: e[0])[:n]
+
+
+def _old_fleet_pending(work: WorkLedger, backend: str, own: Inflight | None, peer_requests: int,
+                       peer_tokens: int, peer_recent: Sequence[RecentEntry]) -> float:
+    """Round 5's `WorkLedger.fleet_pending`, entry by entry: the reference."""
+    live = (own.requests if own is not None else 0) + peer_requests
+    if live <= 0:
+        return 0.0
+    tokens = (own.tokens if own is not None else 0) + peer_tokens
+    peer_recent = sorted(peer_recent, key=lambda e: e[0])
+    entries = work._entries.get(backend)
+    mine = zip(reversed(entries), reversed(work._epochs[backend])) if entries is not None else iter(())
+    now = work._epoch
+    total, known, p, n_peer = 0.0, 0, 0, len(peer_recent)
+    nxt = next(mine, None)
+    while known < live and (nxt is not None or p < n_peer):
+        if nxt is not None and (p >= n_peer or now - nxt[1] <= peer_recent[p][0]):
+            total += nxt[0]
+            nxt = next(mine, None)
+        else:
+            total += peer_recent[p][1]
+            p += 1
+        known += 1
+    return with_unrecorded(total, known, live, tokens)
+
+
+def _reference(view: Mapping[str, Any], host: SharedInflightTable, work: WorkLedger, name: str) -> float:
+    """Round 5's `_with_peers` pending of a --workers worker."""
+    peer = view.get(name)
+    own = host.own(name)
+    req, tok = host.mates(name)
+    rest = tuple(peer[3]) if peer is not None and len(peer) > 3 else ()
+    if peer is not None:
+        req, tok = req + peer[0], tok + peer[1]
+    live = req + (own.requests if own is not None else 0)
+    got = _old_fleet_pending(work, name, own, req, tok, merge_recent(host.mates_recent(name, live), rest, live))
+    if peer is not None and len(peer) == 3:
+        got += peer[2]
+    return got
 
 
 def _reference_host(view: Mapping[str, Any], world: "_Host", name: str) -> float:
@@ -60,14 +111,18 @@ def _reference_host(view: Mapping[str, Any], world: "_Host", name: str) -> float
 class _Host:
     """A host of 3 workers (w0 routes; w1 and w2 are its mates) and the other hosts' rows."""
 
-    def __init__(self, names: list[str], recent: int = 8) -> None:
+    def __init__(self, names: list[str], recent: int = 8, events: bool = False) -> None:
         self.names = names
         layout = SharedLayout(rows=3, slots=len(names), recent=recent)
         buf = memoryview(bytearray(layout.size))
         self.tables = [SharedInflightTable(buf, layout, r) for r in range(3)]
+        # With the engines' KV events (an engine that never progresses: the estimates are the sums).
+        self.progress: dict[str, int] | None = {n: 0 for n in names} if events else None
         for t in self.tables:
             t.assign({n: k for k, n in enumerate(names)})
-        self.ledgers = [WorkLedger() for _ in self.tables]
+            if self.progress is not None:
+                t.follow_progress(self.progress)
+        self.ledgers = [WorkLedger(progress=self.progress) for _ in self.tables]
         self.live: list[list[str]] = [[], [], []]
         self.recent = recent
         self.epochs = [0, 0, 0]
@@ -93,7 +148,9 @@ class _Host:
         return {n: pending(n, None) for n in self.names}
 
     def reference(self, view: Mapping[str, Any]) -> dict[str, float]:
-        return {n: _reference_host(view, self, n) for n in self.names}
+        if self.progress is not None:
+            return {n: _reference_host(view, self, n) for n in self.names}
+        return {n: _reference(view, self.tables[0], self.ledgers[0], n) for n in self.names}
 
 
 def _rows(rng: random.Random, names: list[str], n_rows: int) -> list[dict[str, Any]]:
@@ -112,10 +169,13 @@ def _rows(rng: random.Random, names: list[str], n_rows: int) -> list[dict[str, A
     return rows
 
 
-def test_every_estimate_is_round_5s_entry_by_entry_merge() -> None:
+@pytest.mark.parametrize("events", [False, True])
+def test_every_estimate_is_the_entry_by_entry_merge(events: bool) -> None:
+    """Without KV events round 5's merge (this worker's own entries, then its mates', then the other
+    hosts' on a tie of ages); with them the host's entries in the order they were sent (round 15)."""
     rng = random.Random(7)
     names = ["a", "b", "c", "d"]
-    host = _Host(names)
+    host = _Host(names, events=events)
     checked = 0
     view: Mapping[str, Any] = {}
     for step in range(400):
@@ -138,9 +198,10 @@ def test_every_estimate_is_round_5s_entry_by_entry_merge() -> None:
     assert checked == 400
 
 
-def test_a_kept_estimate_follows_each_change_of_its_inputs() -> None:
+@pytest.mark.parametrize("events", [False, True])
+def test_a_kept_estimate_follows_each_change_of_its_inputs(events: bool) -> None:
     """Each entry a power of two, so that every sum names the entries in it."""
-    host = _Host(["a", "b"])
+    host = _Host(["a", "b"], events=events)
 
     def record(w: int, *tokens: float) -> None:
         for t in tokens:
@@ -178,9 +239,14 @@ def test_a_kept_estimate_follows_each_change_of_its_inputs() -> None:
     check()
     host.tables[2].acquire("a", 100)  # a mate's live request more
     check()
-    # The newest K (K = the live count) of the host's entries in the order they were sent, each aged by
-    # its own worker's epochs (never younger than a newer one), and the other hosts' (the host's first on
-    # a tie of ages). Before round 15: this worker's own first, then the mates' by row (23, not 60).
+    if not events:
+        # The newest K over every source (ties: own, the mates by row, the other hosts'), K = the live count.
+        assert steps == [4 + 2 + 1 + 16, 23, 4 + 2 + 1 + 256 + 16, 4 + 2 + 1 + 32 + 64, 4 + 2 + 1 + 32 + 512,
+                         2048 + 4 + 2 + 1 + 32, 32 + 512 + 1024 + 2048 + 4, 32 + 512 + 1024 + 2048,
+                         32 + 512 + 1024 + 2048 + 4]
+        return
+    # With KV events: the newest K of the host's entries in the order they were sent, each aged by its own
+    # worker's epochs (never younger than a newer one), and the other hosts' (the host's first on a tie).
     assert steps == [32 + 16 + 8 + 4, 60, 256 + 32 + 16 + 8 + 4,
                      64 + 256 + 32 + 16 + 8,  # the mate's tick aged its entries and everything sent before
                      512 + 1024 + 256 + 32 + 16, 2048 + 512 + 1024 + 256 + 32, 512 + 1024 + 2048 + 256 + 32,
