@@ -602,6 +602,62 @@ def import_rows(other: Path, suite_name: str, note: str) -> None:
     print(f"{added} rows of {suite_name} from {other}{note}")
 
 
+PEERS15 = ROOT / "loadtest" / "results" / "scaleout-round15-peers.jsonl"
+ONE_PROCESS_MS = {"0:300x0.6": 569, "0:300x1": 660, "900:1200x0.6": 516, "900:1200x1": 621}  # round 14, 8 seeds
+
+
+def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds: Sequence[int]) -> None:
+    """Round 15 with peer load: the round14-pair/-shapes configurations (precise, `peer_refresh_ms` 10,
+    `running_weight` 0.5, `uncached_weight` 2, 1 ms) on this code, each next to its row recorded in
+    scaleout.jsonl (round 14's order of a host's entries); appended to scaleout-round15-peers.jsonl (a
+    run resumes), then the table."""
+    rows = {r["key"]: r for r in _rows()}
+    done = {json.loads(x)["key"] for x in PEERS15.read_text().splitlines() if x.strip()} if PEERS15.exists() else set()
+    sets = ROUND15_SETS["precise"]
+    for ld in loads:
+        load = mooncake_load(ld)
+        _name, trace, window, speed, _busy = load
+        wl = None
+        for r, w in shapes:
+            for seed in seeds:
+                base = ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise", load_view="peers",
+                                    peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=1.0, affinity_overrides=sets)
+                key = key_of(load, base)
+                if key in done:
+                    continue
+                wl = wl or _workload(trace, window)
+                cfg = ReplayConfig(**{**base.__dict__, "speed": speed, "max_model_len": 131072})
+                s = summarize(asyncio.run(replay(wl, cfg)), wl)
+                old = rows.get(key)
+                row = {"key": key, "ttft_mean": s["ttft_mean"], "hit_ratio": s["hit_ratio"],
+                       "old_ttft_mean": old["ttft_mean"] if old else None, "old_hit_ratio": old["hit_ratio"] if old else None}
+                with PEERS15.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                print(f"{key}: TTFT mean {1000 * s['ttft_mean']:.0f} ms (round 14: "
+                      f"{1000 * old['ttft_mean'] if old else float('nan'):.0f})", file=sys.stderr, flush=True)
+    got: dict[tuple[str, str], list[dict]] = {}
+    for x in PEERS15.read_text().splitlines():
+        if x.strip():
+            d = json.loads(x)
+            k = d["key"].split("|")[0].replace("mooncake", "").strip()
+            got.setdefault((k, "4 x 2" if "--replicas 4" in d["key"] else "1 x 2"), []).append(d)
+    print("| load | R x W, peer load | seeds | TTFT mean ms: mean (min-max) | round 14's order: mean (min-max) "
+          "| this vs round 14, same seeds: hit ratio pts / TTFT | one process (8 seeds) |")
+    print("|---|---|---|---|---|---|---|")
+    for (load, shape), v in sorted(got.items()):
+        new = [1000 * d["ttft_mean"] for d in v]
+        old_t = [1000 * d["old_ttft_mean"] for d in v if d["old_ttft_mean"]]
+        both = [d for d in v if d["old_ttft_mean"]]
+        vs = " "
+        if both:
+            dh = statistics.mean(100 * (d["hit_ratio"] - d["old_hit_ratio"]) for d in both)
+            t = sum(d["ttft_mean"] for d in both) / sum(d["old_ttft_mean"] for d in both)
+            vs = f"{dh:+.2f} / {100 * (t - 1):+.1f}% ({len(both)})"
+        old_s = f"{statistics.mean(old_t):,.0f} ({min(old_t):,.0f}-{max(old_t):,.0f})" if old_t else " "
+        print(f"| {load} | {shape} | {len(v)} | {statistics.mean(new):,.0f} ({min(new):,.0f}-{max(new):,.0f}) "
+              f"| {old_s} | {vs} | {ONE_PROCESS_MS.get(load.replace(' ', ''), '')} |")
+
+
 def round15_table() -> None:
     """Round 15 (suite round15-host): per Mooncake load, each --workers host without routing.peer_load
     (and one process, the reference) with and without KV events: hit of the LRU bound and TTFT mean over
@@ -1171,6 +1227,10 @@ def main() -> None:
     sub.add_parser("progress", help="round 13: with and without the ledger's progress, side by side")
     sub.add_parser("round14", help="round 14: the screens at running_weight 0.5, then uncached_weight 2 against 3")
     sub.add_parser("round15", help="round 15: --workers hosts without routing.peer_load (suite round15-host)")
+    p15 = sub.add_parser("round15-peers", help="round 15: --workers hosts with peer load, against round 14's rows")
+    p15.add_argument("--loads", default="900:1200x1,0:300x1,900:1200x0.6,0:300x0.6")
+    p15.add_argument("--shapes", default="1x2,4x2", help="R x W, comma-separated")
+    p15.add_argument("--seeds", type=int, default=8)
     imp = sub.add_parser("import-rows", help="append another checkout's rows of a suite with a note (round15)")
     imp.add_argument("jsonl", type=Path, help="the other checkout's loadtest/results/scaleout.jsonl")
     imp.add_argument("--suite", default="round15-host")
@@ -1213,6 +1273,9 @@ def main() -> None:
         progress_table()
     elif args.cmd == "round15":
         round15_table()
+    elif args.cmd == "round15-peers":
+        round15_peers(args.loads.split(","), [(int(a), int(b)) for a, b in (x.split("x") for x in args.shapes.split(","))],
+                      range(args.seeds))
     elif args.cmd == "import-rows":
         import_rows(args.jsonl, args.suite, args.note)
     elif args.cmd == "round14":
