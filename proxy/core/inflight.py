@@ -201,7 +201,7 @@ MateSource = tuple[list[int], int, list[float]]
 # worker's epochs (an entry's age in its own worker's, never less than a newer entry's), the reader's epoch
 # now, the prefix sums of their tokens newest first, and newest first each entry's engine count at its
 # send in the reader's index (its mark, moved by how far the reader's count is from its worker's) and its
-# engine tokens (both empty without progress).
+# engine tokens. For a worker that follows the engines' progress.
 HostSource = tuple[list[int], int, list[float], list[int], list[float]]
 
 # The ledger entries of each worker a host-mate can read (the fleet's newest K rarely needs more of one
@@ -321,11 +321,11 @@ class SharedInflight(Inflight):
         (without: `queued` again). A worker's read (`merged`) takes both over the host's newest K entries,
         as one process holding them all would (`SharedInflightTable.host_estimate`). The supervisor's
         view, which has no index, reads the parts each worker published as of its last send or
-        completion there: the sum less the largest progress (the progress since the oldest entry counted over all of
-        them), or the largest worker's own bound, floored at 0. (Round 14's worker read those too: the
-        sum of each worker's newest k, and a bound that left out the others' sends after a worker's
-        entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on the
-        busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
+        completion there: the sum less the largest progress (the progress since the oldest entry counted
+        over all of them), or the largest worker's own bound, floored at 0. (Round 14's worker read those
+        too: the sum of each worker's newest k, and a bound that left out the others' sends after a
+        worker's entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on
+        the busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
         if self._merged is not None:
             return self._merged()
         total: float = sum(self._floats[self._q:self._qend])
@@ -569,7 +569,7 @@ class SharedInflightTable(InflightTable):
         """The engine's count on `backend` in this worker's index, now, into its row (what a host-mate's
         `host_estimate` measures this worker's entries' progress with): called after every batch of the
         backend's events this worker applies (`KVEventSubscriber.on_progress`), so a mate's read is never
-        older than the events; its own reads and sends publish it too."""
+        older than the events; its sends and completions there publish it too."""
         progress = self._progress
         slot = self._slots.get(backend)
         if progress is None or slot is None or self.row is None:
@@ -648,7 +648,8 @@ class SharedInflightTable(InflightTable):
                 est = _floats(rfloats[a:b])
                 marks = rints[self._marks_at + a:self._marks_at + b].tolist()
                 engine = _floats(rfloats[self._engine_at + a:self._engine_at + b])
-                entries += [(q, r, t, e, now - m if now > m else 0) for q, t, e, m in zip(seqs, est, engine, marks)]
+                entries += [(q, r, t, e, now - m if now > m else 0)
+                            for q, t, e, m in zip(seqs, est, engine, marks)]
         entries.sort(reverse=True)
         del entries[k:]
         known = len(entries)
@@ -771,6 +772,9 @@ class SharedInflightTable(InflightTable):
         None without a slot. The entries are read and ordered again only when a worker's ring there
         changed; their ages and counts follow the workers' epochs and counts at each call."""
         slot = self._slots.get(backend)
+        progress = self._progress
+        if progress is None:
+            raise RuntimeError("the host source is read by a worker that follows the engines' progress")
         if slot is None or self.row is None:
             return None
         rows, depth = self.layout.rows, self.layout.recent
@@ -808,9 +812,6 @@ class SharedInflightTable(InflightTable):
         mine = epochs[self.row]
         ages = list(accumulate([epochs[e[1]] - e[2] if epochs[e[1]] > e[2] else 0 for e in ordered], max))
         pre = list(accumulate([e[3] for e in ordered], initial=0.0))
-        progress = self._progress
-        if progress is None:
-            return [mine - a for a in reversed(ages)], mine, pre, [], []
         nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
         nows[self.row] = progress.get(backend, 0)
         shift = [nows[self.row] - n for n in nows]

@@ -17,10 +17,12 @@ no clock, at most `depth` entries per backend.
 With `--workers N` the in-flight mapping is a `SharedInflightTable` (proxy/core/inflight.py): `record`
 also hands the entry to it (into the worker's ring in the shared block, with its place among every
 worker's sends to that backend), and `pending` reads the host's estimate (`SharedInflight.queued`,
-`.backlog`: `SharedInflightTable.host_estimate`), the newest K of every worker's entries (K the host's
-live requests there), so the cost check sees the prefill every worker has queued on a backend, as one
-process would. (Until round 15 it read the sum of each worker's own newest k_w: not additive, see
-below; a --workers 2 host lost 10% TTFT mean to one process on the busiest Mooncake load.)
+`.backlog`), so the cost check sees the prefill every worker has queued on a backend. With the engines'
+KV events that is the newest K of every worker's entries (K the host's live requests there), as one
+process would read it (`SharedInflightTable.host_estimate`; until round 15 the sum of each worker's own
+newest k_w, not additive, see below: a --workers 2 host lost 10% TTFT mean to one process on the
+busiest Mooncake load). Without them it is still that sum (the newest K measured within the noise of a
+host whose workers each learn only what they routed).
 
 Across proxy replicas (`routing.peer_load`) the estimate must be the fleet's, and "the newest k entries"
 is not additive: the sum over replicas of each one's newest k_r (k_r its own live count) is not the
@@ -34,12 +36,16 @@ time), `recent()` gives the newest entries as (age in epochs, tokens) for the pu
 `fleet_pending()` merges the other replicas' published entries with this process's own by age and sums
 the fleet's newest K, as one process holding every entry would.
 
-Within one `--workers` host the shared block orders every worker's entries (above). With
+Within one `--workers` host with KV events the shared block orders every worker's entries (above). With
 `routing.peer_load` each worker publishes its own part for the other hosts
 (proxy/control/peer_load.py) and reads its host-mates' counts and newest entries from the shared block
 (`SharedInflightTable.mates`, `.mates_recent`, both of one moment), so `fleet_pending` is called with the
 worker's own row of the shared table as `own` and every other worker's entries, the mates' before the
-other hosts' on a tie, each once.
+other hosts' on a tie, each once. With KV events (round 15) the host's entries, its own and its
+mates', are one source in the order they were sent (`SharedInflightTable.host_source`: aged by their
+own worker's epochs, each counted from its own send in the bound), merged with the other hosts' by age:
+round 5's order (own first, then the mates by row, each age's progress from the start of its epoch) cost
+R = 1 x W = 2 7.4% and R = 4 x W = 2 2.3% TTFT mean on the busiest multi-turn Mooncake load.
 
 What a pick pays for that (round 5b, loadtest/results/scaleout.md): nothing is merged entry by entry. The
 other replicas' entries stay one part per published row (`PeerRecent`: each row's ages ascending and the
