@@ -603,12 +603,12 @@ def import_rows(other: Path, suite_name: str, note: str) -> None:
 
 
 PEERS15 = ROOT / "loadtest" / "results" / "scaleout-round15-peers.jsonl"
-ONE_PROCESS_MS = {"0:300x0.6": 569, "0:300x1": 660, "900:1200x0.6": 516, "900:1200x1": 621}  # round 14, 8 seeds
 
 
-def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds: Sequence[int]) -> None:
+def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds: Sequence[int],
+                  jitter: float = 1.0, table: bool = True) -> None:
     """Round 15 with peer load: the round14-pair/-shapes configurations (precise, `peer_refresh_ms` 10,
-    `running_weight` 0.5, `uncached_weight` 2, 1 ms) on this code, each next to its row recorded in
+    `running_weight` 0.5, `uncached_weight` 2, `jitter` ms) on this code, each next to its row recorded in
     scaleout.jsonl (round 14's order of a host's entries); appended to scaleout-round15-peers.jsonl (a
     run resumes), then the table."""
     rows = {r["key"]: r for r in _rows()}
@@ -621,7 +621,7 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
         for r, w in shapes:
             for seed in seeds:
                 base = ReplayConfig(policy="affinity", replicas=r, workers=w, index="precise", load_view="peers",
-                                    peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=1.0, affinity_overrides=sets)
+                                    peer_refresh_ms=10.0, seed=seed, arrival_jitter_ms=jitter, affinity_overrides=sets)
                 key = key_of(load, base)
                 if key in done:
                     continue
@@ -635,16 +635,23 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
                     fh.write(json.dumps(row) + "\n")
                 print(f"{key}: TTFT mean {1000 * s['ttft_mean']:.0f} ms (round 14: "
                       f"{1000 * old['ttft_mean'] if old else float('nan'):.0f})", file=sys.stderr, flush=True)
-    got: dict[tuple[str, str], list[dict]] = {}
+    if not table:
+        return
+    got: dict[tuple[str, str, str], list[dict]] = {}
     for x in PEERS15.read_text().splitlines():
         if x.strip():
             d = json.loads(x)
             k = d["key"].split("|")[0].replace("mooncake", "").strip()
-            got.setdefault((k, "4 x 2" if "--replicas 4" in d["key"] else "1 x 2"), []).append(d)
-    print("| load | R x W, peer load | seeds | TTFT mean ms: mean (min-max) | round 14's order: mean (min-max) "
-          "| this vs round 14, same seeds: hit ratio pts / TTFT | one process (8 seeds) |")
-    print("|---|---|---|---|---|---|---|")
-    for (load, shape), v in sorted(got.items()):
+            jit = "20 ms" if "--arrival-jitter-ms 20" in d["key"] else "1 ms"
+            got.setdefault((k, jit, "4 x 2" if "--replicas 4" in d["key"] else "1 x 2"), []).append(d)
+    print("| load | jitter | R x W, peer load | seeds | TTFT mean ms: mean (min-max) | round 14's order: mean (min-max) "
+          "| this vs round 14, same seeds: hit ratio pts / TTFT | one process, same seeds |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (load, jit, shape), v in sorted(got.items()):
+        # One process's rows of the same seeds (round 14's: one process has no host).
+        one = [rows.get(d["key"].replace("--replicas 4 ", "").replace("--workers 2 ", "")
+                        .replace(" --load-view peers --peer-refresh-ms 10", "")) for d in v]
+        one_ms = f"{1000 * statistics.mean(r['ttft_mean'] for r in one if r):,.0f}" if all(one) else " "
         new = [1000 * d["ttft_mean"] for d in v]
         old_t = [1000 * d["old_ttft_mean"] for d in v if d["old_ttft_mean"]]
         both = [d for d in v if d["old_ttft_mean"]]
@@ -654,8 +661,8 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
             t = sum(d["ttft_mean"] for d in both) / sum(d["old_ttft_mean"] for d in both)
             vs = f"{dh:+.2f} / {100 * (t - 1):+.1f}% ({len(both)})"
         old_s = f"{statistics.mean(old_t):,.0f} ({min(old_t):,.0f}-{max(old_t):,.0f})" if old_t else " "
-        print(f"| {load} | {shape} | {len(v)} | {statistics.mean(new):,.0f} ({min(new):,.0f}-{max(new):,.0f}) "
-              f"| {old_s} | {vs} | {ONE_PROCESS_MS.get(load.replace(' ', ''), '')} |")
+        print(f"| {load} | {jit} | {shape} | {len(v)} | {statistics.mean(new):,.0f} ({min(new):,.0f}-{max(new):,.0f}) "
+              f"| {old_s} | {vs} | {one_ms} |")
 
 
 def round15_table() -> None:
@@ -1231,6 +1238,8 @@ def main() -> None:
     p15.add_argument("--loads", default="900:1200x1,0:300x1,900:1200x0.6,0:300x0.6")
     p15.add_argument("--shapes", default="1x2,4x2", help="R x W, comma-separated")
     p15.add_argument("--seeds", type=int, default=8)
+    p15.add_argument("--arrival-jitter-ms", type=float, default=1.0)
+    p15.add_argument("--no-table", action="store_true", help="run only (the table reads the whole file)")
     imp = sub.add_parser("import-rows", help="append another checkout's rows of a suite with a note (round15)")
     imp.add_argument("jsonl", type=Path, help="the other checkout's loadtest/results/scaleout.jsonl")
     imp.add_argument("--suite", default="round15-host")
@@ -1275,7 +1284,7 @@ def main() -> None:
         round15_table()
     elif args.cmd == "round15-peers":
         round15_peers(args.loads.split(","), [(int(a), int(b)) for a, b in (x.split("x") for x in args.shapes.split(","))],
-                      range(args.seeds))
+                      range(args.seeds), args.arrival_jitter_ms, not args.no_table)
     elif args.cmd == "import-rows":
         import_rows(args.jsonl, args.suite, args.note)
     elif args.cmd == "round14":
