@@ -150,10 +150,11 @@ class ReplayConfig:
     # With workers > 1 and shared load, and load_view "own" or "engines" (what a replica reads without
     # routing.peer_load: its own load, or with routing.shared_backends also the engines'): False, the
     # workers of a replica share one in-flight table and one work ledger (an idealised host: one
-    # process's load view, each worker its own learned state); True, each has its own row of the proxy's shared-memory table
-    # (SharedInflightTable) and its own ledger, as `--workers N` runs without routing.peer_load (the
-    # shipped Deployment): the host's queued prefill is read from the shared block
-    # (`SharedInflight.backlog`). (load_view "peers" always models the shared-memory host.)
+    # process's load view, each worker its own learned state); True, each has its own row of the proxy's
+    # shared-memory table (SharedInflightTable) and its own ledger, as `--workers N` runs without
+    # routing.peer_load (the shipped Deployment): the host's queued prefill is read from the shared block
+    # (`SharedInflight.backlog`). (load_view "peers" always models the shared-memory host.) See
+    # `shm_host_asked`.
     host_table: bool = False
     # learned: each process's own indexes only. precise: each also consults proxy/core/kv_index.py, fed
     # by the engines' own BlockStored/BlockRemoved events, delivered to every replica after this delay.
@@ -195,6 +196,11 @@ class ReplayConfig:
 LOAD_VIEWS = ("own", "engines", "fleet-counts", "peers")
 # The load views a replica has without routing.peer_load: `host_table` models its --workers host with them.
 HOST_TABLE_VIEWS = ("own", "engines")
+
+
+def shm_host_asked(cfg: ReplayConfig) -> bool:
+    """Whether `host_table` applies: --workers replicas sharing load, with a load view it models."""
+    return cfg.host_table and cfg.workers > 1 and cfg.shared_worker_load and cfg.load_view in HOST_TABLE_VIEWS
 INDEXES = ("learned", "precise")
 # The precise index's lookup in each process:
 #   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
@@ -311,7 +317,7 @@ def scaleout_label(cfg: ReplayConfig) -> str:
     parts = [f"R{cfg.replicas}xW{cfg.workers}", cfg.index]
     if cfg.workers > 1:
         parts.append("shared-load" if cfg.shared_worker_load else "separate-load")
-        if cfg.host_table and cfg.shared_worker_load and cfg.load_view in HOST_TABLE_VIEWS:
+        if shm_host_asked(cfg):
             parts.append("shm-host")
     if cfg.index == "precise":
         parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
@@ -431,8 +437,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     replica_load: list[list[tuple[InflightTable, WorkLedger]]] = [[] for _ in range(cfg.replicas)]
     # --workers hosts (see ReplayConfig.peer_recent): per process (its replica, its table, its ledger), and
     # what it last read from the others.
-    hosts = (cfg.workers > 1 and cfg.shared_worker_load and policy is None
-             and (cfg.load_view == "peers" or (cfg.host_table and cfg.load_view in HOST_TABLE_VIEWS)))
+    hosts = policy is None and (shm_host_asked(cfg) or (
+        cfg.workers > 1 and cfg.shared_worker_load and cfg.load_view == "peers"))
     host_procs: list[tuple[int, SharedInflightTable, WorkLedger]] = []
     proc_views: list[dict[str, Any]] = [{} for _ in range(cfg.replicas * cfg.workers)]
     # With the index, the ledgers (and a --workers host's shared table) follow the engines' progress, as

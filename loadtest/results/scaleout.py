@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadtest.replay import ReplayConfig, parse_affinity_sets, replay, scaleout_label  # noqa: E402
+from loadtest.replay import ReplayConfig, parse_affinity_sets, replay, scaleout_label, shm_host_asked  # noqa: E402
 from loadtest.report import summarize  # noqa: E402
 from loadtest.workloads import load_workload  # noqa: E402
 from loadtest.workloads.model import Workload  # noqa: E402
@@ -60,7 +60,7 @@ def flags(cfg: ReplayConfig) -> str:
         out.append(f"--workers {cfg.workers}")
         if not cfg.shared_worker_load:
             out.append("--no-shared-worker-load")
-        elif cfg.host_table and cfg.load_view != "peers":
+        elif shm_host_asked(cfg):
             out.append("--host-table")
     if cfg.index != "learned":
         out.append(f"--index {cfg.index} --kv-event-delay-ms {cfg.kv_event_delay_ms:g}")

@@ -157,11 +157,6 @@ class RecentWork:
         self._marks = [0] * self._size  # each entry's `mark` (by its index)
         self.bound = BacklogBound(depth)
 
-    @property
-    def count(self) -> int:
-        """Entries appended so far."""
-        return self._n
-
     def append(self, tokens: float, mark: int = 0, engine_tokens: float = 0.0) -> None:
         """Record an entry; `mark`: the backend's progress count when it was recorded (see `progress`),
         `engine_tokens` its tokens in the engine's count (for `bound`)."""
@@ -246,6 +241,27 @@ class SharedLayout:
     @property
     def ring_int_cells(self) -> int:
         return self.rows + self.slots * self.rows * (2 + 3 * self.recent)
+
+    # Where each array of the rings starts, in `ring_views`' int64 cells (the `_at`s) and float64 cells.
+    @property
+    def stamps_at(self) -> int:
+        return self.rows + self.slots * self.rows
+
+    @property
+    def marks_at(self) -> int:
+        return self.stamps_at + self.slots * self.rows * self.recent
+
+    @property
+    def seqs_at(self) -> int:
+        return self.marks_at + self.slots * self.rows * self.recent
+
+    @property
+    def counts_at(self) -> int:
+        return self.seqs_at + self.slots * self.rows * self.recent
+
+    @property
+    def engine_at(self) -> int:
+        return self.slots * self.rows * self.recent
 
     @property
     def size(self) -> int:
@@ -378,12 +394,8 @@ class SharedInflightTable(InflightTable):
         # The ledger rings (see SharedLayout): this worker's refresh epoch (`tick`) and where its rows start.
         self._rints, self._rfloats = layout.ring_views(buf)
         self._epoch = 0
-        self._stamps_at = layout.rows + layout.slots * layout.rows
-        cells = layout.slots * layout.rows
-        self._marks_at = self._stamps_at + cells * layout.recent  # mark[slot][row][recent] in the ring ints
-        self._seqs_at = self._marks_at + cells * layout.recent  # seq[slot][row][recent]
-        self._count_at = self._seqs_at + cells * layout.recent  # count[slot][row]
-        self._engine_at = cells * layout.recent  # engine[slot][row][recent] in the ring floats
+        self._stamps_at, self._marks_at, self._seqs_at = layout.stamps_at, layout.marks_at, layout.seqs_at
+        self._count_at, self._engine_at = layout.counts_at, layout.engine_at
         # slot -> (what `host_estimate` last read: per worker its live requests, per worker its entries
         # appended, the tokens in flight, the ratio),
         # (that read's estimate, its entries' sum, per worker its part of the bound (before the floor),
@@ -576,20 +588,30 @@ class SharedInflightTable(InflightTable):
             return
         self._rints[self._count_at + slot * self.layout.rows + self.row] = progress.get(backend, 0)
 
+    def _newest_seq(self, cell: int, count: int) -> int:
+        """The seq of the newest entry of the ring of `cell` (slot x rows + row) with `count` entries
+        appended, or -1 with none."""
+        if count <= 0:
+            return -1
+        depth = self.layout.recent
+        return self._rints[self._seqs_at + cell * depth + (count - 1) % depth]
+
+    def _spans(self, cell: int, count: int, n: int) -> list[tuple[int, int]]:
+        """Where the newest `n` (> 0, at most the ring's) of the `count` entries of `cell`'s ring lie, as
+        [start, end) index ranges into its arrays, oldest first: one range, or two when they wrap."""
+        depth = self.layout.recent
+        base = cell * depth
+        lo, hi = (count - n) % depth, count % depth or depth
+        return [(base + lo, base + hi)] if lo < hi else [(base + lo, base + depth), (base, base + hi)]
+
     def _next_seq(self, slot: int) -> int:
         """One more than the newest entry's seq of any worker on `slot` (0 with none): entries of every
         worker in the order they were sent (two workers' sends at the same moment may tie), also after a
         worker restarted (its row cleared)."""
-        rints, rows, depth = self._rints, self.layout.rows, self.layout.recent
+        rows = self.layout.rows
         first = slot * rows
-        newest = -1
-        for cell in range(first, first + rows):
-            n = rints[rows + cell]
-            if n > 0:
-                seq = rints[self._seqs_at + cell * depth + (n - 1) % depth]
-                if seq > newest:
-                    newest = seq
-        return newest + 1
+        counts = self._rints[rows + first:rows + first + rows].tolist()
+        return max(self._newest_seq(first + r, c) for r, c in enumerate(counts)) + 1
 
     def host_estimate(self, backend: str, slot: int) -> tuple[float, float]:
         """The host's queued prefill on `backend` (its `slot`) and its backlog bound, as one process
@@ -638,12 +660,8 @@ class SharedInflightTable(InflightTable):
             n = min(k, count, depth)
             if n <= 0:
                 continue
-            base = (first + r) * depth
-            lo, hi = (count - n) % depth, count % depth or depth
-            spans: list[tuple[int, int]] = [(base + lo, base + hi)] if lo < hi else [
-                (base + lo, base + depth), (base, base + hi)]  # wrapped: lo .. depth - 1, then 0 .. hi - 1
             now = nows[r]
-            for a, b in spans:
+            for a, b in self._spans(first + r, count, n):
                 seqs = rints[self._seqs_at + a:self._seqs_at + b].tolist()
                 est = _floats(rfloats[a:b])
                 marks = rints[self._marks_at + a:self._marks_at + b].tolist()
@@ -782,8 +800,7 @@ class SharedInflightTable(InflightTable):
         first = slot * rows
         counts = rints[rows + first:rows + first + rows].tolist()
         # Each ring's count and newest seq (a restarted worker that sent as many again has other seqs).
-        key = counts + [rints[self._seqs_at + (first + r) * depth + (c - 1) % depth] if c > 0 else -1
-                        for r, c in enumerate(counts)]
+        key = counts + [self._newest_seq(first + r, c) for r, c in enumerate(counts)]
         kept = self._host_sources.get(slot)
         if kept is not None and kept[0] == key:
             ordered = kept[1]
@@ -795,11 +812,7 @@ class SharedInflightTable(InflightTable):
                 n = min(count, depth)
                 if n <= 0:
                     continue
-                base = (first + r) * depth
-                lo, hi = (count - n) % depth, count % depth or depth
-                spans: list[tuple[int, int]] = [(base + lo, base + hi)] if lo < hi else [
-                    (base + lo, base + depth), (base, base + hi)]
-                for a, b in spans:
+                for a, b in self._spans(first + r, count, n):
                     ordered += zip(rints[self._seqs_at + a:self._seqs_at + b].tolist(), repeat(r),
                                    rints[self._stamps_at + a:self._stamps_at + b].tolist(), _floats(rfloats[a:b]),
                                    rints[self._marks_at + a:self._marks_at + b].tolist(),
@@ -891,10 +904,9 @@ def clear_row(buf: memoryview, layout: SharedLayout, row: int) -> None:
     ints[2 * layout.slots * rows + row] = 0
     rints, _ = layout.ring_views(buf)
     rints[row] = 0
-    count_at = rows + layout.slots * rows * (1 + 3 * layout.recent)  # count[slot][row] (SharedLayout)
     for slot in range(layout.slots):
         rints[rows + slot * rows + row] = 0
-        rints[count_at + slot * rows + row] = 0
+        rints[layout.counts_at + slot * rows + row] = 0
 
 
 def slot_is_idle(buf: memoryview, layout: SharedLayout, slot: int) -> bool:

@@ -290,6 +290,23 @@ def newest_k(k: int, seqs: list[Sequence[int]], nows: list[int], cols: Columns,
     return _fill(k, upto(hi - 1) if hi > 0 else [0] * (len(seqs) + len(ages)), upto(hi)), hi
 
 
+def _parts_sum(cols: Columns, counts: Sequence[int], first: int) -> float:
+    """The tokens of the parts' newest entries, as many of each as `counts[first:]` says."""
+    ages, los, _his, cums, base, _n = cols
+    if not ages:
+        return 0.0
+    return sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, first, None))]) - base
+
+
+def _parts_pairs(cols: Columns, counts: Sequence[int], first: int) -> list[tuple[int, float]]:
+    """The parts' newest entries, as many of each as `counts[first:]` says, as (age, tokens)."""
+    ages, los, _his, cums, _base, _n = cols
+    pairs: list[tuple[int, float]] = []
+    for part_ages, lo, cum, c in zip(ages, los, cums, islice(counts, first, None)):
+        pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(c)]
+    return pairs
+
+
 def _fill(k: int, younger: list[int], same: list[int]) -> list[int]:
     """Every entry younger than the k-th's age, then of its age in source order, up to k."""
     left = k - sum(younger)
@@ -557,11 +574,7 @@ class WorkLedger:
         for m in mates:
             seqs.append(m[0])
             nows.append(m[1])
-        # Where the k-th was last, moved by the refreshes since (every age has grown by about as many).
-        hint = self._hints.get(backend)
-        counts, age = newest_k(k, seqs, nows, cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
-        if age >= 0:
-            self._hints[backend] = (age, self._epoch)
+        counts = self._newest_counts(backend, k, seqs, nows, cols)
         total = 0.0
         i = 0
         if entries:
@@ -571,9 +584,7 @@ class WorkLedger:
         for m in mates:
             total += m[2][counts[i]]
             i += 1
-        ages, los, _his, cums, base, _n = cols
-        if ages:
-            total += sum([cum[lo + c] for cum, lo, c in zip(cums, los, islice(counts, i, None))]) - base
+        total += _parts_sum(cols, counts, i)
         if not bound or self._progress is None or backend not in self._history:
             return total, sum(counts), -math.inf
         # Every counted entry as (age, tokens), for the backlog bound.
@@ -591,33 +602,31 @@ class WorkLedger:
             last = len(stamps) - 1
             pairs += [(now - stamps[last - x] if now > stamps[last - x] else 0, pre[x + 1] - pre[x]) for x in range(c)]
             j += 1
-        for part_ages, lo, cum, c in zip(ages, los, cums, islice(counts, j, None)):
-            pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(c)]
+        pairs += _parts_pairs(cols, counts, j)
         return total, sum(counts), self._bound_of(backend, pairs) if pairs else -math.inf
+
+    def _newest_counts(self, backend: str, k: int, seqs: list[Sequence[int]], nows: list[int],
+                       cols: Columns) -> list[int]:
+        """`newest_k`'s counts per source, starting from where the k-th was last, moved by the refreshes
+        since (every age has grown by about as many)."""
+        hint = self._hints.get(backend)
+        counts, age = newest_k(k, seqs, nows, cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
+        if age >= 0:
+            self._hints[backend] = (age, self._epoch)
+        return counts
 
     def _newest_host(self, backend: str, k: int, host: HostSource, cols: Columns,
                      bound: bool) -> tuple[float, int, float]:
         """`_newest` with the host's entries as one source, before the other hosts' parts on a tie."""
         epochs, now, pre, marks, engine = host
-        hint = self._hints.get(backend)
-        counts, age = newest_k(k, [epochs], [now], cols, 0 if hint is None else hint[0] + self._epoch - hint[1])
-        if age >= 0:
-            self._hints[backend] = (age, self._epoch)
+        counts = self._newest_counts(backend, k, [epochs], [now], cols)
         c = counts[0]
-        total = pre[c]
-        ages, los, _his, cums, base, _n = cols
-        if ages:
-            total += sum([cum[lo + x] for cum, lo, x in zip(cums, los, islice(counts, 1, None))]) - base
+        total = pre[c] + _parts_sum(cols, counts, 1)
         if not bound or self._progress is None or backend not in self._history:
             return total, sum(counts), -math.inf
         last = len(epochs) - 1
-        exact = [(now - epochs[last - x], engine[x], marks[x]) for x in range(c)] if marks else []
-        pairs: list[tuple[int, float]] = []
-        for part_ages, lo, cum, n in zip(ages, los, cums, islice(counts, 1, None)):
-            pairs += [(part_ages[lo + x], cum[lo + x + 1] - cum[lo + x]) for x in range(n)]
-        if not exact and not pairs:
-            return total, sum(counts), -math.inf
-        return total, sum(counts), self._bound_of(backend, pairs, exact)
+        exact = [(now - epochs[last - x], engine[x], marks[x]) for x in range(c)]
+        return total, sum(counts), self._bound_of(backend, _parts_pairs(cols, counts, 1), exact)
 
     def discard(self, backend: str) -> None:
         """Forget a backend removed from the fleet."""
