@@ -33,11 +33,12 @@ import math
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from itertools import accumulate, islice, repeat
+from itertools import accumulate, islice
 from operator import add, ge, sub
 from typing import Callable, Mapping, cast
 
 from proxy.core.decision import Inflight
+from proxy.core.host_rings import HostSource, host_order, host_source_of, host_walk
 
 
 class InflightTable(dict[str, Inflight]):
@@ -191,13 +192,6 @@ class RecentWork:
 # tokens newest first (pre[0] = 0.0, pre[c] the sum of its newest c).
 MateSource = tuple[list[int], int, list[float]]
 
-# Every worker's ring of one backend as one source for a pick with peer load (`SharedInflightTable.
-# host_source`): its entries in the order they were sent (seq), their epochs oldest first in the reading
-# worker's epochs (an entry's age in its own worker's, never less than a newer entry's), the reader's epoch
-# now, the prefix sums of their tokens newest first, and newest first each entry's engine count at its
-# send in the reader's index (its mark, moved by how far the reader's count is from its worker's) and its
-# engine tokens. For a worker that follows the engines' progress.
-HostSource = tuple[list[int], int, list[float], list[int], list[float]]
 
 # The ledger entries of each worker a host-mate can read (the fleet's newest K rarely needs more of one
 # process's; the same bound as a published row's, proxy/control/peer_load.py PEER_RECENT_MAX).
@@ -402,9 +396,10 @@ class SharedInflightTable(InflightTable):
         # the counts it was read at), its answer.
         self._merged_memo: dict[int, tuple[tuple[list[int], list[int], int, float],
                                            tuple[float, float, list[float], list[int]], tuple[float, float]]] = {}
-        # slot -> (its rings' counts and newest seqs, their entries newest first: seq, row, epoch, tokens,
-        # mark, engine tokens), what `host_source` last read.
-        self._host_sources: dict[int, tuple[list[int], list[tuple[int, int, int, float, int, float]]]] = {}
+        # slot -> (its rings' counts and newest seqs, their entries newest first: per entry its row, epoch,
+        # tokens, mark, engine tokens (`host_order`)), what `host_source` last read.
+        self._host_sources: dict[int, tuple[list[int], tuple[list[int], list[int], list[float], list[int],
+                                                              list[float]]]] = {}
         # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
         # `_ring`'s last answer.
         self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
@@ -625,7 +620,7 @@ class SharedInflightTable(InflightTable):
         keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
         answer is kept until a worker's live requests, entries or tokens there change; a count moving
         alone shifts that worker's part of the bound. For a worker following the engines' progress."""
-        rows, depth = self.layout.rows, self.layout.recent
+        rows = self.layout.rows
         progress = self._progress
         if progress is None or self.row is None:
             raise RuntimeError("the host's estimate is read by a worker that follows the engines' progress")
@@ -652,34 +647,9 @@ class SharedInflightTable(InflightTable):
                 answer = self._answer(got, total, max(moved))
                 self._merged_memo[slot] = (key, (got, total, moved, nows), answer)
                 return answer
-        rfloats = self._rfloats
-        # Every worker's newest min(K, ring) entries: (seq, row, its estimate, engine tokens, progress since).
-        entries: list[tuple[int, int, float, float, int]] = []
-        for r in range(rows):
-            count = counts[r]
-            n = min(k, count, depth)
-            if n <= 0:
-                continue
-            now = nows[r]
-            for a, b in self._spans(first + r, count, n):
-                seqs = rints[self._seqs_at + a:self._seqs_at + b].tolist()
-                est = _floats(rfloats[a:b])
-                marks = rints[self._marks_at + a:self._marks_at + b].tolist()
-                engine = _floats(rfloats[self._engine_at + a:self._engine_at + b])
-                entries += [(q, r, t, e, now - m if now > m else 0)
-                            for q, t, e, m in zip(seqs, est, engine, marks)]
-        entries.sort(reverse=True)
-        del entries[k:]
-        known = len(entries)
-        total = 0.0
-        sent = 0.0
-        # Per worker, the largest (sent from its entry j on - the progress since j) over its counted entries.
-        parts = [-math.inf] * rows
-        for _q, r, t, e, done in entries:  # newest first: what was sent from each entry on
-            total += t
-            sent += e
-            if sent - done > parts[r]:
-                parts[r] = sent - done
+        # Every worker's newest min(K, ring) entries, oldest first, walked together newest first by seq.
+        seqs, ests, engine, marks = self._rings(first, counts, k)
+        total, known, parts = host_walk(seqs, ests, engine, marks, nows, k)
         got = with_unrecorded(total, known, k, tokens)
         answer = self._answer(got, total, max(parts))
         self._merged_memo[slot] = (key, (got, total, parts, nows), answer)
@@ -796,40 +766,70 @@ class SharedInflightTable(InflightTable):
         if slot is None or self.row is None:
             return None
         rows, depth = self.layout.rows, self.layout.recent
-        rints, rfloats = self._rints, self._rfloats
+        rints = self._rints
         first = slot * rows
         counts = rints[rows + first:rows + first + rows].tolist()
         # Each ring's count and newest seq (a restarted worker that sent as many again has other seqs).
         key = counts + [self._newest_seq(first + r, c) for r, c in enumerate(counts)]
         kept = self._host_sources.get(slot)
         if kept is not None and kept[0] == key:
-            ordered = kept[1]
+            order = kept[1]
         else:
-            # (seq, row, epoch, tokens, mark, engine tokens) of every worker's ring, newest first.
-            ordered = []
-            for r in range(rows):
-                count = counts[r]
-                n = min(count, depth)
-                if n <= 0:
-                    continue
-                for a, b in self._spans(first + r, count, n):
-                    ordered += zip(rints[self._seqs_at + a:self._seqs_at + b].tolist(), repeat(r),
-                                   rints[self._stamps_at + a:self._stamps_at + b].tolist(), _floats(rfloats[a:b]),
-                                   rints[self._marks_at + a:self._marks_at + b].tolist(),
-                                   _floats(rfloats[self._engine_at + a:self._engine_at + b]))
-            ordered.sort(reverse=True)
-            self._host_sources[slot] = (key, ordered)
-        if len(ordered) > k:
-            ordered = ordered[:k]
-        epochs = rints[0:rows].tolist()
-        mine = epochs[self.row]
-        ages = list(accumulate([epochs[e[1]] - e[2] if epochs[e[1]] > e[2] else 0 for e in ordered], max))
-        pre = list(accumulate([e[3] for e in ordered], initial=0.0))
+            seqs, tokens, engine, marks = self._rings(first, counts, depth)
+            stamps = self._ring_stamps(first, counts, depth)
+            order = host_order(seqs, stamps, tokens, marks, engine)
+            self._host_sources[slot] = (key, order)
         nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
         nows[self.row] = progress.get(backend, 0)
-        shift = [nows[self.row] - n for n in nows]
-        return ([mine - a for a in reversed(ages)], mine, pre, [e[4] + shift[e[1]] for e in ordered],
-                [e[5] for e in ordered])
+        return host_source_of(order, k, rints[0:rows].tolist(), nows, self.row)
+
+    def _rings(self, first: int, counts: list[int], n: int
+               ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[list[int]]]:
+        """Per worker (row), the newest min(`n`, its count, the ring's) entries of the rings of slot
+        `first // rows`, oldest first: their seqs, ledger tokens, engine tokens and marks."""
+        depth = self.layout.recent
+        rints, rfloats = self._rints, self._rfloats
+        seqs_at, marks_at, engine_at = self._seqs_at, self._marks_at, self._engine_at
+        seqs: list[list[int]] = []
+        tokens: list[list[float]] = []
+        engine: list[list[float]] = []
+        marks: list[list[int]] = []
+        for r, count in enumerate(counts):
+            m = min(n, count, depth)
+            if m <= 0:
+                seqs.append([])
+                tokens.append([])
+                engine.append([])
+                marks.append([])
+                continue
+            spans = self._spans(first + r, count, m)
+            a, b = spans[0]
+            q, t, e, k = (rints[seqs_at + a:seqs_at + b].tolist(), _floats(rfloats[a:b]),
+                          _floats(rfloats[engine_at + a:engine_at + b]), rints[marks_at + a:marks_at + b].tolist())
+            if len(spans) > 1:
+                a, b = spans[1]
+                q += rints[seqs_at + a:seqs_at + b].tolist()
+                t += _floats(rfloats[a:b])
+                e += _floats(rfloats[engine_at + a:engine_at + b])
+                k += rints[marks_at + a:marks_at + b].tolist()
+            seqs.append(q)
+            tokens.append(t)
+            engine.append(e)
+            marks.append(k)
+        return seqs, tokens, engine, marks
+
+    def _ring_stamps(self, first: int, counts: list[int], n: int) -> list[list[int]]:
+        """`_rings`' entries' refresh epochs."""
+        depth = self.layout.recent
+        out: list[list[int]] = []
+        for r, count in enumerate(counts):
+            m = min(n, count, depth)
+            stamps: list[int] = []
+            if m > 0:
+                for a, b in self._spans(first + r, count, m):
+                    stamps += self._rints[self._stamps_at + a:self._stamps_at + b].tolist()
+            out.append(stamps)
+        return out
 
     def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
         """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same

@@ -61,6 +61,7 @@ MODULES: tuple[str, ...] = (
     "core/fingerprint.py",
     "core/prefix_index.py",
     "core/work_ledger.py",
+    "core/host_rings.py",
     "core/placement.py",
     "core/load.py",
     "core/retry_policy.py",
