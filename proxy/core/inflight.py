@@ -34,11 +34,11 @@ from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, islice
-from operator import add, ge, sub
+from operator import add
 from typing import Callable, Mapping, cast
 
 from proxy.core.decision import Inflight
-from proxy.core.host_rings import HostSource, host_order, host_source_of, host_walk
+from proxy.core.host_rings import HostRings, HostSource, with_unrecorded
 
 
 class InflightTable(dict[str, Inflight]):
@@ -84,15 +84,6 @@ def newest_sum(entries: deque[float] | None, live: int, tokens: int) -> float:
     # A float sum (start 0.0), whatever the entries hold: compiled code (proxy/native) keeps `total` a double.
     total = sum(islice(reversed(entries), known), 0.0)
     return with_unrecorded(total, known, live, tokens)
-
-
-def with_unrecorded(total: float, known: int, live: int, tokens: int) -> float:
-    """`total`, the newest `known` records, plus the `live - known` live requests nobody recorded, at the
-    data plane's per-request average (or, without token counts, at the average of the records)."""
-    if live > known:
-        per_request = tokens / live if tokens > 0 else (total / known if known else 0.0)
-        total += (live - known) * per_request
-    return total
 
 
 class BacklogBound:
@@ -390,16 +381,10 @@ class SharedInflightTable(InflightTable):
         self._epoch = 0
         self._stamps_at, self._marks_at, self._seqs_at = layout.stamps_at, layout.marks_at, layout.seqs_at
         self._count_at, self._engine_at = layout.counts_at, layout.engine_at
-        # slot -> (what `host_estimate` last read: per worker its live requests, per worker its entries
-        # appended, the tokens in flight, the ratio),
-        # (that read's estimate, its entries' sum, per worker its part of the bound (before the floor),
-        # the counts it was read at), its answer.
-        self._merged_memo: dict[int, tuple[tuple[list[int], list[int], int, float],
-                                           tuple[float, float, list[float], list[int]], tuple[float, float]]] = {}
-        # slot -> (its rings' counts and newest seqs, their entries newest first: per entry its row, epoch,
-        # tokens, mark, engine tokens (`host_order`)), what `host_source` last read.
-        self._host_sources: dict[int, tuple[list[int], tuple[list[int], list[int], list[float], list[int],
-                                                              list[float]]]] = {}
+        # The host's rings as one process's entries (`host_estimate`, `host_source`), compiled.
+        self._host = HostRings(self._ints, self._rints, self._rfloats, layout.rows, layout.recent,
+                               row if row is not None else 0, self._tok_off, self._stamps_at, self._marks_at,
+                               self._seqs_at, self._count_at, self._engine_at)
         # cell -> ((its count, its worker's epoch, entries asked, newest stamp and tokens), the entries read):
         # `_ring`'s last answer.
         self._ring_cache: dict[int, tuple[tuple[int, int, int, int, float], list[tuple[int, float]]]] = {}
@@ -439,8 +424,7 @@ class SharedInflightTable(InflightTable):
                 self._rints[self.layout.rows + slot * self.layout.rows + self.row] = 0
                 self._ring_cache.clear()
                 self._source_cache.clear()
-                self._merged_memo.clear()
-                self._host_sources.clear()
+                self._host.forget()
             self._slots[name] = slot
             held = self._own.get(name)
             if held is None or held[0] == slot * self.layout.rows + (self.row or 0):
@@ -548,7 +532,7 @@ class SharedInflightTable(InflightTable):
             at = cell * depth + n % depth
             rints[self._stamps_at + at] = self._epoch
             rints[self._marks_at + at] = mark
-            rints[self._seqs_at + at] = self._next_seq(slot)
+            rints[self._seqs_at + at] = self._host.next_seq(slot)
             self._rfloats[at] = tokens
             self._rfloats[self._engine_at + at] = tokens / ratio
             rints[rows + cell] = n + 1  # last: a reader that sees the count sees the entry
@@ -583,31 +567,6 @@ class SharedInflightTable(InflightTable):
             return
         self._rints[self._count_at + slot * self.layout.rows + self.row] = progress.get(backend, 0)
 
-    def _newest_seq(self, cell: int, count: int) -> int:
-        """The seq of the newest entry of the ring of `cell` (slot x rows + row) with `count` entries
-        appended, or -1 with none."""
-        if count <= 0:
-            return -1
-        depth = self.layout.recent
-        return self._rints[self._seqs_at + cell * depth + (count - 1) % depth]
-
-    def _spans(self, cell: int, count: int, n: int) -> list[tuple[int, int]]:
-        """Where the newest `n` (> 0, at most the ring's) of the `count` entries of `cell`'s ring lie, as
-        [start, end) index ranges into its arrays, oldest first: one range, or two when they wrap."""
-        depth = self.layout.recent
-        base = cell * depth
-        lo, hi = (count - n) % depth, count % depth or depth
-        return [(base + lo, base + hi)] if lo < hi else [(base + lo, base + depth), (base, base + hi)]
-
-    def _next_seq(self, slot: int) -> int:
-        """One more than the newest entry's seq of any worker on `slot` (0 with none): entries of every
-        worker in the order they were sent (two workers' sends at the same moment may tie), also after a
-        worker restarted (its row cleared)."""
-        rows = self.layout.rows
-        first = slot * rows
-        counts = self._rints[rows + first:rows + first + rows].tolist()
-        return max(self._newest_seq(first + r, c) for r, c in enumerate(counts)) + 1
-
     def host_estimate(self, backend: str, slot: int) -> tuple[float, float]:
         """The host's queued prefill on `backend` (its `slot`) and its backlog bound, as one process
         holding every worker's entries reads them (`WorkLedger.pending` with the engines' progress):
@@ -620,48 +579,10 @@ class SharedInflightTable(InflightTable):
         keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
         answer is kept until a worker's live requests, entries or tokens there change; a count moving
         alone shifts that worker's part of the bound. For a worker following the engines' progress."""
-        rows = self.layout.rows
         progress = self._progress
         if progress is None or self.row is None:
             raise RuntimeError("the host's estimate is read by a worker that follows the engines' progress")
-        ints, rints = self._ints, self._rints
-        first = slot * rows
-        live = ints[first:first + rows].tolist()
-        k = sum(live)
-        if k <= 0:
-            return 0.0, 0.0
-        tokens: int = sum(ints[self._tok_off + first:self._tok_off + first + rows])
-        counts = rints[rows + first:rows + first + rows].tolist()
-        nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
-        nows[self.row] = progress.get(backend, 0)
-        key = (live, counts, tokens, self._ratio)
-        kept = self._merged_memo.get(slot)
-        if kept is not None and kept[0] == key:
-            # The same entries: only the counts may have moved, and an entry's progress with its own
-            # worker's count, so each worker's part of the bound by as much (`_answer`).
-            got, total, parts, then = kept[1]
-            if nows == then:
-                return kept[2]
-            if all(map(ge, nows, then)):
-                moved = list(map(sub, parts, map(sub, nows, then)))
-                answer = self._answer(got, total, max(moved))
-                self._merged_memo[slot] = (key, (got, total, moved, nows), answer)
-                return answer
-        # Every worker's newest min(K, ring) entries, oldest first, walked together newest first by seq.
-        seqs, ests, engine, marks = self._rings(first, counts, k)
-        total, known, parts = host_walk(seqs, ests, engine, marks, nows, k)
-        got = with_unrecorded(total, known, k, tokens)
-        answer = self._answer(got, total, max(parts))
-        self._merged_memo[slot] = (key, (got, total, parts, nows), answer)
-        return answer
-
-    def _answer(self, got: float, total: float, bound: float) -> tuple[float, float]:
-        """`host_estimate`'s answer from the newest-K estimate `got` (`total` of it the entries') and the
-        bound in engine tokens before its floor, as `WorkLedger.pending` reads one process's."""
-        backlog = self._ratio * bound if bound > 0.0 else 0.0
-        if backlog > got:
-            backlog = got
-        return got, backlog + got - total
+        return self._host.estimate(slot, progress.get(backend, 0), self._ratio)
 
     def tick(self) -> None:
         """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the
@@ -765,71 +686,7 @@ class SharedInflightTable(InflightTable):
             raise RuntimeError("the host source is read by a worker that follows the engines' progress")
         if slot is None or self.row is None:
             return None
-        rows, depth = self.layout.rows, self.layout.recent
-        rints = self._rints
-        first = slot * rows
-        counts = rints[rows + first:rows + first + rows].tolist()
-        # Each ring's count and newest seq (a restarted worker that sent as many again has other seqs).
-        key = counts + [self._newest_seq(first + r, c) for r, c in enumerate(counts)]
-        kept = self._host_sources.get(slot)
-        if kept is not None and kept[0] == key:
-            order = kept[1]
-        else:
-            seqs, tokens, engine, marks = self._rings(first, counts, depth)
-            stamps = self._ring_stamps(first, counts, depth)
-            order = host_order(seqs, stamps, tokens, marks, engine)
-            self._host_sources[slot] = (key, order)
-        nows = rints[self._count_at + first:self._count_at + first + rows].tolist()
-        nows[self.row] = progress.get(backend, 0)
-        return host_source_of(order, k, rints[0:rows].tolist(), nows, self.row)
-
-    def _rings(self, first: int, counts: list[int], n: int
-               ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[list[int]]]:
-        """Per worker (row), the newest min(`n`, its count, the ring's) entries of the rings of slot
-        `first // rows`, oldest first: their seqs, ledger tokens, engine tokens and marks."""
-        depth = self.layout.recent
-        rints, rfloats = self._rints, self._rfloats
-        seqs_at, marks_at, engine_at = self._seqs_at, self._marks_at, self._engine_at
-        seqs: list[list[int]] = []
-        tokens: list[list[float]] = []
-        engine: list[list[float]] = []
-        marks: list[list[int]] = []
-        for r, count in enumerate(counts):
-            m = min(n, count, depth)
-            if m <= 0:
-                seqs.append([])
-                tokens.append([])
-                engine.append([])
-                marks.append([])
-                continue
-            spans = self._spans(first + r, count, m)
-            a, b = spans[0]
-            q, t, e, k = (rints[seqs_at + a:seqs_at + b].tolist(), _floats(rfloats[a:b]),
-                          _floats(rfloats[engine_at + a:engine_at + b]), rints[marks_at + a:marks_at + b].tolist())
-            if len(spans) > 1:
-                a, b = spans[1]
-                q += rints[seqs_at + a:seqs_at + b].tolist()
-                t += _floats(rfloats[a:b])
-                e += _floats(rfloats[engine_at + a:engine_at + b])
-                k += rints[marks_at + a:marks_at + b].tolist()
-            seqs.append(q)
-            tokens.append(t)
-            engine.append(e)
-            marks.append(k)
-        return seqs, tokens, engine, marks
-
-    def _ring_stamps(self, first: int, counts: list[int], n: int) -> list[list[int]]:
-        """`_rings`' entries' refresh epochs."""
-        depth = self.layout.recent
-        out: list[list[int]] = []
-        for r, count in enumerate(counts):
-            m = min(n, count, depth)
-            stamps: list[int] = []
-            if m > 0:
-                for a, b in self._spans(first + r, count, m):
-                    stamps += self._rints[self._stamps_at + a:self._stamps_at + b].tolist()
-            out.append(stamps)
-        return out
+        return self._host.source(slot, k, progress.get(backend, 0))
 
     def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
         """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same

@@ -97,9 +97,8 @@ from operator import getitem, itemgetter, le, sub
 from typing import Any, Callable, Iterator, Mapping, Sequence, overload
 
 from proxy.core.decision import Inflight
-from proxy.core.host_rings import HostSource
-from proxy.core.inflight import (BacklogBound, MateSource, SharedInflight, SharedInflightTable, newest_sum,
-                                 with_unrecorded)
+from proxy.core.host_rings import HostSource, with_unrecorded
+from proxy.core.inflight import BacklogBound, MateSource, SharedInflight, SharedInflightTable, newest_sum
 
 # One published entry of another replica: (age in its refresh epochs, estimated uncached prompt tokens).
 RecentEntry = tuple[int, float]

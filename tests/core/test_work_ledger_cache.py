@@ -16,7 +16,8 @@ import pytest
 from proxy.control.peer_load import merge_loads
 from proxy.core.affinity import AffinityPolicy
 from proxy.core.decision import Inflight
-from proxy.core.inflight import SharedInflightTable, SharedLayout, with_unrecorded
+from proxy.core.host_rings import with_unrecorded
+from proxy.core.inflight import SharedInflightTable, SharedLayout
 from proxy.core.work_ledger import PeerRecent, RecentEntry, WorkLedger
 
 
