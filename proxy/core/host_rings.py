@@ -12,7 +12,7 @@ of (seq, row, ...) newest first gives.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Mapping, cast
 
 # Every worker's ring of one backend as one source for a pick with peer load (`SharedInflightTable.
 # host_source`): its entries in the order they were sent (seq), their epochs oldest first in the reading
@@ -146,8 +146,10 @@ class HostRings:
     in flight per slot and row, `tok_off` apart) and the rings' int64 cells `rints` (epochs, then per cell
     (slot x rows + row) its entries appended, then `depth`-deep rings of stamps, marks and seqs at
     `stamps_at`, `marks_at`, `seqs_at`, then each worker's published count at `counts_at`) and float64
-    cells `rfloats` (ledger tokens, engine tokens at `engine_at`); see `SharedLayout`. Its answers are kept
-    per slot until what they read changes; `forget` when a slot changes hands."""
+    cells `rfloats` (ledger tokens, engine tokens at `engine_at`); see `SharedLayout`. `progress`: this
+    worker's index's count per backend (`KVIndex.progress`, set by `SharedInflightTable.follow_progress`);
+    `ratio`: its ledger's tokens per engine token, as of its last record. Its answers are kept per slot
+    until what they read changes; `forget` when a slot changes hands."""
 
     def __init__(self, ints: memoryview[int], rints: memoryview[int], rfloats: memoryview[float], rows: int,
                  depth: int, row: int, tok_off: int, stamps_at: int, marks_at: int, seqs_at: int, counts_at: int,
@@ -164,6 +166,8 @@ class HostRings:
         self._seqs_at = seqs_at
         self._counts_at = counts_at
         self._engine_at = engine_at
+        self.progress: Mapping[str, int] = {}
+        self.ratio = 1.0
         self._kept: dict[int, _Kept] = {}
         # slot -> (its rings' counts and newest seqs, their entries newest first: `host_order`)
         self._orders: dict[int, tuple[list[int], Order]] = {}
@@ -250,9 +254,9 @@ class HostRings:
             epochs.append(self._ints_of(self._stamps_at, a, b, base, c) if stamps else [])
         return seqs, tokens, engine, marks, epochs
 
-    def estimate(self, slot: int, own_now: int, ratio: float) -> tuple[float, float]:
-        """`SharedInflightTable.host_estimate` of `slot`, this worker's index count there `own_now`, its
-        ledger's tokens per engine token `ratio`."""
+    def estimate(self, backend: str, slot: int) -> tuple[float, float]:
+        """`SharedInflightTable.host_estimate` of `backend` (its `slot`)."""
+        ratio = self.ratio
         rows = self._rows
         ints, rints = self._ints, self._rints
         first = slot * rows
@@ -267,7 +271,7 @@ class HostRings:
             tokens += x
         counts = rints[rows + first:rows + first + rows].tolist()
         nows = rints[self._counts_at + first:self._counts_at + first + rows].tolist()
-        nows[self._row] = own_now
+        nows[self._row] = self.progress.get(backend, 0)
         kept = self._kept.get(slot)
         if kept is not None and kept.live == live and kept.counts == counts and kept.tokens == tokens \
                 and kept.ratio == ratio:
@@ -294,8 +298,8 @@ class HostRings:
         self._kept[slot] = _Kept(live, counts, tokens, ratio, got, total, parts, nows, answer)
         return answer
 
-    def source(self, slot: int, k: int, own_now: int) -> HostSource:
-        """`SharedInflightTable.host_source` of `slot`, this worker's index count there `own_now`."""
+    def source(self, backend: str, slot: int, k: int) -> HostSource:
+        """`SharedInflightTable.host_source` of `backend` (its `slot`)."""
         rows, depth = self._rows, self._depth
         rints = self._rints
         first = slot * rows
@@ -312,7 +316,7 @@ class HostRings:
             order = host_order(seqs, stamps, tokens, marks, engine)
             self._orders[slot] = (key, order)
         nows = rints[self._counts_at + first:self._counts_at + first + rows].tolist()
-        nows[self._row] = own_now
+        nows[self._row] = self.progress.get(backend, 0)
         return host_source_of(order, k, rints[0:rows].tolist(), nows, self._row)
 
 

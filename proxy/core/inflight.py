@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate, islice
 from operator import add
-from typing import Callable, Mapping, cast
+from typing import Mapping, cast
 
 from proxy.core.decision import Inflight
 from proxy.core.host_rings import HostRings, HostSource, with_unrecorded
@@ -273,14 +273,14 @@ class SharedInflight(Inflight):
     """One backend's in-flight work summed over every worker's row: what a policy reads.
 
     Read-only: the owning `SharedInflightTable` writes its own row; `requests`, `tokens` and `queued` are
-    computed from the shared cells at each read. `merged`: the owner's `host_estimate` of this backend (a
-    worker that follows the engines' progress)."""
+    computed from the shared cells at each read. `host`: the owner's reader of the host's rings, for a
+    worker that follows the engines' progress (`SharedInflightTable.host_estimate` of `name`)."""
 
     __slots__ = ("_ints", "_floats", "_req", "_tok", "_end", "_qend", "_q", "_p", "_pend", "_b", "_bend",
-                 "_merged", "slot")
+                 "_host", "_name", "slot")
 
     def __init__(self, ints: memoryview[int], floats: memoryview[float], layout: SharedLayout, slot: int,
-                 merged: Callable[[], tuple[float, float]] | None = None) -> None:
+                 host: HostRings | None = None, name: str = "") -> None:
         rows = layout.rows
         self._ints = ints
         self._floats = floats
@@ -294,7 +294,8 @@ class SharedInflight(Inflight):
         self._pend = self._p + rows
         self._b = self._p + layout.slots * rows
         self._bend = self._b + rows
-        self._merged = merged
+        self._host = host
+        self._name = name
 
     @property
     def requests(self) -> int:  # type: ignore[override]  # a computed, read-only view of the dataclass field
@@ -313,8 +314,8 @@ class SharedInflight(Inflight):
         without KV events (and in the supervisor's view) the sum of each worker's own newest k. (Round 15
         measured the newest K there too: within the noise of a host whose workers each learn only what
         they routed, -1% to +4% TTFT mean, for 2.7x the CPU of a pick.)"""
-        if self._merged is not None:
-            return self._merged()[0]
+        if self._host is not None:
+            return self._host.estimate(self._name, self.slot)[0]
         return sum(self._floats[self._q:self._qend])
 
     def backlog(self) -> tuple[float, float]:
@@ -327,8 +328,8 @@ class SharedInflight(Inflight):
         too: the sum of each worker's newest k, and a bound that left out the others' sends after a
         worker's entry. A --workers 2 host without routing.peer_load lost 10% TTFT mean to one process on
         the busiest Mooncake load: loadtest/results/scaleout.md, Round 15.)"""
-        if self._merged is not None:
-            return self._merged()
+        if self._host is not None:
+            return self._host.estimate(self._name, self.slot)
         total: float = sum(self._floats[self._q:self._qend])
         if total <= 0.0:
             return total, total
@@ -437,16 +438,14 @@ class SharedInflightTable(InflightTable):
         if self.row is None:
             raise RuntimeError("the supervisor's view of the shared in-flight table is read-only")
         self._progress = progress
+        self._host.progress = progress
         for name, value in list(self.items()):
             if type(value) is SharedInflight:
                 self[name] = self._shared(name, value.slot)
 
     def _shared(self, name: str, slot: int) -> SharedInflight:
-        merged = None
-        if self._progress is not None:
-            def merged() -> tuple[float, float]:
-                return self.host_estimate(name, slot)
-        return SharedInflight(self._ints, self._floats, self.layout, slot, merged)
+        host = self._host if self._progress is not None else None
+        return SharedInflight(self._ints, self._floats, self.layout, slot, host, name)
 
     # -- this worker's row
 
@@ -514,6 +513,7 @@ class SharedInflightTable(InflightTable):
         just routed to `backend` (its acquire follows); `ratio`: the ledger's estimated tokens per engine
         token (what its progress, in engine tokens, is converted with)."""
         self._ratio = ratio
+        self._host.ratio = ratio
         recent = self._ledger.get(backend)
         if recent is None:
             recent = self._ledger[backend] = RecentWork(self._ledger_depth)
@@ -579,10 +579,9 @@ class SharedInflightTable(InflightTable):
         keeps its newest `layout.recent` entries of a backend: older ones count at the average. The
         answer is kept until a worker's live requests, entries or tokens there change; a count moving
         alone shifts that worker's part of the bound. For a worker following the engines' progress."""
-        progress = self._progress
-        if progress is None or self.row is None:
+        if self._progress is None or self.row is None:
             raise RuntimeError("the host's estimate is read by a worker that follows the engines' progress")
-        return self._host.estimate(slot, progress.get(backend, 0), self._ratio)
+        return self._host.estimate(backend, slot)
 
     def tick(self) -> None:
         """One peer-load refresh has passed (`peer_load.own_load`, with the work ledger's): the epoch the
@@ -681,12 +680,11 @@ class SharedInflightTable(InflightTable):
         None without a slot. The entries are read and ordered again only when a worker's ring there
         changed; their ages and counts follow the workers' epochs and counts at each call."""
         slot = self._slots.get(backend)
-        progress = self._progress
-        if progress is None:
+        if self._progress is None:
             raise RuntimeError("the host source is read by a worker that follows the engines' progress")
         if slot is None or self.row is None:
             return None
-        return self._host.source(slot, k, progress.get(backend, 0))
+        return self._host.source(backend, slot, k)
 
     def mate_sources(self, backend: str) -> tuple[tuple[tuple[int, int, int, float], ...], list[MateSource]]:
         """The other workers' rings of `backend`, now, each as a MateSource (in row order; the same
