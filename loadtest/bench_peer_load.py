@@ -326,12 +326,17 @@ def _replay_check(suite_name: str, load: str, seed: int) -> int:
                 print(f"NOT RECORDED {key}")
                 bad += 1
                 continue
-            diff = sorted(k for k in row if k in old and row[k] != old[k])
+            # The replay's own CPU (proxy_cpu_*) is measured, not decided: it differs run to run.
+            measured = [k for k in row if k.startswith("proxy_cpu_")]
+            diff = sorted(k for k in row if k in old and row[k] != old[k] and k not in measured)
             missing = sorted(k for k in row if k not in old)
             bad += bool(diff)
-            print(f"{'IDENTICAL' if not diff else 'DIFFERENT'} {key}: {len(row)} fields compared"
-                  f"{', differ: ' + ', '.join(diff) if diff else ''}{', not recorded: ' + ', '.join(missing) if missing else ''}",
-                  flush=True)
+            cpu = (f"; proxy CPU µs per request {old['proxy_cpu_us_per_req']:.0f} recorded, "
+                   f"{row['proxy_cpu_us_per_req']:.0f} now" if row.get("proxy_cpu_us_per_req") is not None
+                   and old.get("proxy_cpu_us_per_req") is not None else "")
+            print(f"{'IDENTICAL' if not diff else 'DIFFERENT'} {key}: {len(row) - len(measured)} fields compared"
+                  f"{', differ: ' + ', '.join(diff) if diff else ''}{', not recorded: ' + ', '.join(missing) if missing else ''}"
+                  f"{cpu}", flush=True)
     return 1 if bad else 0
 
 

@@ -606,13 +606,18 @@ PEERS15 = ROOT / "loadtest" / "results" / "scaleout-round15-peers.jsonl"
 
 
 def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds: Sequence[int],
-                  jitter: float = 1.0, table: bool = True) -> None:
+                  jitter: float = 1.0, table: bool = True, check: bool = False) -> int:
     """Round 15 with peer load: the round14-pair/-shapes configurations (precise, `peer_refresh_ms` 10,
     `running_weight` 0.5, `uncached_weight` 2, `jitter` ms) on this code, each next to its row recorded in
     scaleout.jsonl (round 14's order of a host's entries); appended to scaleout-round15-peers.jsonl (a
-    run resumes), then the table."""
+    run resumes), then the table. With `check`, each is replayed again and compared with its row there
+    (TTFT mean and hit ratio, exactly: code that must not change a decision), nothing written; returns
+    how many differ or are missing."""
     rows = {r["key"]: r for r in _rows()}
-    done = {json.loads(x)["key"] for x in PEERS15.read_text().splitlines() if x.strip()} if PEERS15.exists() else set()
+    recorded = ({json.loads(x)["key"]: json.loads(x) for x in PEERS15.read_text().splitlines() if x.strip()}
+                if PEERS15.exists() else {})
+    done = set() if check else set(recorded)
+    bad = 0
     sets = ROUND15_SETS["precise"]
     for ld in loads:
         load = mooncake_load(ld)
@@ -628,6 +633,13 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
                 wl = wl or _workload(trace, window)
                 cfg = ReplayConfig(**{**base.__dict__, "speed": speed, "max_model_len": 131072})
                 s = summarize(asyncio.run(replay(wl, cfg)), wl)
+                if check:
+                    was = recorded.get(key)
+                    same = was is not None and (was["ttft_mean"], was["hit_ratio"]) == (s["ttft_mean"], s["hit_ratio"])
+                    bad += not same
+                    print(f"{'IDENTICAL' if same else 'DIFFERENT' if was else 'NOT RECORDED'} {key}: TTFT mean "
+                          f"{s['ttft_mean']!r}, recorded {was['ttft_mean'] if was else None!r}", flush=True)
+                    continue
                 old = rows.get(key)
                 row = {"key": key, "ttft_mean": s["ttft_mean"], "hit_ratio": s["hit_ratio"],
                        "old_ttft_mean": old["ttft_mean"] if old else None, "old_hit_ratio": old["hit_ratio"] if old else None}
@@ -635,8 +647,8 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
                     fh.write(json.dumps(row) + "\n")
                 print(f"{key}: TTFT mean {1000 * s['ttft_mean']:.0f} ms (round 14: "
                       f"{1000 * old['ttft_mean'] if old else float('nan'):.0f})", file=sys.stderr, flush=True)
-    if not table:
-        return
+    if not table or check:
+        return bad
     got: dict[tuple[str, str, str], list[dict]] = {}
     for x in PEERS15.read_text().splitlines():
         if x.strip():
@@ -663,6 +675,7 @@ def round15_peers(loads: Sequence[str], shapes: Sequence[tuple[int, int]], seeds
         old_s = f"{statistics.mean(old_t):,.0f} ({min(old_t):,.0f}-{max(old_t):,.0f})" if old_t else " "
         print(f"| {load} | {jit} | {shape} | {len(v)} | {statistics.mean(new):,.0f} ({min(new):,.0f}-{max(new):,.0f}) "
               f"| {old_s} | {vs} | {one_ms} |")
+    return bad
 
 
 def round15_table() -> None:
@@ -1240,6 +1253,9 @@ def main() -> None:
     p15.add_argument("--seeds", type=int, default=8)
     p15.add_argument("--arrival-jitter-ms", type=float, default=1.0)
     p15.add_argument("--no-table", action="store_true", help="run only (the table reads the whole file)")
+    p15.add_argument("--seed", type=int, help="this seed only (else 0 .. --seeds - 1)")
+    p15.add_argument("--check", action="store_true",
+                     help="replay each again and compare with its recorded row (exit 1 if any differs); write nothing")
     imp = sub.add_parser("import-rows", help="append another checkout's rows of a suite with a note (round15)")
     imp.add_argument("jsonl", type=Path, help="the other checkout's loadtest/results/scaleout.jsonl")
     imp.add_argument("--suite", default="round15-host")
@@ -1283,8 +1299,12 @@ def main() -> None:
     elif args.cmd == "round15":
         round15_table()
     elif args.cmd == "round15-peers":
-        round15_peers(args.loads.split(","), [(int(a), int(b)) for a, b in (x.split("x") for x in args.shapes.split(","))],
-                      range(args.seeds), args.arrival_jitter_ms, not args.no_table)
+        bad = round15_peers(args.loads.split(","),
+                            [(int(a), int(b)) for a, b in (x.split("x") for x in args.shapes.split(","))],
+                            range(args.seeds) if args.seed is None else [args.seed], args.arrival_jitter_ms,
+                            not args.no_table, args.check)
+        if bad:
+            raise SystemExit(1)
     elif args.cmd == "import-rows":
         import_rows(args.jsonl, args.suite, args.note)
     elif args.cmd == "round14":
