@@ -24,6 +24,10 @@ SERIES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "busy_s": ("gpu_busy_seconds_total", "sim_gpu_busy_seconds_total", "vllm:gpu_busy_seconds_total"),
+    # The simulator's own (sim/metrics.py): how far its driver fell behind the engine model.
+    "steps": ("sim_steps_total",),
+    "late_s": ("sim_step_late_seconds_total",),
+    "late_max_s": ("sim_step_late_max_seconds",),
 }
 
 

@@ -366,6 +366,10 @@ def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], to
             within = "–" if r is None else ("yes" if abs(r - 1) <= tolerance else "**no**")
             out.append(f"| {name} | {_fmt(live.get(key), kind)} | {_fmt(rep.get(key), kind)} | "
                        f"{'–' if r is None else f'{r:.2f}'} | {within} |")
+        if live.get("sim_late_mean_ms") is not None:
+            out += ["", f"Live, the simulated engines' steps went out {live['sim_late_mean_ms']:.1f} ms late on average "
+                        f"(at most {live['sim_late_max_ms']:,.0f} ms) against their model: the machine's CPU, which the "
+                        "live latencies carry and the replay's do not."]
         out.append("")
     return "\n".join(out)
 
@@ -373,7 +377,7 @@ def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], to
 def brief(s: dict[str, Any]) -> dict[str, Any]:
     keys = ("label", "requests", "ok", "errors", "hit_ratio", "hit_vs_bound", "bound_lru", "client_hit_ratio",
             "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "gpu_util_mean", "backend_share", "proxy_cpu_us_per_req",
-            "wall_s")
+            "wall_s", "sim_late_mean_ms", "sim_late_max_ms")
     return {k: s.get(k) for k in keys}
 
 

@@ -79,10 +79,15 @@ class VirtualBackend:
         self.now = 0.0
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_sum = 0
+        # SimBackend's lateness against the engine model (sim/metrics.py): in virtual time never late.
+        self.steps = 0
+        self.late_seconds = 0.0
+        self.late_max_seconds = 0.0
 
     def note_step(self, end: float, tokens: int) -> None:
         self._recent.append((end, tokens))
         self._recent_sum += tokens
+        self.steps += 1
 
     def tokens_per_second(self) -> float:
         """KV tokens written over the last second, like SimBackend's (steps that ended by `now`)."""
@@ -160,6 +165,10 @@ class ReplayConfig:
     # by the engines' own BlockStored/BlockRemoved events, delivered to every replica after this delay.
     index: str = "learned"
     kv_event_delay_ms: float = 50.0
+    # When a step's events leave its engine (see KV_EVENTS_AT): "end", after the step (every row recorded
+    # before round 16; vLLM releases that publish from `update_from_output`), or "start", when the step is
+    # scheduled (the simulator, sim/backend.py, and vLLM releases that publish from `schedule`).
+    kv_events_at: str = "end"
     # How a process turns a prompt into token ids for the precise index (see PRECISE_LOOKUPS).
     precise_lookup: str = "proxy"
     # How a replica that sees 1/R of the traffic estimates each backend's load (see LOAD_VIEWS).
@@ -217,6 +226,8 @@ INDEXES = ("learned", "precise")
 #           leading chunks (at most `offload_chars` of them tokenised inline) instead of not at all
 #   inline  every prompt tokenised before its pick (what the replay modelled before: an upper bound)
 PRECISE_LOOKUPS = ("proxy", "proxy-nowait", "proxy-prefix", "inline")
+# When a step's KV events leave its engine (ReplayConfig.kv_events_at).
+KV_EVENTS_AT = ("end", "start")
 
 
 class _AtOnce(Executor):
@@ -321,6 +332,8 @@ def scaleout_label(cfg: ReplayConfig) -> str:
             parts.append("shm-host")
     if cfg.index == "precise":
         parts.append(f"delay {cfg.kv_event_delay_ms:g}ms")
+        if cfg.kv_events_at != "end":
+            parts.append(f"events at {cfg.kv_events_at}")
         if cfg.precise_lookup != "proxy":
             parts.append(f"lookup {cfg.precise_lookup}")
     if cfg.load_view != "own":
@@ -406,6 +419,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         return kv_index.PreciseMatch(len(ids), kvidx.match(ids, cfg.model), profile.block_size,  # type: ignore[union-attr]
                                      kvidx.lru_front)  # type: ignore[union-attr]
 
+    if cfg.kv_events_at not in KV_EVENTS_AT:
+        raise ValueError(f"kv_events_at must be one of {KV_EVENTS_AT}, got {cfg.kv_events_at!r}")
     if precise and cfg.precise_lookup not in PRECISE_LOOKUPS:
         raise ValueError(f"precise_lookup must be one of {PRECISE_LOOKUPS}, got {cfg.precise_lookup!r}")
     at_once = _AtOnce()
@@ -603,6 +618,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
     # KV events reach every replica `kv_event_delay_ms` after the step that produced them.
     kv_deliveries: list[tuple[float, int, str, list[Any]]] = []
     kv_delay = cfg.kv_event_delay_ms / 1000.0
+    events_at_start = cfg.kv_events_at == "start"
     block_size = profile.block_size
 
     def apply_kv(name: str, events: list[Any]) -> None:
@@ -711,7 +727,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             events = b.engine.take_kv_events()
             if events:
                 order += 1
-                heapq.heappush(kv_deliveries, (result.end + kv_delay, order, step_name, events))
+                sent_at = t_step if events_at_start else result.end
+                heapq.heappush(kv_deliveries, (sent_at + kv_delay, order, step_name, events))
         end_t = max(end_t, result.end + net)
         if result.outputs:
             order += 1
@@ -808,6 +825,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "off the loop, in no virtual time); proxy-nowait: routed by the learned index meanwhile; "
                          "inline: every prompt tokenised before its pick")
     ap.add_argument("--kv-event-delay-ms", type=float, default=50.0, help="engine step -> every replica's index (precise)")
+    ap.add_argument("--kv-events-at", default="end", choices=KV_EVENTS_AT,
+                    help="when a step's KV events leave its engine: end (after the step; vLLM publishing from "
+                         "update_from_output) or start (when it is scheduled: the simulator, vLLM publishing "
+                         "from schedule)")
     ap.add_argument("--load-view", default="own", choices=LOAD_VIEWS,
                     help="what a replica reads as a backend's load: its own table, or also the engines' running+waiting")
     ap.add_argument("--arrival-jitter-ms", type=float, default=0.0,
@@ -840,8 +861,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             adapters=tuple(a for a in args.adapters.split(",") if a),
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,
             host_table=args.host_table,
-            index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, load_view=args.load_view,
-            precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
+            index=args.index, kv_event_delay_ms=args.kv_event_delay_ms, kv_events_at=args.kv_events_at,
+            load_view=args.load_view, precise_lookup=args.precise_lookup, peer_refresh_ms=args.peer_refresh_ms,
             peer_recent=args.peer_recent, arrival_jitter_ms=args.arrival_jitter_ms,
         )
         t0 = time.perf_counter()

@@ -80,9 +80,16 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
     kv_mean: dict[str, float | None] = {}
     waiting_max: dict[str, float | None] = {}
     util_total: dict[str, float | None] = {}
+    steps = 0.0
+    late_s = 0.0
+    late_max: float | None = None
     for name, ss in sorted(by_backend.items()):
         ss.sort(key=lambda s: s["t"])
         f, l = ss[0], ss[-1]
+        if f.get("steps") is not None and l.get("steps") is not None and l.get("late_s") is not None:
+            steps += l["steps"] - f["steps"]
+            late_s += l["late_s"] - (f.get("late_s") or 0.0)
+            late_max = max(late_max or 0.0, l.get("late_max_s") or 0.0)
         if f.get("prefix_hits") is not None and l.get("prefix_hits") is not None:
             hits += l["prefix_hits"] - f["prefix_hits"]
             queries += l["prefix_queries"] - f["prefix_queries"]
@@ -154,6 +161,10 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         "proxy_cpu_s": cpu,
         "proxy_cpu_us_per_req": (cpu / len(ok) * 1e6) if cpu is not None and ok else None,
         "proxy_cpu_cores": (cpu / result.wall_s) if cpu is not None and result.wall_s else None,
+        # A live fleet of simulators only: how far their drivers fell behind the engine model, per step
+        # (the machine's CPU; the live latencies carry it, the replay's do not).
+        **({"sim_late_mean_ms": 1000 * late_s / steps, "sim_late_max_ms": 1000 * (late_max or 0.0)}
+           if steps > 0 else {}),
         "meta": result.meta,
     }
 

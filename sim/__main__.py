@@ -18,7 +18,7 @@ import uvloop
 
 from .faults import Faults
 from .fleet import grpc_available, start_fleet
-from .kv_events import ENCODINGS, KVEventsConfig
+from .kv_events import ENCODINGS, PUBLISH_AT, KVEventsConfig
 from .metrics import FLAVORS
 from .profiles import PROFILES
 
@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--kv-events-topic", default="", help="ZeroMQ topic (first frame)")
     k.add_argument("--kv-events-encoding", default="map", choices=ENCODINGS,
                    help="map: tagged maps keyed by 'type' (vLLM main); array: positional arrays (vLLM <= 0.10)")
+    k.add_argument("--kv-events-at", default="end", choices=PUBLISH_AT,
+                   help="end: a step's events go out with its outputs (vLLM main); start: when it is scheduled, "
+                        "before its blocks are computed (vLLM <= 0.10)")
     k.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve https:// (and grpcs://) with it")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -102,7 +105,8 @@ async def _run(args: argparse.Namespace) -> int:
     kv_events = None
     if args.kv_events_endpoint:
         kv_events = KVEventsConfig(endpoint=args.kv_events_endpoint, topic=args.kv_events_topic,
-                                   replay_endpoint=args.kv_events_replay_endpoint, encoding=args.kv_events_encoding)
+                                   replay_endpoint=args.kv_events_replay_endpoint, encoding=args.kv_events_encoding,
+                                   publish_at=args.kv_events_at)
     elif args.kv_events_replay_endpoint:
         print("error: --kv-events-replay-endpoint needs --kv-events-endpoint", file=sys.stderr)
         return 2

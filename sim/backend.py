@@ -93,6 +93,11 @@ class SimBackend:
         self._req_seq = 0
         self.requests_failed = 0
         self.requests_dropped = 0
+        # How far the driver fell behind the engine model: per step, the wall seconds its outputs went out
+        # after the moment the model gives them (the machine's CPU, not the model; 0 when it keeps up).
+        self.steps = 0
+        self.late_seconds = 0.0
+        self.late_max_seconds = 0.0
         self.stopped = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -268,9 +273,10 @@ class SimBackend:
                     engine.abort(rid, self.now())
                 self._bg_ids.clear()
                 continue
-            if self.kv_publisher is not None:
-                # vLLM caches full blocks when it schedules them, so their events go out at the step's start.
-                self.kv_publisher.publish(engine.take_kv_events())
+            events = engine.take_kv_events() if self.kv_publisher is not None else []
+            if events and self.kv_publisher is not None and self.kv_publisher.config.publish_at == "start":
+                self.kv_publisher.publish(events)  # vLLM v0.9-v0.10: from `schedule`, before the model ran
+                events = []
             recent = self._recent
             recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))
             while recent[0][0] < result.end - _RATE_WINDOW_S:
@@ -286,9 +292,16 @@ class SimBackend:
             if bg_done:
                 self.sync_background()
             delay = self._wall(result.end) - loop.time()
+            self.steps += 1
+            if delay < 0:
+                self.late_seconds -= delay
+                if -delay > self.late_max_seconds:
+                    self.late_max_seconds = -delay
             await asyncio.sleep(delay if delay > 0 else 0)
             if loop.time() < self._stall_until:
                 await self.wait_stall()
+            if events and self.kv_publisher is not None:
+                self.kv_publisher.publish(events)  # vLLM main: from `update_from_output`, before the outputs
             streams = self._streams
             for out in result.outputs:
                 stream = streams.get(out.request_id)

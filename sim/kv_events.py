@@ -7,6 +7,10 @@ of vLLM main in late 2025 (the tagged-map release) and the v0.9-v0.10 releases (
 
 - A PUB socket sends one multipart message per engine step that produced events:
   `[topic (utf-8), sequence (8 bytes, big-endian, from 0), msgpack(EventBatch)]`.
+- When (`publish_at=`): "end", as the step's outputs go out (vLLM main collects and publishes a step's
+  events in `Scheduler.update_from_output`, after the model ran), or "start", when the step is scheduled
+  (vLLM v0.9-v0.10 published them at the end of `Scheduler.schedule`, before the model ran: a chunk's
+  blocks read as cached while it is still being computed).
 - Optional replay ROUTER socket: a DEALER sends `[b"", start_seq (8 bytes big-endian)]`; the ROUTER answers
   with one `[b"", seq, payload]` per buffered batch whose seq >= start_seq (from the last `buffer_steps`
   batches), then the end marker `[b"", (-1 as 8 signed big-endian bytes), b""]`. Anything else is ignored
@@ -50,6 +54,8 @@ from .kvcache import Cleared, PoolEvent, Removed, Stored
 from .tokenizer import token_id
 
 Encoding = Literal["array", "map"]
+PublishAt = Literal["end", "start"]
+PUBLISH_AT: tuple[PublishAt, ...] = ("end", "start")
 ENCODINGS: tuple[str, ...] = ("array", "map")
 MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -66,17 +72,20 @@ class KVEventsConfig:
     encoding: Encoding = "map"
     buffer_steps: int = 10_000
     hwm: int = 100_000
+    publish_at: PublishAt = "end"
 
     def __post_init__(self) -> None:
         if self.encoding not in ENCODINGS:
             raise ValueError(f"kv events encoding must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
+        if self.publish_at not in PUBLISH_AT:
+            raise ValueError(f"kv events publish_at must be one of {', '.join(PUBLISH_AT)}, got {self.publish_at!r}")
         if self.buffer_steps < 1:
             raise ValueError("buffer_steps must be >= 1")
 
     def for_server(self, i: int) -> KVEventsConfig:
         """Server i of a fleet: fixed ports shifted by i, free ports stay free."""
         return KVEventsConfig(_offset(self.endpoint, i), self.topic, _offset(self.replay_endpoint, i) if self.replay_endpoint else None,
-                              self.encoding, self.buffer_steps, self.hwm)
+                              self.encoding, self.buffer_steps, self.hwm, self.publish_at)
 
 
 def _offset(endpoint: str, i: int) -> str:

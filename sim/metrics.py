@@ -80,6 +80,7 @@ def render(backend: SimBackend, flavor: str) -> str:
     w = _Writer()
     fn(w, backend)
     _agent(w, backend)
+    _simulator(w, backend)
     return w.text()
 
 
@@ -199,6 +200,15 @@ def _agent(w: _Writer, b: SimBackend) -> None:
     w.gauge("cuda_kernel_queue_length", e.num_running + e.num_waiting, "Sequences with work queued on the GPU.")
     w.gauge("kvcache_tokens_per_second", b.tokens_per_second(), "KV-cache tokens written per second (last second).")
     w.counter("gpu_busy_seconds", b.busy_seconds(), "Seconds the GPU spent running steps (utilisation = rate).")
+
+
+def _simulator(w: _Writer, b: SimBackend) -> None:
+    """The simulator's own: how far its driver fell behind the engine model (a live load test on a busy
+    machine reads its latencies against this, loadtest/live_replicas.py)."""
+    w.counter("sim_steps", b.steps, "Engine steps the simulator ran.")
+    w.counter("sim_step_late_seconds", b.late_seconds,
+              "Wall seconds each step's outputs went out after the engine model's time for them, summed.")
+    w.gauge("sim_step_late_max_seconds", b.late_max_seconds, "The most one step's outputs went out late.")
 
 
 _RENDERERS: dict[str, Callable[[_Writer, SimBackend], None]] = {

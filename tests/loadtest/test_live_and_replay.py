@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -61,6 +62,8 @@ async def test_live_run_through_the_proxy(fleet: Fleet) -> None:
     assert s["hit_ratio"] is not None and s["hit_ratio"] > 0.3  # long shared system prompts hit
     assert s["bound_inf"] is not None and s["hit_ratio"] <= s["bound_inf"] + 0.05
     assert s["gpu_util_mean"] is not None and s["capacity_tokens"] == 2 * get_profile("llama3-8b-h100").kv_capacity_tokens
+    # The simulators' own lateness against their engine model (sim/metrics.py), which only a live run has.
+    assert s["sim_late_mean_ms"] >= 0.0 and s["sim_late_max_ms"] >= s["sim_late_mean_ms"]
 
 
 async def test_replay_is_deterministic_and_affinity_keeps_more_cache() -> None:
@@ -74,6 +77,18 @@ async def test_replay_is_deterministic_and_affinity_keeps_more_cache() -> None:
     assert all(r.status == 200 and r.ttft is not None and r.ttft > 0 for r in aff.records)
     s_rr, s_aff = summarize(rr, w), summarize(aff, w)
     assert s_rr["requests"] == s_aff["requests"] == 40
+    assert "sim_late_mean_ms" not in s_aff  # virtual time is never late
     assert s_aff["hit_ratio"] >= s_rr["hit_ratio"]
     assert sum(aff.meta["reasons"].values()) == 40
     await asyncio.sleep(0)
+
+
+async def test_the_replays_proxy_reads_every_virtual_backends_metrics(caplog: pytest.LogCaptureFixture) -> None:
+    """The replay's poller scrapes the virtual backends' /metrics, rendered by the simulator's own code
+    (sim/metrics.py): a series the virtual backend cannot render fails every scrape, and the replay routes
+    without the engines' telemetry (it happened once: the simulator's lateness series)."""
+    w = small_workload()
+    with caplog.at_level(logging.DEBUG, logger="affinity_proxy.telemetry"):
+        res = await replay(w, ReplayConfig(backends=2, speed=1.0, max_model_len=None, policy="least_load"))
+    assert len(res.records) == 40
+    assert not [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]

@@ -19,6 +19,7 @@ from sim.kvcache import Cleared, Removed, Stored, chain_seed, extend_block_keys
 from sim.profiles import get_profile
 from sim.tokenizer import token_ids
 from sim.tokens import VOCAB
+from tests.support import until
 
 
 def _run(engine: Engine, t: float) -> float:
@@ -208,3 +209,29 @@ def test_cli_flags_publish_events_with_the_chosen_encoding_and_block_size() -> N
     r = subprocess.run([sys.executable, "-m", "sim", "--port", "0", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*"],
                        capture_output=True, text=True, env=env, cwd=root, timeout=30)
     assert r.returncode == 2 and "needs --kv-events-endpoint" in r.stderr
+
+
+@pytest.mark.parametrize("publish_at", ["end", "start"])
+async def test_a_steps_events_go_out_with_its_outputs_or_when_it_is_scheduled(publish_at: str) -> None:
+    """vLLM main publishes a step's events from `update_from_output`, after the model ran ("end", the
+    default); v0.9-v0.10 published them from `schedule` ("start"). Caught while the driver sleeps through
+    the step of a long prefill: with "start" its blocks are out already, with "end" not yet."""
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", publish_at=publish_at)  # type: ignore[arg-type]
+    assert KVEventsConfig().publish_at == "end" and cfg.for_server(1).publish_at == publish_at
+    with pytest.raises(ValueError):
+        KVEventsConfig(publish_at="later")  # type: ignore[arg-type]
+    fleet = await start_fleet(1, speed=0.5, kv_events=cfg)  # a 4k-token prefill step lasts ~0.5 s of wall time
+    try:
+        backend = fleet.servers[0].backend
+        pub = backend.kv_publisher
+        assert pub is not None
+        prompt = " ".join(VOCAB[i % len(VOCAB)] for i in range(4096))
+        async with httpx.AsyncClient(base_url=fleet.servers[0].url, timeout=30.0) as h:
+            answer = asyncio.create_task(h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}))
+            await until(lambda: backend.steps >= 1, interval=0.005)  # the first step is computed: its sleep
+            during = pub.next_seq
+            assert (await answer).status_code == 200
+        assert pub.next_seq >= 1  # published by the time its outputs went out, either way
+        assert during == (1 if publish_at == "start" else 0)
+    finally:
+        await fleet.stop()
