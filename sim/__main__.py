@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="map: tagged maps keyed by 'type' (vLLM main); array: positional arrays (vLLM <= 0.10)")
     k.add_argument("--kv-events-at", default="end", choices=PUBLISH_AT,
                    help="end: a step's events go out with its outputs (vLLM main); start: when it is scheduled, "
-                        "before its blocks are computed (vLLM <= 0.10)")
+                        "before its blocks are computed (earlier vLLM releases)")
     k.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the profile's, 16)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve https:// (and grpcs://) with it")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")

@@ -275,7 +275,7 @@ class SimBackend:
                 continue
             events = engine.take_kv_events() if self.kv_publisher is not None else []
             if events and self.kv_publisher is not None and self.kv_publisher.config.publish_at == "start":
-                self.kv_publisher.publish(events)  # vLLM v0.9-v0.10: from `schedule`, before the model ran
+                self.kv_publisher.publish(events)  # earlier vLLM releases: from `schedule`, before the model ran
                 events = []
             recent = self._recent
             recent.append((result.end, result.num_prefill_tokens + result.num_decode_tokens))

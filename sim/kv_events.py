@@ -9,7 +9,7 @@ of vLLM main in late 2025 (the tagged-map release) and the v0.9-v0.10 releases (
   `[topic (utf-8), sequence (8 bytes, big-endian, from 0), msgpack(EventBatch)]`.
 - When (`publish_at=`): "end", as the step's outputs go out (vLLM main collects and publishes a step's
   events in `Scheduler.update_from_output`, after the model ran), or "start", when the step is scheduled
-  (vLLM v0.9-v0.10 published them at the end of `Scheduler.schedule`, before the model ran: a chunk's
+  (earlier vLLM releases published them at the end of `Scheduler.schedule`, before the model ran: a chunk's
   blocks read as cached while it is still being computed).
 - Optional replay ROUTER socket: a DEALER sends `[b"", start_seq (8 bytes big-endian)]`; the ROUTER answers
   with one `[b"", seq, payload]` per buffered batch whose seq >= start_seq (from the last `buffer_steps`

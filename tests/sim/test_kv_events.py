@@ -214,7 +214,7 @@ def test_cli_flags_publish_events_with_the_chosen_encoding_and_block_size() -> N
 @pytest.mark.parametrize("publish_at", ["end", "start"])
 async def test_a_steps_events_go_out_with_its_outputs_or_when_it_is_scheduled(publish_at: str) -> None:
     """vLLM main publishes a step's events from `update_from_output`, after the model ran ("end", the
-    default); v0.9-v0.10 published them from `schedule` ("start"). Caught while the driver sleeps through
+    default); earlier releases published them from `schedule` ("start"). Caught while the driver sleeps through
     the step of a long prefill: with "start" its blocks are out already, with "end" not yet."""
     cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", publish_at=publish_at)  # type: ignore[arg-type]
     assert KVEventsConfig().publish_at == "end" and cfg.for_server(1).publish_at == publish_at
