@@ -238,15 +238,8 @@ class HostRings:
         for r in range(len(counts)):
             count = counts[r]
             m = min(n, count, depth)
-            if m <= 0:
-                seqs.append([])
-                tokens.append([])
-                engine.append([])
-                marks.append([])
-                epochs.append([])
-                continue
-            a, b, c = self._span(first + r, count, m)
             base = (first + r) * depth
+            a, b, c = self._span(first + r, count, m) if m > 0 else (base, base, base)  # none: empty ranges
             seqs.append(self._ints_of(self._seqs_at, a, b, base, c))
             tokens.append(self._floats_of(0, a, b, base, c))
             engine.append(self._floats_of(self._engine_at, a, b, base, c))

@@ -29,7 +29,6 @@ no shared memory itself.
 from __future__ import annotations
 
 import heapq
-import math
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
@@ -310,7 +309,7 @@ class SharedInflight(Inflight):
     def queued(self) -> float:
         """Estimated uncached prefill tokens queued on the backend, over every worker: a worker that
         follows the engines' progress reads the host's newest K entries (K: every worker's live requests
-        there), as one process holding them all would (`merged`, `SharedInflightTable.host_estimate`);
+        there), as one process holding them all would (`host`, `SharedInflightTable.host_estimate`);
         without KV events (and in the supervisor's view) the sum of each worker's own newest k. (Round 15
         measured the newest K there too: within the noise of a host whose workers each learn only what
         they routed, -1% to +4% TTFT mean, for 2.7x the CPU of a pick.)"""
@@ -320,7 +319,7 @@ class SharedInflight(Inflight):
 
     def backlog(self) -> tuple[float, float]:
         """`queued`, and with progress published (the work ledger's "Progress") the host's backlog bound
-        (without: `queued` again). A worker's read (`merged`) takes both over the host's newest K entries,
+        (without: `queued` again). A worker's read (`host`) takes both over the host's newest K entries,
         as one process holding them all would (`SharedInflightTable.host_estimate`). The supervisor's
         view, which has no index, reads the parts each worker published as of its last send or
         completion there: the sum less the largest progress (the progress since the oldest entry counted
