@@ -28,6 +28,10 @@ SERIES: dict[str, tuple[str, ...]] = {
     "steps": ("sim_steps_total",),
     "late_s": ("sim_step_late_seconds_total",),
     "late_max_s": ("sim_step_late_max_seconds",),
+    # The engines' own time to first token (vLLM's histogram; the simulator exports it too): against the
+    # client's, what the path in between (the proxy) added on average.
+    "ttft_sum": ("vllm:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_sum"),
+    "ttft_count": ("vllm:time_to_first_token_seconds_count", "sglang:time_to_first_token_seconds_count"),
 }
 
 

@@ -27,6 +27,8 @@ class Record:
     cached_tokens: int | None = None
     backend: str | None = None
     error: str | None = None
+    # The proxy's x-request-id for it (the key of its access-log line: reason, KV holder, load at the pick).
+    request_id: str | None = None
 
 
 @dataclass

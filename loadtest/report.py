@@ -83,9 +83,13 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
     steps = 0.0
     late_s = 0.0
     late_max: float | None = None
+    engine_ttft_s = engine_ttft_n = 0.0
     for name, ss in sorted(by_backend.items()):
         ss.sort(key=lambda s: s["t"])
         f, l = ss[0], ss[-1]
+        if l.get("ttft_sum") is not None and l.get("ttft_count") is not None:
+            engine_ttft_s += l["ttft_sum"] - (f.get("ttft_sum") or 0.0)
+            engine_ttft_n += l["ttft_count"] - (f.get("ttft_count") or 0.0)
         if f.get("steps") is not None and l.get("steps") is not None and l.get("late_s") is not None:
             steps += l["steps"] - f["steps"]
             late_s += l["late_s"] - (f.get("late_s") or 0.0)
@@ -165,6 +169,12 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
         # (the machine's CPU; the live latencies carry it, the replay's do not).
         **({"sim_late_mean_ms": 1000 * late_s / steps, "sim_late_max_ms": 1000 * (late_max or 0.0)}
            if steps > 0 else {}),
+        # The engines' own TTFT mean (their histograms, every request they answered in the run) and what the
+        # client saw on top of it on average: the proxy's routing, tokenisation waits and forwarding.
+        **({"engine_ttft_mean": engine_ttft_s / engine_ttft_n,
+            "ttft_added_mean_ms": (1000 * (stats.mean_or_none(ttft) - engine_ttft_s / engine_ttft_n)
+                                   if ttft and engine_ttft_n == len(ttft) else None)}
+           if engine_ttft_n > 0 else {}),
         "meta": result.meta,
     }
 

@@ -41,16 +41,36 @@ SIM_BACKEND_HEADER = "x-sim-backend"
 
 
 def process_cpu_seconds(pids: Sequence[int]) -> float | None:
-    """utime+stime of the processes and their reaped children, from /proc (Linux); None if unreadable."""
-    total = 0.0
+    """utime+stime of the processes, of every live descendant (a `run --workers N` supervisor's workers,
+    which a parent's cutime counts only once they are reaped) and of their reaped children, from /proc
+    (Linux); None if one of `pids` is unreadable. A descendant that exits between two reads moves its time
+    into its parent's cutime, so a difference of two reads still counts it once."""
     tick = os.sysconf("SC_CLK_TCK")
-    try:
-        for pid in pids:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            # fields[11..14] = utime, stime, cutime, cstime (stat fields 14-17)
-            total += sum(int(x) for x in fields[11:15]) / tick
-    except (OSError, IndexError, ValueError):
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, utime+stime+cutime+cstime in s)
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            # fields[1] = ppid; fields[11..14] = utime, stime, cutime, cstime (stat fields 4, 14-17)
+            stats[int(d.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not ours to read
+    if any(pid not in stats for pid in pids):
         return None
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    seen: set[int] = set()
+    todo = list(pids)
+    total = 0.0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += stats[pid][1]
+        todo.extend(children.get(pid, ()))
     return total
 
 
@@ -104,6 +124,7 @@ async def _one(
         async with session.post(cfg.url.rstrip("/") + path, data=data, headers=headers) as resp:
             rec.status = resp.status
             rec.backend = resp.headers.get(BACKEND_HEADER) or resp.headers.get(SIM_BACKEND_HEADER)
+            rec.request_id = resp.headers.get("x-request-id")
             if resp.status != 200:
                 rec.error = (await resp.text())[:300]
                 rec.e2e = loop.time() - sent

@@ -64,3 +64,58 @@ async def test_closed_loop_keeps_n_users_busy(fake: tuple[str, web.Application])
     assert len(res.records) == 12
     assert res.meta["mode"] == "closed:3"
     assert app[STATE]["n"] == 12
+
+
+def test_the_proxys_cpu_counts_its_live_workers() -> None:
+    """`run --workers N` is a supervisor whose workers do the work: a parent's cutime counts a child only once
+    it is reaped, so the CPU of a live worker must be read from the worker itself."""
+    import subprocess
+    import sys
+
+    from loadtest.run import process_cpu_seconds
+
+    burn = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+            "print('burnt', flush=True)\ntime.sleep(60)\n")
+    # The parent spawns the burner and waits on it (spends no CPU of its own while it does).
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys\n"
+         f"p = subprocess.Popen([sys.executable, '-c', {burn!r}])\np.wait()\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "burnt"
+        cpu = process_cpu_seconds([parent.pid])
+        assert cpu is not None and cpu >= 0.4  # the parent alone has spent well under that
+    finally:
+        import os
+        import signal
+
+        for child in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)
+        parent.wait(10)
+    assert process_cpu_seconds([parent.pid]) is None  # gone: unreadable, not zero
+
+
+def test_the_report_reads_the_engines_own_ttft_against_the_clients() -> None:
+    """The engines' TTFT histograms (sum and count, per backend, first to last sample) against the client's
+    TTFT: what the path in between added on average."""
+    from loadtest.records import Record
+
+    recs = [Record(index=i, sent=0.1 * i, scheduled=0.1 * i, input_tokens=100, status=200, ttft=t, e2e=t + 0.1,
+                   output_tokens=2, backend=b)
+            for i, (t, b) in enumerate([(0.30, "a"), (0.50, "a"), (0.40, "b")])]
+    samples = [
+        {"t": 0.0, "backend": "a", "ttft_sum": 1.0, "ttft_count": 5.0},
+        {"t": 9.0, "backend": "a", "ttft_sum": 1.7, "ttft_count": 7.0},  # 0.25 + 0.45
+        {"t": 0.0, "backend": "b", "ttft_sum": None, "ttft_count": None},
+        {"t": 9.0, "backend": "b", "ttft_sum": 0.35, "ttft_count": 1.0},
+    ]
+    s = summarize(RunResult({}, recs, samples, {}, 9.0))
+    assert s["engine_ttft_mean"] == pytest.approx(1.05 / 3)
+    assert s["ttft_added_mean_ms"] == pytest.approx(1000 * (1.2 - 1.05) / 3)
+    # An engine that answered a request the client did not count (or missed one): no difference claimed.
+    samples[-1]["ttft_count"] = 2.0
+    s = summarize(RunResult({}, recs, samples, {}, 9.0))
+    assert s["engine_ttft_mean"] == pytest.approx(1.05 / 4) and s["ttft_added_mean_ms"] is None
+    # No engine histogram at all: neither field.
+    s = summarize(RunResult({}, recs, [{"t": 0.0, "backend": "a"}, {"t": 9.0, "backend": "a"}], {}, 9.0))
+    assert "engine_ttft_mean" not in s

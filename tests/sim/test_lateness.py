@@ -33,3 +33,6 @@ async def test_a_blocked_event_loop_shows_as_late_steps_on_metrics() -> None:
     assert steps >= 200  # a decode step per token at least
     assert most >= 0.25  # the step due during the block went out that late
     assert late >= most  # and every step after it, until the engine went idle, was late too
+    # The engine's own TTFT histogram, which a live report reads against the client's (report.summarize).
+    assert pick(before, "ttft_count") == 0.0 and pick(after, "ttft_count") == 1.0
+    assert 0.0 < (pick(after, "ttft_sum") or 0.0) < 1.0
