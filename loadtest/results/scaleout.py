@@ -1234,6 +1234,51 @@ def _suite_name(name: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown suite {name!r}")
 
 
+def live_workers(path: Path) -> None:
+    """Round 17: live runs of one replica at W = 1 and W = 2 (scaleout-live-round17.json), as a table of
+    means and a plot of every run beside the replay's 20 ms-jitter range."""
+    import statistics
+
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    print("| | runs | TTFT mean, mean of runs (min-max) | TTFT p50 | hit of the LRU bound | engines' TTFT mean "
+          "| added by the proxy | proxy CPU per request |")
+    print("|---|---|---|---|---|---|---|---|")
+    for w in (1, 2):
+        rs = [r for r in runs if r["workers"] == w]
+
+        def mean(key: str, fmt: str = "{:,.0f}") -> str:
+            xs = [r[key] for r in rs if r.get(key) is not None]
+            return (fmt.format(statistics.mean(xs)) + f" ({len(xs)})") if xs else "-"
+        ttft = [r["ttft_mean_ms"] for r in rs]
+        print(f"| W = {w} | {len(rs)} | {statistics.mean(ttft):,.0f} ms ({min(ttft):,.0f}-{max(ttft):,.0f}) "
+              f"| {mean('ttft_p50_ms')} ms | {mean('hit_vs_bound', '{:.1%}')} | {mean('engine_ttft_mean_ms')} ms "
+              f"| {mean('ttft_added_mean_ms', '{:.1f}')} ms | {mean('proxy_cpu_ms_per_req', '{:.1f}')} ms |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = data["replay_20ms_jitter_seeds_0_7"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for w, lo, hi, mid in ((1, *rep["W1_range_ms"], rep["W1_mean_ms"]), (2, *rep["W2_host_range_ms"], rep["W2_host_mean_ms"])):
+        ax.fill_between([w - 0.3, w + 0.3], lo, hi, color="tab:gray", alpha=0.25,
+                        label="replay, 20 ms jitter, seeds 0-7 (range)" if w == 1 else None)
+        ax.plot([w - 0.3, w + 0.3], [mid, mid], color="tab:gray")
+        xs = [r["ttft_mean_ms"] for r in runs if r["workers"] == w]
+        ax.scatter([w + 0.12 * ((i % 5) - 2) / 2 for i in range(len(xs))], xs, color="tab:blue" if w == 1 else "tab:orange",
+                   zorder=3, label=f"live W = {w} ({len(xs)} runs)")
+        ax.plot([w - 0.2, w + 0.2], [statistics.mean(xs)] * 2, color="black", lw=2)
+    ax.set_xticks([1, 2], ["--workers 1", "--workers 2"])
+    ax.set_ylabel("TTFT mean (ms)")
+    ax.set_title("Mooncake 900:1200 x1, one replica, precise: live runs vs replay", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1277,6 +1322,8 @@ def main() -> None:
     hg.add_argument("--arrival-jitter-ms", type=float, default=1.0)
     lo = sub.add_parser("lottery")
     lo.add_argument("--seeds", type=int, default=30, help="seeds per seeded placement rule")
+    lw = sub.add_parser("live-workers", help="round 17: live --workers 1 / 2 runs (table and plot)")
+    lw.add_argument("--json", type=Path, default=OUT.parent / "scaleout-live-round17.json")
     sub.add_parser("plot")
     args = ap.parse_args()
     if args.cmd == "run":
@@ -1291,6 +1338,8 @@ def main() -> None:
         host_gap(args.load, args.seeds, args.arrival_jitter_ms)
     elif args.cmd == "lottery":
         lottery(args.seeds)
+    elif args.cmd == "live-workers":
+        live_workers(args.json)
     elif args.cmd == "spread":
         spread()
         spread_plot()
