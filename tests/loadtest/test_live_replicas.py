@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.live_replicas import LiveSpec, build_parser, main_async, replica_config_yaml, tail_table
 from proxy.config import parse_config
 
@@ -56,6 +58,11 @@ async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     # Shared system prompts: both the live engines and the replayed ones report prefix-cache hits.
     assert live["hit_ratio"] and live["hit_ratio"] > 0 and rep["hit_ratio"] and rep["hit_ratio"] > 0
     assert run["ratios"]["ttft_mean"] is not None and run["ratios"]["ttft_mean"] > 0
+    # The engines' own TTFT (their histograms) beside the replay's, and what the proxy's path added.
+    assert live["engine_ttft_mean"] and 0 < live["engine_ttft_mean"] <= live["ttft_mean"]
+    assert live["ttft_added_mean_ms"] is not None and live["ttft_added_mean_ms"] >= 0
+    assert run["ratios"]["engine_ttft_mean"] == pytest.approx(live["engine_ttft_mean"] / rep["ttft_mean"])
+    assert "| TTFT mean at the engines |" in doc["table"]
     assert "| TTFT p99 |" in doc["table"] and "live / replay" in doc["table"]
     # --records: every request of both sides, paired by index, and the tail table built from them.
     (pair,) = json.loads((tmp_path / "rec.json").read_text())
