@@ -37,6 +37,8 @@ from typing import Callable
 
 import uvloop
 
+from loadtest.run import process_cpu_seconds
+
 # ------------------------------------------------------------------------------------------ fake backend
 
 _RESPONSE_BODY = json.dumps(
@@ -243,22 +245,11 @@ def _machine_busy_seconds() -> float:
 
 
 def _tree_cpu_seconds(root: int) -> float:
-    """utime + stime of `root` and its live children (the supervisor and its workers)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    pids = [root]
-    for task in Path(f"/proc/{root}/task").iterdir():
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    """CPU seconds of `root` and its descendants (the supervisor and its workers)."""
+    cpu = process_cpu_seconds([root])
+    if cpu is None:
+        raise RuntimeError(f"process {root} is gone")
+    return cpu
 
 
 async def _wait_port(port: int, timeout_s: float = 60.0) -> None:

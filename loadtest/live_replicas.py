@@ -357,6 +357,11 @@ def _fmt(v: float | None, kind: str) -> str:
 REPLAY_KEY = {"engine_ttft_mean": "ttft_mean"}
 
 
+def replay_value(rep: dict[str, Any], key: str) -> Any:
+    """What the replay's summary says for the ROWS key `key`."""
+    return rep.get(REPLAY_KEY.get(key, key))
+
+
 def ratio(live: float | None, rep: float | None) -> float | None:
     if live is None or rep is None or rep == 0:
         return None
@@ -369,7 +374,7 @@ def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], to
     for title, live, rep in pairs:
         out += [f"**{title}**", "", "| | live | replay | live / replay | within ±10% |", "|---|---|---|---|---|"]
         for name, key, kind in ROWS:
-            rv = rep.get(REPLAY_KEY.get(key, key))
+            rv = replay_value(rep, key)
             r = ratio(live.get(key), rv) if kind != "n" else None
             within = "–" if r is None else ("yes" if abs(r - 1) <= tolerance else "**no**")
             out.append(f"| {name} | {_fmt(live.get(key), kind)} | {_fmt(rv, kind)} | "
@@ -428,7 +433,7 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
             "spec": spec.__dict__, "live": brief(ls), "replay": brief(rs),
             "live_meta": {k: v for k, v in live.meta.items() if k != "workload"},
             "replay_reasons": rep.meta.get("reasons"),
-            "ratios": {key: ratio(ls.get(key), rs.get(REPLAY_KEY.get(key, key))) for _, key, kind in ROWS if kind != "n"},
+            "ratios": {key: ratio(ls.get(key), replay_value(rs, key)) for _, key, kind in ROWS if kind != "n"},
         })
     table = side_by_side(pairs)
     print(table)

@@ -44,23 +44,10 @@ def process_cpu_seconds(pids: Sequence[int]) -> float | None:
     """utime+stime of the processes, of every live descendant (a `run --workers N` supervisor's workers,
     which a parent's cutime counts only once they are reaped) and of their reaped children, from /proc
     (Linux); None if one of `pids` is unreadable. A descendant that exits between two reads moves its time
-    into its parent's cutime, so a difference of two reads still counts it once."""
+    into its parent's cutime, so a difference of two reads still counts it once. Descendants are found as
+    `bench_workers` and `bench_proxy` find them, through /proc/PID/task/TID/children."""
     tick = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}  # pid -> (ppid, utime+stime+cutime+cstime in s)
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            # fields[1] = ppid; fields[11..14] = utime, stime, cutime, cstime (stat fields 4, 14-17)
-            stats[int(d.name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile, or not ours to read
-    if any(pid not in stats for pid in pids):
-        return None
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
+    roots = set(pids)
     seen: set[int] = set()
     todo = list(pids)
     total = 0.0
@@ -69,8 +56,16 @@ def process_cpu_seconds(pids: Sequence[int]) -> float | None:
         if pid in seen:
             continue
         seen.add(pid)
-        total += stats[pid][1]
-        todo.extend(children.get(pid, ()))
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            # fields[11..14] = utime, stime, cutime, cstime (stat fields 14-17)
+            total += sum(int(x) for x in fields[11:15]) / tick
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            if pid in roots:
+                return None
+            # a descendant gone meanwhile: its time is in its parent's cutime by the next read
     return total
 
 
