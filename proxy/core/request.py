@@ -147,7 +147,10 @@ def _parts_text(content: Any, where: str, out: _Content) -> str:
                 texts.append(part)
             elif type(part) is dict or isinstance(part, Mapping):  # parsed JSON: a dict, no ABC check
                 text = part.get("text")
-                if part.get("type", "text") in _TEXT_PARTS and isinstance(text, str):
+                kind = part.get("type", "text")
+                # Only a string can be a text part's type: a list or an object there is unhashable (the set
+                # lookup raised TypeError), and like a number it is folded into `out.media` below.
+                if isinstance(kind, str) and kind in _TEXT_PARTS and isinstance(text, str):
                     texts.append(text)
                 elif part.get("type") == "tool_result":  # Anthropic: its content is text or blocks again
                     texts.append(_parts_text(part.get("content"), f"{where}[{i}].content", out))

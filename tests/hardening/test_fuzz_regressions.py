@@ -46,6 +46,23 @@ def test_parsing_a_config_keeps_nothing_of_its_yaml_tree() -> None:
     assert ref() is None
 
 
+@pytest.mark.parametrize("kind", [["text"], {"t": "text"}, 3, None])
+def test_a_content_part_whose_type_is_not_a_string_is_a_medium(kind: object) -> None:
+    # fuzz summary #1 (a CI smoke, round 17): a part {"type": [...], "text": ...} raised TypeError
+    # (unhashable type: 'list') out of summary_from_openai, where a number there was already folded into the
+    # media like any part that is not text. Every endpoint with content parts goes through _parts_text.
+    from proxy.core.request import summary_from_openai
+
+    odd = {"type": kind, "text": "not the prompt"}
+    for endpoint, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, odd]}]}),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, odd]}]}),
+    ):
+        s = summary_from_openai(endpoint, body)
+        assert "hi" in s.prompt and "not the prompt" not in s.prompt, (endpoint, s.prompt)
+        assert len(s.media) == 1  # the odd part counts, as a medium
+
+
 async def test_an_http09_request_line_is_refused_in_http11() -> None:
     # fuzz http1 #1: "GET /v1/models\r\n\r\n" (no version) was answered "HTTP/0.9 200 OK" plus headers.
     import asyncio
