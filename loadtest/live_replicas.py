@@ -56,6 +56,9 @@ class LiveSpec:
     workers: int = 1  # `run --workers W` per replica (the replay: W workers sharing a host's load block)
     index: str = "precise"
     load_view: str = "engines"
+    # routing.policy of every replica and of the replay. round_robin is the calibration run: it reads no index
+    # and no load, so at R = 1 live and replay place every request alike and what differs is the fleet's time.
+    policy: str = "affinity"
     max_model_len: int | None = 131072
     speed: float = 1.0
     seed: int = 0
@@ -68,6 +71,9 @@ class LiveSpec:
     # load_view "peers": the redis-server the replicas share their load through (routing.peer_load).
     redis_url: str | None = None
     peer_refresh_ms: int = 10  # routing.peer_load.refresh_ms's default
+
+
+LIVE_POLICIES = ("affinity", "round_robin")
 
 
 def default_load_view(index: str) -> str:
@@ -115,7 +121,7 @@ def replica_config_yaml(spec: LiveSpec, servers: Sequence[dict[str, Any]], port:
         f"admin: {{host: 127.0.0.1, port: {admin_port}}}",
         "debug_headers: true",
         "routing:",
-        "  policy: affinity",
+        f"  policy: {spec.policy}",
         f"  seed: {spec.seed}",
         f"  shared_backends: {'true' if spec.load_view in ('engines', 'peers') else 'false'}",
     ]
@@ -239,7 +245,7 @@ async def drive(workload: Workload, urls: Sequence[str], spec: LiveSpec,
     records.sort(key=lambda r: r.index)
     samples = [{**s, "t": s["t"] - wall0} for s in sampler.samples]
     meta = {
-        "label": f"live affinity R{spec.replicas}xW{spec.workers} {spec.index} load {spec.load_view}",
+        "label": f"live {spec.policy} R{spec.replicas}xW{spec.workers} {spec.index} load {spec.load_view}",
         "mode": "open",
         "speed": spec.speed,
         "model": MODEL,
@@ -313,7 +319,7 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
 
 
 def replay_config(spec: LiveSpec, kv_event_delay_ms: float) -> ReplayConfig:
-    return ReplayConfig(policy="affinity", backends=spec.backends, max_model_len=spec.max_model_len,
+    return ReplayConfig(policy=spec.policy, backends=spec.backends, max_model_len=spec.max_model_len,
                         speed=spec.speed, model=MODEL, seed=spec.seed, replicas=spec.replicas,
                         workers=spec.workers,
                         # a live --workers replica is the shared-memory host (without peer load too)
@@ -414,16 +420,16 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
         spec = LiveSpec(backends=args.backends, replicas=args.replicas, workers=args.workers, index=index,
                         load_view=args.load_view or default_load_view(index), max_model_len=args.max_model_len,
                         speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress,
-                        offload_chars=args.proxy_offload_chars)
+                        offload_chars=args.proxy_offload_chars, policy=args.policy)
         print(f"== live: {spec}", file=sys.stderr, flush=True)
         live = await live_run(workload, spec, workdir)
         ls = summarize(live, workload, label=live.meta["label"])
         print(f"== replay: replicas {spec.replicas}, {index}, load {spec.load_view}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         rep = await replay(workload, replay_config(spec, args.kv_event_delay_ms))
-        rs = summarize(rep, workload, label=f"replay affinity R{spec.replicas}xW{spec.workers} {index} load {spec.load_view}")
+        rs = summarize(rep, workload, label=f"replay {spec.policy} R{spec.replicas}xW{spec.workers} {index} load {spec.load_view}")
         rs["replay_wall_s"] = time.perf_counter() - t0
-        title = f"affinity, {spec.replicas} replicas x {spec.workers} workers, {index} index, load view {spec.load_view}"
+        title = f"{spec.policy}, {spec.replicas} replicas x {spec.workers} workers, {index} index, load view {spec.load_view}"
         print(routing_line(live.meta, rep.meta), file=sys.stderr, flush=True)
         pairs.append((title, ls, rs))
         if args.records is not None:
@@ -500,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=2, help="separate `proxy run` processes; each request to a random one")
     ap.add_argument("--workers", type=int, default=1, help="`run --workers W` per replica (the replay: --workers W)")
+    ap.add_argument("--policy", choices=LIVE_POLICIES, default="affinity",
+                    help="routing.policy of the replicas and the replay; round_robin (with --index learned) places "
+                         "requests alike live and in the replay at R = 1: the calibration of the fleet's own time")
     ap.add_argument("--index", default="precise", help="comma list of precise (KV events on) and learned (off)")
     ap.add_argument("--load-view", choices=LOAD_VIEWS, default=None,
                     help="own | engines (routing.shared_backends); default: engines with precise, own with learned")
@@ -521,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.speed <= 0:
         raise SystemExit("--speed must be positive")
+    if args.policy != "affinity" and any(x.strip() == "precise" for x in args.index.split(",")):
+        raise SystemExit(f"--policy {args.policy} reads no KV index: use --index learned")
     if args.replicas < 1 or args.backends < 1 or args.workers < 1:
         raise SystemExit("--replicas, --workers and --backends must be >= 1")
     import uvloop

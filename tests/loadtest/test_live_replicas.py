@@ -92,3 +92,27 @@ def test_the_replay_beside_a_workers_replica_models_its_shared_memory_host() -> 
     one = replay_config(LiveSpec(replicas=1, workers=2, load_view="own"), 50.0)
     assert one.host_table and "shm-host" in scaleout_label(one)
     assert not replay_config(LiveSpec(replicas=2, workers=1, load_view="own"), 50.0).host_table
+
+
+async def test_round_robin_calibration_places_every_request_alike_live_and_replayed(tmp_path: Path) -> None:
+    """`--policy round_robin --index learned` at one replica: the proxy and the replay send request i to the
+    same backend (configuration order, in turn), so whatever differs between the two columns is the fleet's
+    own time, not routing. The replicas' config says round_robin, and precise is refused for it."""
+    argv = ["--workload", TINY, "--seed", "3", "--backends", "2", "--replicas", "1", "--policy", "round_robin",
+            "--index", "learned", "--max-model-len", "8192", "--no-progress", "--records", str(tmp_path / "rec.json")]
+    doc = await main_async(build_parser().parse_args(argv), argv)
+    (run,) = doc["runs"]
+    assert run["spec"]["policy"] == "round_robin" and run["live"]["ok"] == 24
+    assert run["live_meta"]["reasons"] == [{"balanced": 24}] and run["replay_reasons"] == {"balanced": 24}
+    (pair,) = json.loads((tmp_path / "rec.json").read_text())
+    live = {r["index"]: r["backend"] for r in pair["live"]}
+    replayed = {r["index"]: r["backend"] for r in pair["replay"]}
+    assert live == replayed and set(live.values()) == {"sim-0", "sim-1"}
+    assert "round_robin, 1 replicas" in doc["table"]
+    cfg = parse_config(replica_config_yaml(LiveSpec(backends=2, index="learned", load_view="own", policy="round_robin"),
+                                           [{"name": "a", "url": "http://127.0.0.1:9"}], 8080, 8081))
+    assert cfg.routing.policy == "round_robin"
+    from loadtest.live_replicas import main
+
+    with pytest.raises(SystemExit, match="reads no KV index"):
+        main(["--policy", "round_robin", "--index", "precise"])
