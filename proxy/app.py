@@ -67,6 +67,7 @@ from proxy.core.work_ledger import WorkLedger
 from proxy.dataplane.admission import AdmissionQueue
 from proxy.dataplane.openai import OpenAIPipeline
 from proxy.dataplane.response_homes import ResponseHomes
+from proxy.dataplane.shared_chunks import SharedChunks
 from proxy.dataplane.router import Router
 from proxy.experiments.admin import add_experiment_routes
 from proxy.experiments.runtime import ExperimentRuntime
@@ -127,13 +128,16 @@ class AffinityProxy:
         tracing: Tracing | None = None,
         host: HostHooks | None = None,
         response_homes: ResponseHomes | None = None,
+        shared_chunks: SharedChunks | None = None,
     ) -> None:
         """`tracing`: the span exporter to use instead of one built from `config.tracing` (tests pass
         one with an in-memory exporter). `on_outcome`: where passive outlier reports go; default: this process's health monitor (role
         "all"). `load_report`: where the ORCA load reports that backends attach to answers go; default: this
         process's telemetry poller, when `telemetry.orca` is on. A --workers data process passes its channel
         to the supervisor for both (workers run no monitor and no poller). `response_homes`: the Responses API's
-        response id -> backend map (a --workers data process passes one that shares what it learns)."""
+        response id -> backend map (a --workers data process passes one that shares what it learns).
+        `shared_chunks`: a --workers data process's view of the host's tokenised prompt chunks (the precise
+        index's tokenizers share them, proxy/dataplane/shared_chunks.py)."""
         self.reuse_port = reuse_port  # several worker processes sharing the listeners (proxy/multiproc/serve.py)
         # "all": one process does everything. With --workers N (proxy/multiproc/serve.py) the supervisor runs
         # "control" (admin listener, control-plane services and tasks) and each worker runs "data" (the
@@ -145,7 +149,7 @@ class AffinityProxy:
         # A worker of --workers N passes its row of the host-wide table (proxy/multiproc/shared_load.py).
         self.inflight = inflight if inflight is not None else InflightTable()
         # Precise routing on the engines' KV events (telemetry.kv_events): every routing process holds the index.
-        self.precise = build_precise_routing(config) if role != "control" else None
+        self.precise = build_precise_routing(config, shared_chunks) if role != "control" else None
         self.metrics = ProxyMetrics(render=host.render_metrics if host is not None else None)
         self.metrics.watch(self.store, self.inflight)
         for collector in host.collectors if host is not None else ():

@@ -56,6 +56,7 @@ from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message,
 
 if TYPE_CHECKING:
     from proxy.config import Config
+    from proxy.dataplane.shared_chunks import SharedChunks
 
 __all__ = ["KVEventMetrics", "KVEventSubscriber"]
 
@@ -509,7 +510,16 @@ class _WaitCollector:
                                       "telemetry.kv_events.precise_wait_concurrency were running "
                                       "(routed by the learned index).")
         skipped.add_metric([], m.wait_skipped)
-        return [hist, timeouts, skipped]
+        chunks = CounterMetricFamily("affinity_proxy_tokenizer_chunks",
+                                     "Chunks of prompt text (~2 KB) the precise lookup read the token ids of: "
+                                     "tokenized (here), host_cache (copied from the host's shared block: another "
+                                     "--workers worker tokenised them), own_cache (read from this process's cache, "
+                                     "copies included).", labels=["source"])
+        toks = list(m.tokenizers.values())
+        chunks.add_metric(["own_cache"], sum(t.hits for t in toks))
+        chunks.add_metric(["host_cache"], sum(t.shared_hits for t in toks))
+        chunks.add_metric(["tokenized"], sum(t.misses for t in toks))
+        return [hist, timeouts, skipped, chunks]
 
     def describe(self) -> Iterable[Metric]:
         return []
@@ -590,9 +600,11 @@ def kv_event_backends(config: Config, fleet: Iterable[BackendSpec] = ()
     return endpoints, models
 
 
-def build_precise_routing(config: Config) -> PreciseRouting | None:
+def build_precise_routing(config: Config, shared_chunks: SharedChunks | None = None) -> PreciseRouting | None:
     """From a `proxy.config.Config`: None unless `telemetry.kv_events.backends` lists a backend. Loads the
-    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model."""
+    tokenizers (raises `TokenizerError` for a bad folder) and checks every listed backend has a model.
+    `shared_chunks`: a `--workers` worker's view of the host's tokenised chunks (its tokenizers read the
+    other workers' and add their own)."""
     from proxy.dataplane.tokenize import ModelTokenizer, PreciseMatcher
 
     ke = config.telemetry.kv_events
@@ -601,10 +613,10 @@ def build_precise_routing(config: Config) -> PreciseRouting | None:
     endpoints, models = kv_event_backends(config)
     if not ke.tokenizers:
         raise ValueError("telemetry.kv_events.tokenizers: name at least one model's tokenizer folder")
-    tokenizers = {m: ModelTokenizer.from_dir(path) for m, path in ke.tokenizers.items()}
+    tokenizers = {m: ModelTokenizer.from_dir(path, shared=shared_chunks) for m, path in ke.tokenizers.items()}
     index = KVIndex(eviction_ages=config.routing.affinity.eviction_band_tokens > 0)  # (proxy/core/placement.py)
     matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers,
-                             max_warming=ke.precise_wait_concurrency)
+                             max_warming=ke.precise_wait_concurrency, shared_chunks=shared_chunks)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
                           prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config,
                           load_tokenizers=matcher.load_tokenizers)

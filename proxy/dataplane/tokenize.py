@@ -24,6 +24,9 @@ Cost, and how it is kept off the request path:
   stays free, only that request waits (tens of ms for 64k tokens, against the seconds of prefill a
   misrouted continuation costs), and its pick is precise even when another process tokenised its
   earlier turns.
+- With `--workers N` the workers share what they tokenised (`shared`, proxy/dataplane/shared_chunks.py): a
+  chunk missing from a worker's own cache is looked up among every worker's newest chunks before it is
+  tokenised, so a conversation whose earlier turns another worker routed is not tokenised again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from xxhash import xxh3_64_intdigest
+
+from proxy.dataplane.shared_chunks import SharedChunks
 
 __all__ = ["ModelTokenizer", "PreciseMatcher", "TokenizerError", "cut_points", "tokenizer_folder_error"]
 
@@ -120,7 +126,9 @@ def cut_points(text: str, chunk_chars: int) -> list[int]:
 
 class ModelTokenizer:
     """One model's tokenizer + chat template, with a chunk cache (safe to share between the event loop and
-    executor threads: a chunk tokenised twice at once is simply stored twice)."""
+    executor threads: a chunk tokenised twice at once is simply stored twice). `shared`: the host's chunk
+    block of a `--workers` worker, keyed by `identity` (a digest of the tokenizer, so that two tokenizers
+    never read each other's ids); `from_dir` sets `identity` from tokenizer.json's bytes."""
 
     def __init__(
         self,
@@ -131,6 +139,8 @@ class ModelTokenizer:
         cache_chunks: int = 16384,
         offload_chars: int = 32768,
         executor: Executor | None = None,
+        shared: SharedChunks | None = None,
+        identity: int = 0,
     ) -> None:
         if chunk_chars < 16:
             raise ValueError("chunk_chars must be >= 16")
@@ -142,8 +152,11 @@ class ModelTokenizer:
         self._executor = executor
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
+        self._shared = shared
+        self.identity = identity
+        self.hits = 0  # chunks found in this process's cache
+        self.shared_hits = 0  # ... in another worker's (copied into this cache)
+        self.misses = 0  # chunks tokenised here
         template = self.config.get("chat_template")
         if isinstance(template, list):  # several named templates: use "default"
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
@@ -163,9 +176,11 @@ class ModelTokenizer:
     def from_dir(cls, path: str | Path, **kwargs: Any) -> ModelTokenizer:
         folder = Path(path)
         try:
-            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            raw = (folder / "tokenizer.json").read_bytes()
+            tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # tokenizers raises a plain Exception for unreadable files
             raise TokenizerError(f"{folder / 'tokenizer.json'}: {exc}") from None
+        kwargs.setdefault("identity", xxh3_64_intdigest(raw))
         config: dict[str, Any] = {}
         cfg_path = folder / "tokenizer_config.json"
         if cfg_path.exists():
@@ -201,9 +216,28 @@ class ModelTokenizer:
             start = end
         return out
 
-    def uncached_chars(self, text: str) -> int:
+    def _from_host(self, chunk: str) -> list[int] | None:
+        """`chunk`'s ids from the host's shared block, copied into this cache (None: no worker has them)."""
+        shared = self._shared
+        if shared is None:
+            return None
+        got = shared.get(xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), self.identity), len(chunk))
+        if got is not None:
+            self.shared_hits += 1
+            self._store(chunk, got)
+        return got
+
+    def _store(self, chunk: str, ids: list[int]) -> None:
         cache = self._cache
-        return sum(len(c) for c in self._chunks(text) if c not in cache)
+        with self._lock:
+            cache[chunk] = ids
+            if len(cache) > self.cache_chunks:
+                cache.popitem(last=False)
+
+    def uncached_chars(self, text: str) -> int:
+        """Characters of `text` no cache has the ids of (this process's, then the host's)."""
+        cache = self._cache
+        return sum(len(c) for c in self._chunks(text) if c not in cache and self._from_host(c) is None)
 
     def leading_text(self, text: str, max_uncached: int) -> str:
         """The longest run of `text`'s leading chunks whose not-yet-cached part is at most `max_uncached`
@@ -211,7 +245,7 @@ class ModelTokenizer:
         cache = self._cache
         n = left = 0
         for chunk in self._chunks(text):
-            if chunk not in cache:
+            if chunk not in cache and self._from_host(chunk) is None:
                 if len(chunk) > max_uncached - left:
                     break
                 left += len(chunk)
@@ -228,12 +262,14 @@ class ModelTokenizer:
                 if got is not None:
                     cache.move_to_end(chunk)
             if got is None:
-                self.misses += 1
-                got = self._raw(chunk)
-                with lock:
-                    cache[chunk] = got
-                    if len(cache) > self.cache_chunks:
-                        cache.popitem(last=False)
+                got = self._from_host(chunk)
+                if got is None:
+                    self.misses += 1
+                    got = self._raw(chunk)
+                    self._store(chunk, got)
+                    if self._shared is not None:
+                        self._shared.put(xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), self.identity),
+                                         len(chunk), got)
             else:
                 self.hits += 1
             ids += got
@@ -312,12 +348,15 @@ class PreciseMatcher:
         defer_prefix: bool = False,
         wait_s: float = 0.2,
         paths: Mapping[str, str] | None = None,
+        shared_chunks: SharedChunks | None = None,
     ) -> None:
         """`paths`: the folder each of `tokenizers` was loaded from (`load_tokenizers` keeps those that
         did not change). `defer_prefix`: when a long prompt's pick comes before its tokenisation ended (no `prepare`,
         or its wait reached `wait_s`), answer from its leading chunks instead of not at all (at most the
         tokenizer's `offload_chars` of them not yet cached are tokenised inline). Off: such a prompt is
         routed by the learned index that time. `wait_s`: `prepare`'s bound (0: it never waits).
+        `shared_chunks`: the host's chunk block (a `--workers` worker), given to the tokenizers `load_tokenizers`
+        loads (those passed in were built with it).
         `max_warming`: tokenisations running in the executor at once, waited for or not
         (`telemetry.kv_events.precise_wait_concurrency`); past it a long prompt is not tokenised for now."""
         from proxy.core.kv_index import block_keys, chain_seed
@@ -327,6 +366,7 @@ class PreciseMatcher:
         self.index = index
         self.tokenizers = dict(tokenizers)
         self._paths = dict(paths or {})
+        self._shared_chunks = shared_chunks
         self._pinned_default = default_model
         self.default_model = default_model if default_model is not None else next(iter(self.tokenizers), None)
         self._loading = 0  # generation of the latest `load_tokenizers`: an older load that ends later loses
@@ -373,7 +413,7 @@ class PreciseMatcher:
             loaded: dict[str, ModelTokenizer] = {}
             for model, path in wanted.items():
                 try:
-                    loaded[model] = ModelTokenizer.from_dir(path)
+                    loaded[model] = ModelTokenizer.from_dir(path, shared=self._shared_chunks)
                 except Exception as exc:  # noqa: BLE001 - the table in force keeps routing, whatever the folder did
                     log.error("telemetry.kv_events.tokenizers.%s: %s; keeping its previous tokenizer", model, exc)
             return loaded

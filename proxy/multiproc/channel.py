@@ -14,6 +14,7 @@ from typing import Any
 
 from proxy.core.inflight import SharedLayout
 from proxy.core.snapshot import Snapshot
+from proxy.dataplane.shared_chunks import ChunkLayout
 from proxy.multiproc.metrics_merge import FamilyData
 
 _FRAME = struct.Struct("!I")
@@ -45,6 +46,7 @@ class WorkerInit:
     snapshot: Snapshot
     shared: SharedLayout  # of the host-wide load block (its descriptor is passed with --shared-fd)
     slots: dict[str, int]  # backend name -> slot in the load block
+    chunks: ChunkLayout  # of the host's tokenised prompt chunks (its descriptor is passed with --chunks-fd)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import tempfile
 from typing import Iterable
 
 from proxy.core.inflight import SharedInflightTable, SharedLayout, clear_row, slot_is_idle
+from proxy.dataplane.shared_chunks import ChunkLayout, SharedChunks
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -68,6 +69,30 @@ class SharedLoad:
         self.buf.release()
         self._mmap.close()
         os.close(self.fd)
+
+
+class SharedChunkBlock:
+    """The host's tokenised prompt chunks (proxy/dataplane/shared_chunks.py): one row per worker, made and
+    passed down like the load block. Its pages are only allocated as workers write them: ~16.5 MiB per
+    worker once its row has gone round, nothing without the precise index."""
+
+    def __init__(self, fd: int, layout: ChunkLayout) -> None:
+        self.fd = fd
+        self.layout = layout
+        self._mmap = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    @classmethod
+    def create(cls, workers: int) -> SharedChunkBlock:
+        layout = ChunkLayout(rows=workers)
+        return cls(_anonymous_fd(layout.size), layout)
+
+    @classmethod
+    def attach(cls, fd: int, layout: ChunkLayout) -> SharedChunkBlock:
+        return cls(fd, layout)
+
+    def view(self, row: int | None) -> SharedChunks:
+        """A worker's view (`row`: the one it writes), or a read-only one (None)."""
+        return SharedChunks(memoryview(self._mmap), self.layout, row)
 
 
 class SlotMap:

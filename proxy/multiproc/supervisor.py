@@ -38,7 +38,7 @@ from proxy.multiproc.channel import (
     write_message,
 )
 from proxy.multiproc.metrics_merge import FamilyData, SampleKey, families_of, merge_families, render, retire
-from proxy.multiproc.shared_load import SharedLoad, SlotMap
+from proxy.multiproc.shared_load import SharedChunkBlock, SharedLoad, SlotMap
 
 log = logging.getLogger("affinity_proxy.workers")
 
@@ -128,6 +128,9 @@ class Supervisor:
         self.inflight = inflight if inflight is not None else self.load.table(None)
         self.slot_map = SlotMap(self.load)
         self.slot_map.follow(store.current.names)
+        # The prompt chunks the workers' tokenizers share (the precise index): a continuation routed by
+        # another worker than its earlier turns is not tokenised again.
+        self.chunks = SharedChunkBlock.create(workers)
         self._slots_version = 0
         self._follow_slots()
         self.restarts_total = 0
@@ -255,9 +258,9 @@ class Supervisor:
         try:
             worker.proc = await asyncio.create_subprocess_exec(
                 self._python, "-m", "proxy.multiproc.worker", "--channel-fd", str(child.fileno()),
-                "--shared-fd", str(self.load.fd), "--index", str(worker.index),
+                "--shared-fd", str(self.load.fd), "--chunks-fd", str(self.chunks.fd), "--index", str(worker.index),
                 "--log-level", str(logging.getLogger().getEffectiveLevel()),
-                pass_fds=(child.fileno(), self.load.fd),
+                pass_fds=(child.fileno(), self.load.fd, self.chunks.fd),
             )
         finally:
             child.close()
@@ -270,7 +273,7 @@ class Supervisor:
             writer,
             WorkerInit(
                 index=worker.index, config=self.config, listeners=self.listeners, snapshot=self.store.current,
-                shared=self.load.layout, slots=dict(self.slot_map.slots),
+                shared=self.load.layout, slots=dict(self.slot_map.slots), chunks=self.chunks.layout,
             ),
         )
         worker.tasks = [

@@ -35,7 +35,7 @@ from proxy.multiproc.channel import (
     write_message,
 )
 from proxy.multiproc.metrics_merge import families_of
-from proxy.multiproc.shared_load import SharedLoad
+from proxy.multiproc.shared_load import SharedChunkBlock, SharedLoad
 from proxy.observability.config import LoggingConfig
 from proxy.observability.logs import configure_logging
 
@@ -113,7 +113,7 @@ class _Batch:
         write_message(self._writer, self._message(items))
 
 
-async def _worker(channel_fd: int, shared_fd: int) -> int:
+async def _worker(channel_fd: int, shared_fd: int, chunks_fd: int) -> int:
     from proxy.app import AffinityProxy
     from proxy.gcsettings import tune_gc
 
@@ -130,6 +130,8 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
     # This worker's row of the host-wide load block: its policy routes on every worker's in-flight work.
     inflight = SharedLoad.attach(shared_fd, init.shared).table(init.index)
     inflight.assign(init.slots)
+    # Its row of the host's tokenised chunks: its tokenizers read every worker's and write their own.
+    chunks = SharedChunkBlock.attach(chunks_fd, init.chunks).view(init.index)
     outcomes = _Batch(writer, Outcomes)
     # The supervisor's poller folds ORCA reports into the snapshot (workers run no poller): the data plane
     # asks backends for them and this forwards what they send (HTTP/1.1 and the HTTP/2 bridge alike).
@@ -142,7 +144,7 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
         _with_ports(init.config, init.listeners), reuse_port=True, role="data", store=store, inflight=inflight,
         on_outcome=lambda name, outcome: outcomes.add((name, outcome)),
         load_report=None if orca is None else (lambda name, header: orca.add((name, header))),
-        response_homes=homes,
+        response_homes=homes, shared_chunks=chunks,
     )
     tune_gc()  # the process is built: freeze what start-up made (proxy/gcsettings.py)
 
@@ -201,10 +203,12 @@ async def _worker(channel_fd: int, shared_fd: int) -> int:
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m proxy.multiproc.worker --channel-fd FD --shared-fd FD --index I`: what the supervisor starts, never users."""
+    """`python -m proxy.multiproc.worker --channel-fd FD --shared-fd FD --chunks-fd FD --index I`: what the
+    supervisor starts, never users."""
     parser = argparse.ArgumentParser(prog="python -m proxy.multiproc.worker")
     parser.add_argument("--channel-fd", type=int, required=True)
     parser.add_argument("--shared-fd", type=int, required=True)
+    parser.add_argument("--chunks-fd", type=int, required=True)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
@@ -219,7 +223,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
                       fields={"worker": args.index})
     import uvloop
 
-    return uvloop.run(_worker(args.channel_fd, args.shared_fd))
+    return uvloop.run(_worker(args.channel_fd, args.shared_fd, args.chunks_fd))
 
 
 if __name__ == "__main__":

@@ -341,3 +341,60 @@ async def test_a_decoding_requests_prompt_leaves_the_queued_prefill_once_its_blo
     finally:
         await rep.stop()
         await fleet.stop()
+
+
+def _chunk_counts(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("affinity_proxy_tokenizer_chunks_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_the_workers_of_a_host_tokenise_a_prompt_once_between_them(tmp_path, fleet: Fleet) -> None:
+    """`run --workers 2`: a prompt one worker tokenised is found by the other in the host's shared chunk
+    block, so the host tokenises each of its chunks once, whichever worker each sighting reaches (the
+    merged /metrics: affinity_proxy_tokenizer_chunks_total by source)."""
+    from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
+
+    model = fleet.servers[0].backend.engine.model_name
+    lines, kv = [], []
+    for s in fleet.servers:
+        pub = s.backend.kv_publisher
+        assert pub is not None
+        lines.append(f"  - {{name: {s.name}, url: '{s.url}', models: ['{model}']}}")
+        kv.append(f"      {s.name}: {{endpoint: '{pub.endpoint}', replay_endpoint: '{pub.replay_endpoint}'}}")
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        "health_checks: {enabled: false}\nrouting: {policy: affinity}\n"
+        f"backends:\n{chr(10).join(lines)}\n"
+        f"telemetry:\n  kv_events:\n    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
+    )
+    prompt = _words(77, 1500)  # ~10k characters: a few 2 KB chunks, tokenised inline (under offload_chars)
+    proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
+    try:
+        workers = proxy.workers()
+        async with aiohttp.ClientSession() as s:
+            await _direct(s, fleet, 0, _words(78, 300))  # another prompt: every worker's index has seen events
+        await asyncio.sleep(1.5)  # (a lookup with no event yet is skipped: nothing to match against)
+        served: list[int | None] = []
+        for _ in range(40):  # fresh connections until both workers have routed the prompt
+            owner: list[int | None] = []
+            reply = await post_json(proxy.port, "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 1},
+                                    lambda r: owner.append(owner_of_connection(r.local_port, proxy.port, workers)))
+            assert reply.status == 200, reply.body
+            served += owner
+            if set(served) == set(workers):
+                break
+        assert set(served) == set(workers), served
+        async with aiohttp.ClientSession() as s, s.get(proxy.admin + "/metrics") as resp:
+            counts = _chunk_counts(await resp.text())
+        # The first sighting tokenised every chunk; the first one on the other worker copied them all from
+        # the host's block (then read them from its own cache); none was tokenised twice.
+        assert counts["tokenized"] >= 4, counts
+        assert counts["host_cache"] == counts["tokenized"], counts
+        assert counts["own_cache"] >= counts["host_cache"], counts
+    finally:
+        await proxy.terminate()
