@@ -32,6 +32,9 @@ SERIES: dict[str, tuple[str, ...]] = {
     # client's, what the path in between (the proxy) added on average.
     "ttft_sum": ("vllm:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_sum"),
     "ttft_count": ("vllm:time_to_first_token_seconds_count", "sglang:time_to_first_token_seconds_count"),
+    # ... and their end-to-end latency: the client's e2e less it is the path both ways, to the last token.
+    "e2e_sum": ("vllm:e2e_request_latency_seconds_sum", "sglang:e2e_request_latency_seconds_sum"),
+    "e2e_count": ("vllm:e2e_request_latency_seconds_count", "sglang:e2e_request_latency_seconds_count"),
 }
 
 

@@ -393,6 +393,9 @@ def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], to
             out += ["", f"Live, the engines' own TTFT mean was {1000 * live['engine_ttft_mean']:,.0f} ms; the client saw "
                         f"{live['ttft_added_mean_ms']:.1f} ms more on average (the proxy: routing, tokenisation "
                         "waits, forwarding)."]
+            if live.get("e2e_added_mean_ms") is not None:
+                out[-1] += (f" To the answer's end: {live['e2e_added_mean_ms']:.1f} ms more than the engines' e2e "
+                            f"({1000 * live['engine_e2e_mean']:,.0f} ms).")
         out.append("")
     return "\n".join(out)
 
@@ -400,7 +403,8 @@ def side_by_side(pairs: Sequence[tuple[str, dict[str, Any], dict[str, Any]]], to
 def brief(s: dict[str, Any]) -> dict[str, Any]:
     keys = ("label", "requests", "ok", "errors", "hit_ratio", "hit_vs_bound", "bound_lru", "client_hit_ratio",
             "ttft_mean", "ttft_p50", "ttft_p90", "ttft_p99", "gpu_util_mean", "backend_share", "proxy_cpu_us_per_req",
-            "wall_s", "sim_late_mean_ms", "sim_late_max_ms", "engine_ttft_mean", "ttft_added_mean_ms")
+            "wall_s", "sim_late_mean_ms", "sim_late_max_ms", "engine_ttft_mean", "ttft_added_mean_ms",
+            "engine_e2e_mean", "e2e_added_mean_ms")
     return {k: s.get(k) for k in keys}
 
 

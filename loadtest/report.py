@@ -84,12 +84,16 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
     late_s = 0.0
     late_max: float | None = None
     engine_ttft_s = engine_ttft_n = 0.0
+    engine_e2e_s = engine_e2e_n = 0.0
     for name, ss in sorted(by_backend.items()):
         ss.sort(key=lambda s: s["t"])
         f, l = ss[0], ss[-1]
         if l.get("ttft_sum") is not None and l.get("ttft_count") is not None:
             engine_ttft_s += l["ttft_sum"] - (f.get("ttft_sum") or 0.0)
             engine_ttft_n += l["ttft_count"] - (f.get("ttft_count") or 0.0)
+        if l.get("e2e_sum") is not None and l.get("e2e_count") is not None:
+            engine_e2e_s += l["e2e_sum"] - (f.get("e2e_sum") or 0.0)
+            engine_e2e_n += l["e2e_count"] - (f.get("e2e_count") or 0.0)
         if f.get("steps") is not None and l.get("steps") is not None and l.get("late_s") is not None:
             steps += l["steps"] - f["steps"]
             late_s += l["late_s"] - (f.get("late_s") or 0.0)
@@ -175,6 +179,12 @@ def summarize(result: RunResult, workload: Workload | None = None, *, label: str
             "ttft_added_mean_ms": (1000 * (stats.mean_or_none(ttft) - engine_ttft_s / engine_ttft_n)
                                    if ttft and engine_ttft_n == len(ttft) else None)}
            if engine_ttft_n > 0 else {}),
+        # The same for the whole answer: client e2e less the engines'. Against the TTFT's, how much later
+        # than its first token the path delivered each answer's end (when the proxy frees its slot).
+        **({"engine_e2e_mean": engine_e2e_s / engine_e2e_n,
+            "e2e_added_mean_ms": (1000 * (stats.mean_or_none(e2e) - engine_e2e_s / engine_e2e_n)
+                                  if e2e and engine_e2e_n == len(e2e) else None)}
+           if engine_e2e_n > 0 else {}),
         "meta": result.meta,
     }
 
