@@ -172,7 +172,9 @@ async def replica_metrics(admin_url: str) -> dict[str, Any]:
     `kv_index_blocks` per backend ({} without KV events), `reasons` (routing decisions by reason, to set
     beside the replay's), and `precise_wait` (the precise lookup's waits for a long prompt's tokenisation:
     how many, seconds in all, how many ran into precise_wait_ms, how many did not wait because
-    precise_wait_concurrency were running; the last two were routed by the learned index)."""
+    precise_wait_concurrency were running; the last two were routed by the learned index), and `loop_lag`
+    (every process's event-loop lag samples, every 100 ms: how many, their sum, how many over 5 ms, the
+    longest)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession() as s:
@@ -181,6 +183,8 @@ async def replica_metrics(admin_url: str) -> dict[str, Any]:
     blocks: dict[str, float] = {}
     reasons: dict[str, int] = {}
     wait = {"waits": 0, "wait_s": 0.0, "timeouts": 0, "skipped": 0}
+    lag = {"samples": 0, "lag_s": 0.0, "over_5ms": 0, "max_s": 0.0}
+    upto_5ms = 0.0
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -196,7 +200,16 @@ async def replica_metrics(admin_url: str) -> dict[str, Any]:
                 wait["timeouts"] = int(value)
             elif name == "affinity_proxy_precise_wait_skipped_total":
                 wait["skipped"] = int(value)
-    return {"kv_index_blocks": blocks, "reasons": reasons, "precise_wait": wait}
+            elif name == "affinity_proxy_event_loop_lag_seconds_count":
+                lag["samples"] = int(value)
+            elif name == "affinity_proxy_event_loop_lag_seconds_sum":
+                lag["lag_s"] = value
+            elif name == "affinity_proxy_event_loop_lag_seconds_bucket" and labels.get("le") == "0.005":
+                upto_5ms = value
+            elif name == "affinity_proxy_event_loop_lag_max_seconds":
+                lag["max_s"] = max(lag["max_s"], value)
+    lag["over_5ms"] = int(lag["samples"] - upto_5ms)
+    return {"kv_index_blocks": blocks, "reasons": reasons, "precise_wait": wait, "loop_lag": lag}
 
 
 # ------------------------------------------------------------------------------------------------ driving
@@ -304,7 +317,7 @@ async def live_run(workload: Workload, spec: LiveSpec, workdir: Path) -> RunResu
         result.meta["loadavg_after"] = os.getloadavg()
         result.meta["replicas"] = [p.info for p in replicas]
         scraped = [await replica_metrics(p.info["admin"]) for p in replicas]
-        for key in ("kv_index_blocks", "reasons", "precise_wait"):
+        for key in ("kv_index_blocks", "reasons", "precise_wait", "loop_lag"):
             result.meta[key] = [m[key] for m in scraped]  # one entry per replica
         for p in replicas:
             if not p.alive():
@@ -477,6 +490,12 @@ def routing_line(live_meta: dict[str, Any], replay_meta: dict[str, Any]) -> str:
         mean = w["wait_s"] / w["waits"] * 1e3 if w["waits"] else 0.0
         line += (f"; live precise waits {w['waits']} (mean {mean:.0f} ms), timed out {w['timeouts']}, "
                  f"skipped at the concurrency cap {w['skipped']}")
+    lags = live_meta.get("loop_lag", [])
+    n = sum(x["samples"] for x in lags)
+    if n:
+        line += (f"; event-loop lag mean {sum(x['lag_s'] for x in lags) / n * 1e3:.1f} ms, "
+                 f"{sum(x['over_5ms'] for x in lags) / n:.1%} of samples over 5 ms, "
+                 f"max {max(x['max_s'] for x in lags) * 1e3:.0f} ms")
     return line
 
 

@@ -79,6 +79,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.observability.admin_routes import observability_routes
 from proxy.observability.demote import HotspotWeights
 from proxy.observability.lifecycle import Observability
+from proxy.observability.loop_lag import LoopLag
 from proxy.observability.observer import Observer
 from proxy.observability.tracing import Tracing, build_tracing
 from proxy.resilience import Resilience, panic_view
@@ -171,6 +172,10 @@ class AffinityProxy:
         self._admin_runner: web.AppRunner | None = None
         self._started = False
         self._observer_task: asyncio.Task[None] | None = None
+        # Every process's own event-loop stalls (affinity_proxy_event_loop_lag_seconds).
+        self.loop_lag = LoopLag()
+        self.metrics.register_collector(self.loop_lag.collect)
+        self._lag_task: asyncio.Task[None] | None = None
         self._install_observability(config, tracing)
         self._install_subsystems(config, policy, on_outcome, load_report)
 
@@ -430,6 +435,7 @@ class AffinityProxy:
                 await service.start()
         # Closes quiet windows on time and writes out a quiet proxy's access-log lines, every second.
         self._observer_task = asyncio.create_task(self.observer.run(), name="observer")
+        self._lag_task = asyncio.create_task(self.loop_lag.run(), name="loop-lag")
         if self.role != "data":
             for t in self._tasks:
                 t.task = asyncio.create_task(self._guard(t), name=t.name)
@@ -485,6 +491,8 @@ class AffinityProxy:
                     log.exception("error stopping %r", service)
         await cancel_and_wait(self._observer_task)
         self._observer_task = None
+        await cancel_and_wait(self._lag_task)
+        self._lag_task = None
         self.observer.close()
         if self.tracing is not None:
             # Exports what is still queued; off the loop, which may serve the collector itself (tests).

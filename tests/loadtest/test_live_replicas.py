@@ -55,6 +55,9 @@ async def test_two_replicas_live_next_to_the_replay(tmp_path: Path) -> None:
     reasons = run["live_meta"]["reasons"]
     assert [sum(r.values()) for r in reasons] == share, reasons
     assert run["live_meta"]["precise_wait"] == [{"waits": 0, "wait_s": 0.0, "timeouts": 0, "skipped": 0}] * 2
+    # Each replica's event-loop lag, sampled every 100 ms over the run.
+    for lag in run["live_meta"]["loop_lag"]:
+        assert lag["samples"] >= 10 and 0 <= lag["over_5ms"] <= lag["samples"] and lag["max_s"] >= 0
     # Shared system prompts: both the live engines and the replayed ones report prefix-cache hits.
     assert live["hit_ratio"] and live["hit_ratio"] > 0 and rep["hit_ratio"] and rep["hit_ratio"] > 0
     assert run["ratios"]["ttft_mean"] is not None and run["ratios"]["ttft_mean"] > 0
@@ -81,10 +84,13 @@ def test_routing_line_sums_the_replicas_and_sets_the_replay_beside_them() -> Non
 
     meta = {"reasons": [{"hash": 3, "cache_hit": 5}, {"hash": 1, "cache_hit": 2}],
             "precise_wait": [{"waits": 2, "wait_s": 0.3, "timeouts": 1, "skipped": 0},
-                             {"waits": 2, "wait_s": 0.1, "timeouts": 0, "skipped": 2}]}
+                             {"waits": 2, "wait_s": 0.1, "timeouts": 0, "skipped": 2}],
+            "loop_lag": [{"samples": 30, "lag_s": 0.03, "over_5ms": 3, "max_s": 0.012},
+                         {"samples": 10, "lag_s": 0.01, "over_5ms": 1, "max_s": 0.02}]}
     line = routing_line(meta, {"reasons": {"cache_hit": 9, "hash": 2, "least_loaded": 1}})
     assert line.startswith("reasons live/replay: cache_hit 7/9, hash 4/2, least_loaded 0/1;"), line
     assert "precise waits 4 (mean 100 ms), timed out 1, skipped at the concurrency cap 2" in line
+    assert line.endswith("; event-loop lag mean 1.0 ms, 10.0% of samples over 5 ms, max 20 ms"), line
 
 
 def test_the_replay_beside_a_workers_replica_models_its_shared_memory_host() -> None:
