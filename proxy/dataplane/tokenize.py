@@ -192,7 +192,9 @@ class ModelTokenizer:
 
     # ---- text -----------------------------------------------------------------------------------------
     def _raw(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch_fast leaves out the character offsets `encode` tracks (the ids are the same): 0.62x the
+        # CPU per 2 KB chunk with the simulator's tokenizer, side by side (round 18).
+        return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def _split_is_exact(self) -> bool:
         for probe in _PROBES:
