@@ -214,7 +214,8 @@ INDEXES = ("learned", "precise")
 # The precise index's lookup in each process:
 #   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
 #           defaults (proxy/dataplane/tokenize.py), each process with its own chunk cache and memo, as each
-#           proxy worker has: a prompt whose untokenised part exceeds the tokenizer's `offload_chars` waits
+#           proxy worker has (a --workers host's workers also share their chunks since round 18: with
+#           tokenisation taking no virtual time here, that changes no decision): a prompt whose untokenised part exceeds the tokenizer's `offload_chars` waits
 #           for its tokenisation off the event loop (the router's `prepare` hook, bounded by
 #           `telemetry.kv_events.precise_wait_ms`) and is then routed precisely. The tokenisation is
 #           taken to cost no virtual time (`PreciseMatcher.tokenise_now` before the pick): ~30 ms for 64k
