@@ -48,12 +48,17 @@ class _Hist:
         self.total += value
 
     def cumulative(self) -> list[tuple[str, float]]:
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip((*_DURATION_BUCKETS, float("inf")), self.counts, strict=True):
-            running += n
-            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-        return out
+        return cumulative_buckets(_DURATION_BUCKETS, self.counts)
+
+
+def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """A histogram's (le, count) samples from per-bucket counts (`counts[-1]`: above the last bound)."""
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, n in zip((*(repr(float(b)) for b in bounds), "+Inf"), counts, strict=True):
+        running += n
+        out.append((bound, running))
+    return out
 
 
 class UpstreamCounters:

@@ -52,6 +52,7 @@ from proxy.control.telemetry_config import KVEventsEndpoint
 from proxy.core.affinity import PreciseLookup
 from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVIndex
 from proxy.core.snapshot import BackendSpec, Snapshot
+from proxy.metrics import cumulative_buckets
 from proxy.wire.kv_events import EventBatch, KVEventDecodeError, decode_message, decode_replay, encode_replay_request
 
 if TYPE_CHECKING:
@@ -495,12 +496,7 @@ class _WaitCollector:
         hist = HistogramMetricFamily("affinity_proxy_precise_wait_seconds",
                                      "Time a request waited for its prompt's tokenisation (off the event loop) "
                                      "before its pick, for the precise KV index.")
-        running = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, n in zip((*map(repr, WAIT_BUCKETS), "+Inf"), m.wait_counts):
-            running += n
-            buckets.append((bound, running))
-        hist.add_metric([], buckets, m.wait_sum_s)
+        hist.add_metric([], cumulative_buckets(WAIT_BUCKETS, m.wait_counts), m.wait_sum_s)
         timeouts = CounterMetricFamily("affinity_proxy_precise_wait_timeouts",
                                        "Waits for a prompt's tokenisation that reached "
                                        "telemetry.kv_events.precise_wait_ms (routed by the learned index).")

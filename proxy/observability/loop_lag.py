@@ -19,6 +19,8 @@ from typing import Iterable
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from proxy.metrics import cumulative_buckets
+
 __all__ = ["LAG_BUCKETS", "LoopLag"]
 
 # Upper bounds in seconds. uvloop wakes timers on whole milliseconds, so a lag under 1 ms is the timer's
@@ -56,12 +58,7 @@ class LoopLag:
             "affinity_proxy_event_loop_lag_seconds",
             "How much later than asked the event loop ran a timer (sampled every 100 ms): the time a callback "
             "held the loop, during which no request was parsed, picked or relayed and no answer's end noted.")
-        running = 0
-        buckets: list[tuple[str, float]] = []
-        for bound, n in zip((*map(repr, LAG_BUCKETS), "+Inf"), self.counts):
-            running += n
-            buckets.append((bound, running))
-        hist.add_metric([], buckets, self.total_s)
+        hist.add_metric([], cumulative_buckets(LAG_BUCKETS, self.counts), self.total_s)
         worst = GaugeMetricFamily("affinity_proxy_event_loop_lag_max_seconds",
                                   "The longest event-loop lag sampled since the process started.")
         worst.add_metric([], self.max_s)

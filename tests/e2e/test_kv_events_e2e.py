@@ -210,11 +210,9 @@ async def test_a_backend_without_events_is_routed_by_the_learned_index(fleet: Fl
             assert backend == QUIET and cached > 0
 
 
-async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_path, fleet: Fleet) -> None:
-    """`affinity-proxy run --workers 2`: each worker subscribes and holds the index, so a continuation that
-    the kernel hands to either worker goes to the engine that computed its prefix."""
-    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
-
+def _workers_config(tmp_path: Path, fleet: Fleet) -> tuple[str, Path]:
+    """The model and a config file for `affinity-proxy run --workers N` over `fleet`, every backend's
+    events subscribed (with their replay endpoints)."""
     model = fleet.servers[0].backend.engine.model_name
     lines, kv = [], []
     for s in fleet.servers:
@@ -229,6 +227,15 @@ async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_pat
         f"backends:\n{chr(10).join(lines)}\n"
         f"telemetry:\n  kv_events:\n    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
     )
+    return model, cfg
+
+
+async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_path, fleet: Fleet) -> None:
+    """`affinity-proxy run --workers 2`: each worker subscribes and holds the index, so a continuation that
+    the kernel hands to either worker goes to the engine that computed its prefix."""
+    from tests.deploy.procs import AFFINITY_PROXY, start_proxy
+
+    model, cfg = _workers_config(tmp_path, fleet)
     proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
     try:
         workers = proxy.workers()
@@ -358,20 +365,7 @@ async def test_the_workers_of_a_host_tokenise_a_prompt_once_between_them(tmp_pat
     merged /metrics: affinity_proxy_tokenizer_chunks_total by source)."""
     from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
 
-    model = fleet.servers[0].backend.engine.model_name
-    lines, kv = [], []
-    for s in fleet.servers:
-        pub = s.backend.kv_publisher
-        assert pub is not None
-        lines.append(f"  - {{name: {s.name}, url: '{s.url}', models: ['{model}']}}")
-        kv.append(f"      {s.name}: {{endpoint: '{pub.endpoint}', replay_endpoint: '{pub.replay_endpoint}'}}")
-    cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
-        "health_checks: {enabled: false}\nrouting: {policy: affinity}\n"
-        f"backends:\n{chr(10).join(lines)}\n"
-        f"telemetry:\n  kv_events:\n    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
-    )
+    model, cfg = _workers_config(tmp_path, fleet)
     prompt = _words(77, 1500)  # ~10k characters: a few 2 KB chunks, tokenised inline (under offload_chars)
     proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])
     try:
