@@ -138,6 +138,15 @@ async def fleet(request) -> AsyncIterator[Fleet]:
 
 
 @pytest.fixture
+async def array_fleet() -> AsyncIterator[Fleet]:
+    """The same fleet in one encoding, for tests whose subject is not the events' wire format."""
+    cfg = KVEventsConfig(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", encoding="array")
+    f = await start_fleet(4, speed=20.0, kv_events=cfg)
+    yield f
+    await f.stop()
+
+
+@pytest.fixture
 async def replicas(fleet: Fleet) -> AsyncIterator[list[Replica]]:
     reps = [Replica(fleet), Replica(fleet)]
     for r in reps:
@@ -359,12 +368,13 @@ def _chunk_counts(text: str) -> dict[str, float]:
     return out
 
 
-async def test_the_workers_of_a_host_tokenise_a_prompt_once_between_them(tmp_path, fleet: Fleet) -> None:
+async def test_the_workers_of_a_host_tokenise_a_prompt_once_between_them(tmp_path, array_fleet: Fleet) -> None:
     """`run --workers 2`: a prompt one worker tokenised is found by the other in the host's shared chunk
     block, so the host tokenises each of its chunks once, whichever worker each sighting reaches (the
     merged /metrics: affinity_proxy_tokenizer_chunks_total by source)."""
     from tests.deploy.procs import AFFINITY_PROXY, owner_of_connection, post_json, start_proxy
 
+    fleet = array_fleet
     model, cfg = _workers_config(tmp_path, fleet)
     prompt = _words(77, 1500)  # ~10k characters: a few 2 KB chunks, tokenised inline (under offload_chars)
     proxy = await start_proxy([AFFINITY_PROXY, "run", "--config", str(cfg), "--workers", "2"])

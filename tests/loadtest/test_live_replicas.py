@@ -108,12 +108,12 @@ async def test_round_robin_calibration_places_every_request_alike_live_and_repla
     """`--policy round_robin --index learned` at one replica: the proxy and the replay send request i to the
     same backend (configuration order, in turn), so whatever differs between the two columns is the fleet's
     own time, not routing. The replicas' config says round_robin, and precise is refused for it."""
-    argv = ["--workload", TINY, "--seed", "3", "--backends", "2", "--replicas", "1", "--policy", "round_robin",
+    argv = ["--workload", TINY.replace("requests=24", "requests=12"), "--seed", "3", "--backends", "2", "--replicas", "1", "--policy", "round_robin",
             "--index", "learned", "--max-model-len", "8192", "--no-progress", "--records", str(tmp_path / "rec.json")]
     doc = await main_async(build_parser().parse_args(argv), argv)
     (run,) = doc["runs"]
-    assert run["spec"]["policy"] == "round_robin" and run["live"]["ok"] == 24
-    assert run["live_meta"]["reasons"] == [{"balanced": 24}] and run["replay_reasons"] == {"balanced": 24}
+    assert run["spec"]["policy"] == "round_robin" and run["live"]["ok"] == 12
+    assert run["live_meta"]["reasons"] == [{"balanced": 12}] and run["replay_reasons"] == {"balanced": 12}
     (pair,) = json.loads((tmp_path / "rec.json").read_text())
     live = {r["index"]: r["backend"] for r in pair["live"]}
     replayed = {r["index"]: r["backend"] for r in pair["replay"]}
@@ -124,7 +124,7 @@ async def test_round_robin_calibration_places_every_request_alike_live_and_repla
     differ = [i for i in live if live[i] != replayed[i]]
     for i in differ:
         assert min(abs(sent[i] - sent[j]) for j in (i - 1, i + 1) if j in sent) < 0.02, (i, live, replayed)
-    assert len(differ) <= 6, differ
+    assert len(differ) <= 4, differ
     assert "round_robin, 1 replicas" in doc["table"]
     cfg = parse_config(replica_config_yaml(LiveSpec(backends=2, index="learned", load_view="own", policy="round_robin"),
                                            [{"name": "a", "url": "http://127.0.0.1:9"}], 8080, 8081))
