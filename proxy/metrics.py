@@ -34,21 +34,23 @@ class _FnCollector(Collector):
         return self._fn()
 
 
-class _Hist:
-    """A histogram as per-bucket counts (the last bucket is +Inf); cumulated only when scraped."""
+class BucketCounts:
+    """A histogram as per-bucket counts over `bounds` (upper bounds, seconds; the last bucket is +Inf),
+    cumulated only when scraped."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(_DURATION_BUCKETS) + 1)
+    def __init__(self, bounds: tuple[float, ...] = _DURATION_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(_DURATION_BUCKETS, value)] += 1
+        self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
     def cumulative(self) -> list[tuple[str, float]]:
-        return cumulative_buckets(_DURATION_BUCKETS, self.counts)
+        return cumulative_buckets(self.bounds, self.counts)
 
 
 def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
@@ -92,8 +94,8 @@ class ProxyMetrics:
         self._requests: dict[tuple[str, int], int] = {}
         self._decisions: dict[tuple[str, Reason], int] = {}
         self._errors: dict[str, int] = {}
-        self._durations: dict[str, _Hist] = {}
-        self._first_bytes: dict[str, _Hist] = {}
+        self._durations: dict[str, BucketCounts] = {}
+        self._first_bytes: dict[str, BucketCounts] = {}
         self.upstream = UpstreamCounters()
         r.register(_FnCollector(self._collect_requests))
         r.register(_FnCollector(self._collect_upstream))
@@ -189,15 +191,15 @@ class ProxyMetrics:
         r[key] = r.get(key, 0) + 1
         hist = self._durations.get(backend)
         if hist is None:
-            hist = self._durations[backend] = _Hist()
-        hist.counts[bisect_left(_DURATION_BUCKETS, seconds)] += 1  # hist.observe(seconds), inlined
+            hist = self._durations[backend] = BucketCounts()
+        hist.counts[bisect_left(_DURATION_BUCKETS, seconds)] += 1  # hist.observe(seconds), inlined (its bounds)
         hist.total += seconds
 
     def first_byte(self, backend: str, seconds: float) -> None:
         hist = self._first_bytes.get(backend)
         if hist is None:
-            hist = self._first_bytes[backend] = _Hist()
-        hist.counts[bisect_left(_DURATION_BUCKETS, seconds)] += 1  # hist.observe(seconds), inlined
+            hist = self._first_bytes[backend] = BucketCounts()
+        hist.counts[bisect_left(_DURATION_BUCKETS, seconds)] += 1  # hist.observe(seconds), inlined (its bounds)
         hist.total += seconds
 
     def error(self, kind: str) -> None:

@@ -218,12 +218,17 @@ class ModelTokenizer:
             start = end
         return out
 
-    def _from_host(self, chunk: str) -> list[int] | None:
-        """`chunk`'s ids from the host's shared block, copied into this cache (None: no worker has them)."""
+    def _host_key(self, chunk: str) -> int:
+        """`chunk`'s key in the host's shared block."""
+        return xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), self.identity)
+
+    def _from_host(self, chunk: str, key: int | None = None) -> list[int] | None:
+        """`chunk`'s ids from the host's shared block, copied into this cache (None: no worker has them).
+        `key`: its `_host_key`, when the caller has it."""
         shared = self._shared
         if shared is None:
             return None
-        got = shared.get(xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), self.identity), len(chunk))
+        got = shared.get(self._host_key(chunk) if key is None else key, len(chunk))
         if got is not None:
             self.shared_hits += 1
             self._store(chunk, got)
@@ -264,14 +269,15 @@ class ModelTokenizer:
                 if got is not None:
                     cache.move_to_end(chunk)
             if got is None:
-                got = self._from_host(chunk)
+                shared = self._shared
+                key = self._host_key(chunk) if shared is not None else 0
+                got = self._from_host(chunk, key)
                 if got is None:
                     self.misses += 1
                     got = self._raw(chunk)
                     self._store(chunk, got)
-                    if self._shared is not None:
-                        self._shared.put(xxh3_64_intdigest(chunk.encode("utf-8", "surrogatepass"), self.identity),
-                                         len(chunk), got)
+                    if shared is not None:
+                        shared.put(key, len(chunk), got)
             else:
                 self.hits += 1
             ids += got

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
 from typing import Iterable
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from proxy.metrics import cumulative_buckets
+from proxy.metrics import BucketCounts
 
 __all__ = ["LAG_BUCKETS", "LoopLag"]
 
@@ -33,14 +32,12 @@ class LoopLag:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self.interval_s = interval_s
-        self.counts = [0] * (len(LAG_BUCKETS) + 1)  # the last one: over LAG_BUCKETS[-1]
-        self.total_s = 0.0
+        self.hist = BucketCounts(LAG_BUCKETS)
         self.max_s = 0.0
 
     def observe(self, lag_s: float) -> None:
         lag_s = max(0.0, lag_s)
-        self.counts[bisect_left(LAG_BUCKETS, lag_s)] += 1
-        self.total_s += lag_s
+        self.hist.observe(lag_s)
         if lag_s > self.max_s:
             self.max_s = lag_s
 
@@ -58,7 +55,7 @@ class LoopLag:
             "affinity_proxy_event_loop_lag_seconds",
             "How much later than asked the event loop ran a timer (sampled every 100 ms): the time a callback "
             "held the loop, during which no request was parsed, picked or relayed and no answer's end noted.")
-        hist.add_metric([], cumulative_buckets(LAG_BUCKETS, self.counts), self.total_s)
+        hist.add_metric([], self.hist.cumulative(), self.hist.total)
         worst = GaugeMetricFamily("affinity_proxy_event_loop_lag_max_seconds",
                                   "The longest event-loop lag sampled since the process started.")
         worst.add_metric([], self.max_s)
