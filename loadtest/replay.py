@@ -377,12 +377,15 @@ def routing_config(cfg: ReplayConfig) -> RoutingConfig:
 
 
 async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None = None,
-                 observe: Callable[[int, str, str, Mapping[str, Engine]], None] | None = None) -> RunResult:
+                 observe: Callable[[int, str, str, Mapping[str, Engine]], None] | None = None,
+                 kv_tap: Callable[[str, float, list[Any]], None] | None = None) -> RunResult:
     """Replay `workload` through policy + engines in virtual time; same result shape as a live run.
     `policy`: pick with this object instead of `cfg.policy` (loadtest/experiment_replay.py passes one that
     splits the requests between an experiment's arms). `observe(index, backend, request id, engines)`:
     called as each request reaches its engine, in virtual time, with every engine as it is at that
-    instant (loadtest/results/scaleout.py `losses` reads what each engine holds of the prompt then)."""
+    instant (loadtest/results/scaleout.py `losses` reads what each engine holds of the prompt then).
+    `kv_tap(backend, virtual time sent, pool events)`: every engine step's KV-cache events (`--index precise`),
+    as the engine hands them to its publisher (loadtest/bench_kv_events.py encodes them as vLLM would)."""
     profile = make_profile(cfg.profile, cfg.max_model_len, dict(cfg.profile_overrides))
     # The live fleet's names (sim.fleet: sim-0, sim-1, ...): rendezvous hashing keys on backend names,
     # so equal names give a live run and its replay the same hash homes.
@@ -729,6 +732,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             if events:
                 order += 1
                 sent_at = t_step if events_at_start else result.end
+                if kv_tap is not None:
+                    kv_tap(step_name, sent_at, events)
                 heapq.heappush(kv_deliveries, (sent_at + kv_delay, order, step_name, events))
         end_t = max(end_t, result.end + net)
         if result.outputs:

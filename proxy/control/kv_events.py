@@ -278,43 +278,87 @@ class KVEventSubscriber:
 
     # ---- one backend ----------------------------------------------------------------------------------
     async def _run(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
+        """Read the backend's SUB socket until cancelled.
+
+        Messages are drained with plain non-blocking reads of the socket (`zmq.Socket.shadow`): a wake-up
+        of the loop reads every message queued, with no future per message. The loop is woken by the
+        socket's file descriptor, which ZeroMQ signals edge-triggered (when its events may have changed):
+        so the wake-up flag is cleared before the queue is read, and reading it until ZMQ_EVENTS says no
+        message is left is what re-arms the descriptor. A silence of `stale_after_s` while fresh marks
+        the backend stale; a disconnect of the publisher (the socket monitor) marks it stale until its
+        stream is shown to continue ours."""
         name = feed.name
+        loop = asyncio.get_running_loop()
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sockets.setdefault(name, []).append(monitor)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        while True:
-            timeout_ms = None
-            if self.stale_after_s > 0 and self.index.is_fresh(name):
-                timeout_ms = int(self.stale_after_s * 1000)
-            ready = dict(await poller.poll(timeout_ms))
-            if not ready:
-                _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the learned index",
-                          name, self.stale_after_s)
-                self.index.mark_stale(name)
-                continue
-            if monitor in ready:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    # The engine went away (killed, restarting, network): unknown until it speaks again and
-                    # its stream is shown to continue ours.
-                    _log.info("KV events from %s: publisher disconnected: stale", name)
-                    feed.reconnected = True
+        raw = zmq.Socket.shadow(sub.underlying)
+        fd = raw.getsockopt(zmq.FD)
+        wake = asyncio.Event()
+        loop.add_reader(fd, wake.set)
+        watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
+        silent = False
+
+        def timed_out() -> None:
+            nonlocal silent
+            silent = True
+            wake.set()
+
+        try:
+            while True:
+                wake.clear()
+                got = 0
+                while raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    frames = raw.recv_multipart(zmq.NOBLOCK)
+                    await self.on_message(name, frames)
+                    got += 1
+                    if got % 64 == 0:
+                        await asyncio.sleep(0)  # a long backlog does not hold the loop
+                if got:
+                    silent = False
+                elif silent:
+                    _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the learned "
+                              "index", name, self.stale_after_s)
                     self.index.mark_stale(name)
-            if sub not in ready:
-                continue
-            frames = await sub.recv_multipart()
-            try:
-                batch = decode_message(frames)
-            except KVEventDecodeError as exc:
-                self._decode_error(name, exc)
-                continue
-            try:
-                await self.handle(feed, batch, _digest(frames[2]))
-            except Exception:  # a bug here must not end the subscription
-                _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
-                self.index.mark_stale(name)
+                    silent = False
+                timer = None
+                if self.stale_after_s > 0 and self.index.is_fresh(name):
+                    timer = loop.call_later(self.stale_after_s, timed_out)
+                try:
+                    await wake.wait()
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+        finally:
+            watcher.cancel()
+            loop.remove_reader(fd)
+
+    async def _watch(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
+        """The SUB socket's monitor: a disconnected publisher makes the backend stale."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # The engine went away (killed, restarting, network): unknown until it speaks again and
+                # its stream is shown to continue ours.
+                _log.info("KV events from %s: publisher disconnected: stale", feed.name)
+                feed.reconnected = True
+                self.index.mark_stale(feed.name)
+
+    async def on_message(self, name: str, frames: list[bytes]) -> None:
+        """One PUB message of backend `name` (`[topic, seq, payload]`): decoded, then `handle`d. A message
+        that does not decode is counted and skipped (the next one shows the gap); nothing raises."""
+        feed = self._feeds.get(name)
+        if feed is None:  # unsubscribed while this message was on its way
+            return
+        try:
+            batch = decode_message(frames)
+        except KVEventDecodeError as exc:
+            self._decode_error(name, exc)
+            return
+        try:
+            await self.handle(feed, batch, _digest(frames[2]))
+        except Exception:  # a bug here must not end the subscription
+            _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
+            self.index.mark_stale(name)
 
     async def handle(self, feed: _Feed, batch: EventBatch, digest: int | None = None) -> None:
         """Sequence logic for one live batch (replays as needed), then apply it and mark the backend fresh.

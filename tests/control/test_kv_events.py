@@ -205,6 +205,27 @@ async def test_silence_makes_a_backend_stale_until_it_speaks_again(rig) -> None:
     await _until(lambda: r.index.is_fresh("b0") and r.index.num_blocks("b0") == 2)
 
 
+async def test_a_burst_is_drained_in_order_and_the_socket_wakes_the_loop_again(rig) -> None:
+    """The subscriber reads its socket without a future per message: everything queued while the loop was
+    busy is applied in order on one wake-up, and the (edge-triggered) socket wakes it for the next one."""
+    r = rig()
+    r.pub.start()
+    await r.sub.start()
+    await r.connected()
+    r.pub.publish(_chain(1))
+    await _until(lambda: r.index.num_blocks("b0") == 1)
+    for _ in range(150):  # queued faster than one wake-up each: stored and removed again, block 1
+        r.pub.publish([_stored(1, 100)])
+        r.pub.publish([Removed((101,))])
+    r.pub.publish(_chain(3)[1:])
+    await _until(lambda: r.sub.status()["b0"]["expected_seq"] == 302)
+    assert r.index.num_blocks("b0") == 3 and r.metric("affinity_proxy_kv_event_gaps_total") == 0
+    await asyncio.sleep(0.3)  # idle: the next message must wake the loop again
+    r.pub.publish([Removed((102,))])
+    await _until(lambda: r.index.num_blocks("b0") == 2)
+    assert r.index.match(_prompt(3), MODEL) == {"b0": 8}
+
+
 async def test_garbage_is_counted_and_the_stream_goes_on(rig) -> None:
     r = rig(replay=False)
     raw = r.ctx.socket(zmq.PUB)

@@ -1,0 +1,256 @@
+"""KV-event subscriber CPU: what one proxy process spends keeping its precise index in step with the engines.
+
+    python -m loadtest.bench_kv_events [--workload PATH] [--window 900:1200] [--speed 1] [--encoding array,map]
+        [--pace 10] [--repeat 2] [--frames-out F | --frames-in F] [--out results.json]
+
+Every `--workers` worker (and every replica) runs its own subscriber to every engine, so this cost is paid
+once per process (issue 13). The stream is real: the offline replay (`loadtest.replay`, R = 1, precise index,
+the proxy's defaults) of the window, every engine step's KV-cache events encoded as vLLM publishes them
+(`sim.kv_events.encode_batch`: `[topic, seq, msgpack EventBatch]`, sequence numbers per engine).
+`--frames-out` saves it, `--frames-in` replays a saved one (the same stream for an A/B against another tree).
+
+Two measurements per encoding (positional arrays, vLLM <= 0.10; tagged maps, vLLM main):
+
+- ``messages``: `KVEventSubscriber.on_message` for every message in order, no sockets: decoding, the
+  sequence checks and the index updates, in this thread's CPU time;
+- ``sockets``: a publisher process sends the stream over PUB/SUB on 127.0.0.1 (one socket per engine), paced
+  at `--pace` times the window's real time, to a `KVEventSubscriber` started in this process the way the
+  proxy starts it; this process's CPU (getrusage: the event loop, ZeroMQ's I/O thread, decoding, the index)
+  from the first message sent to the last one applied. That is what a worker pays, idle wake-ups included.
+
+Both check the index ends holding what the engines hold (blocks per engine), so a faster path that drops
+events fails here. Reported per batch, per event and per request of the window, with the best of
+`--repeat` runs (the machine is shared: the lowest is the least disturbed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import uvloop
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from loadtest.replay import ReplayConfig, make_profile, replay
+from loadtest.run import add_workload_args, prepare_workload
+from proxy.control.kv_events import KVEventSubscriber
+from proxy.control.telemetry_config import KVEventsEndpoint
+from proxy.core.kv_index import KVIndex
+from sim.kv_events import ENCODINGS, encode_batch
+
+MODEL = "llama3-8b"
+
+
+@dataclass
+class Stream:
+    """The window's KV-event messages, in the order the engines sent them."""
+
+    requests: int
+    block_size: int
+    # (backend, virtual time sent, [topic, seq, payload]) per encoding
+    messages: dict[str, list[tuple[str, float, list[bytes]]]]
+    engine_blocks: dict[str, int]  # what each engine holds at the end (the index must agree)
+
+    def save(self, path: str) -> None:
+        with open(path, "wb") as f:
+            f.write(msgpack.packb({"requests": self.requests, "block_size": self.block_size,
+                                   "messages": self.messages, "engine_blocks": self.engine_blocks},
+                                  use_bin_type=True))
+
+    @classmethod
+    def load(cls, path: str) -> Stream:
+        with open(path, "rb") as f:
+            d = msgpack.unpackb(f.read(), raw=False)
+        msgs = {enc: [(b, t, list(fr)) for b, t, fr in rows] for enc, rows in d["messages"].items()}
+        return cls(d["requests"], d["block_size"], msgs, d["engine_blocks"])
+
+
+def record(args: argparse.Namespace, encodings: list[str]) -> Stream:
+    workload = prepare_workload(args)
+    cfg = ReplayConfig(policy="affinity", backends=args.backends, max_model_len=args.max_model_len,
+                       speed=args.speed, model=MODEL, index="precise")
+    taps: list[tuple[str, float, list[Any]]] = []
+    result = asyncio.run(replay(workload, cfg, kv_tap=lambda name, t, events: taps.append((name, t, list(events)))))
+    meta = result.meta["kv_index"]
+    block_size = make_profile(cfg.profile, cfg.max_model_len, {}).block_size
+    messages: dict[str, list[tuple[str, float, list[bytes]]]] = {}
+    for enc in encodings:
+        seqs: dict[str, int] = {}
+        rows = []
+        for name, t, events in taps:
+            seq = seqs.get(name, 0)
+            seqs[name] = seq + 1
+            payload = encode_batch(events, t, enc, block_size)  # type: ignore[arg-type]
+            rows.append((name, t, [b"", seq.to_bytes(8, "big"), payload]))
+        messages[enc] = rows
+    return Stream(len(result.records), block_size, messages,
+                  {n: m["engine_cached_blocks"] for n, m in meta.items()})
+
+
+def _subscriber(names: list[str], endpoints: dict[str, str] | None = None) -> tuple[KVEventSubscriber, KVIndex]:
+    index = KVIndex(eviction_ages=True)  # as the proxy builds it (routing.affinity.eviction_band_tokens > 0)
+    eps = {n: KVEventsEndpoint(endpoint=(endpoints or {}).get(n, "tcp://127.0.0.1:1"), model=MODEL) for n in names}
+    sub = KVEventSubscriber(index, eps, models={n: MODEL for n in names}, registry=CollectorRegistry(),
+                            stale_after_s=0)
+    return sub, index
+
+
+def _check(index: KVIndex, stream: Stream) -> None:
+    got = {n: index.num_blocks(n) for n in stream.engine_blocks}
+    if got != stream.engine_blocks:
+        raise SystemExit(f"the index ended with {got} blocks, the engines hold {stream.engine_blocks}")
+
+
+def bench_messages(stream: Stream, enc: str) -> float:
+    """CPU seconds (this thread) for on_message over the whole stream."""
+    rows = stream.messages[enc]
+    sub, index = _subscriber(sorted(stream.engine_blocks))
+
+    async def run() -> float:
+        t0 = time.thread_time()
+        for name, _t, frames in rows:
+            await sub.on_message(name, frames)
+        return time.thread_time() - t0
+
+    cpu = uvloop.run(run())
+    _check(index, stream)
+    return cpu
+
+
+_PUBLISHER = r"""
+import sys, time, msgpack, zmq
+path, enc, pace = sys.argv[1], sys.argv[2], float(sys.argv[3])
+with open(path, "rb") as f:
+    rows = msgpack.unpackb(f.read(), raw=False)["messages"][enc]
+names = sorted({r[0] for r in rows})
+ctx = zmq.Context()
+socks = {}
+for n in names:
+    s = ctx.socket(zmq.PUB); s.setsockopt(zmq.SNDHWM, 0); s.setsockopt(zmq.LINGER, 5000)
+    port = s.bind_to_random_port("tcp://127.0.0.1"); socks[n] = s
+    print(n, port, flush=True)
+sys.stdin.readline()  # the subscriber is connected
+t0 = time.monotonic(); v0 = rows[0][1]
+for n, t, frames in rows:
+    wait = (t - v0) / pace - (time.monotonic() - t0)
+    if wait > 0:
+        time.sleep(wait)
+    socks[n].send_multipart(frames)
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+def bench_sockets(stream: Stream, enc: str, path: str, pace: float) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) from the first message sent to the last one applied."""
+    names = sorted(stream.engine_blocks)
+    total = len(stream.messages[enc])
+    pub = subprocess.Popen([sys.executable, "-c", _PUBLISHER, path, enc, str(pace)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    assert pub.stdin is not None and pub.stdout is not None
+    try:
+        ports = dict(pub.stdout.readline().split() for _ in names)
+        sub, index = _subscriber(names, {n: f"tcp://127.0.0.1:{ports[n]}" for n in names})
+        def applied() -> int:  # batches applied so far (each engine's next expected sequence number)
+            status = sub.status()
+            return sum(int(status[n]["expected_seq"] or 0) for n in names)
+
+        async def run() -> tuple[float, float]:
+            await sub.start()
+            await asyncio.sleep(0.5)  # PUB/SUB: the subscriptions reach the publisher
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            t0 = time.monotonic()
+            pub.stdin.write("go\n")
+            pub.stdin.flush()
+            while applied() < total:
+                await asyncio.sleep(0.05)
+                if time.monotonic() - t0 > 600:
+                    raise SystemExit(f"only {applied()} of {total} batches applied after 600 s")
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            wall = time.monotonic() - t0
+            await sub.stop()
+            return (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime), wall
+
+        cpu, wall = uvloop.run(run())  # the proxy's loop
+        _check(index, stream)
+        return cpu, wall
+    finally:
+        pub.stdin.write("\n")
+        pub.stdin.flush()
+        pub.wait(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
+    ap.set_defaults(workload=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces",
+                                          "mooncake_synthetic_trace.jsonl"), window="900:1200")
+    ap.add_argument("--speed", type=float, default=1.0)
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--encoding", default=",".join(ENCODINGS), help="comma list of array, map")
+    ap.add_argument("--pace", type=float, default=10.0, help="the sockets run sends at this many times real time")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--modes", default="messages,sockets")
+    ap.add_argument("--frames-out", help="save the recorded stream here")
+    ap.add_argument("--frames-in", help="use a stream saved with --frames-out instead of recording one")
+    ap.add_argument("--out", help="write the rows (JSON) here")
+    args = ap.parse_args(argv)
+    encodings = [e for e in args.encoding.split(",") if e]
+    modes = [m for m in args.modes.split(",") if m]
+    if args.frames_in:
+        stream = Stream.load(args.frames_in)
+        path = args.frames_in
+    else:
+        print(f"recording the stream: replay of {args.workload} {args.window} x{args.speed} ...", file=sys.stderr)
+        stream = record(args, encodings)
+        path = args.frames_out or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kv-frames-{os.getpid()}.msgpack")
+        stream.save(path)
+    first = stream.messages[encodings[0]]
+    events = sum(len(msgpack.unpackb(fr[2], raw=False)[1 if encodings[0] == "array" else "events"])
+                 for _n, _t, fr in first)
+    print(f"stream: {stream.requests} requests, {len(first)} batches, {events} events, block size {stream.block_size}",
+          file=sys.stderr)
+    rows = []
+    for enc in encodings:
+        for mode in modes:
+            runs = []
+            for k in range(args.repeat):
+                if mode == "messages":
+                    cpu, wall = bench_messages(stream, enc), None
+                else:
+                    cpu, wall = bench_sockets(stream, enc, path, args.pace)
+                runs.append(cpu)
+                print(f"  {enc} {mode} run {k + 1}/{args.repeat}: {cpu:.3f} s CPU"
+                      + (f" over {wall:.1f} s" if wall else ""), file=sys.stderr)
+            best = min(runs)
+            n = len(stream.messages[enc])
+            rows.append({"encoding": enc, "mode": mode, "cpu_s": runs, "batches": n, "events": events,
+                         "requests": stream.requests, "us_per_batch": best / n * 1e6,
+                         "us_per_event": best / events * 1e6, "ms_per_request": best / stream.requests * 1e3})
+    print("\n| encoding | measured | CPU, best of runs | µs per batch | µs per event | ms per request of the window |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['encoding']} | {r['mode']} | {min(r['cpu_s']):.2f} s | {r['us_per_batch']:.0f} | "
+              f"{r['us_per_event']:.1f} | {r['ms_per_request']:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"workload": args.workload, "window": args.window, "speed": args.speed, "rows": rows}, f, indent=1)
+    if not args.frames_in and not args.frames_out:
+        os.unlink(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
