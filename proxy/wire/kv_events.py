@@ -27,9 +27,10 @@ escapes, whatever the bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
 import msgpack
+import msgspec
 
 from proxy.core.kv_index import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -168,10 +169,30 @@ def _hash(h: Any, what: str) -> int | bytes:
     return h
 
 
+# What an event's arrays must hold, checked in C by msgspec.convert (a Python test per item was a third of
+# the decoding's CPU: a prefill chunk's event carries thousands of token ids). Neither accepts a bool, a
+# float or a string.
+_INT_HASHES = list[int]
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]]
+
+
 def _hashes(v: Any) -> tuple[int | bytes, ...]:
     if not isinstance(v, list):
         raise KVEventDecodeError(f"block_hashes must be an array, got {type(v).__name__}")
-    return tuple(_hash(h, "a block hash") for h in v)
+    try:
+        return tuple(msgspec.convert(v, _INT_HASHES))  # 64-bit hash algorithms: integers, checked in C
+    except msgspec.ValidationError:
+        # sha256 hashes are bytes (msgspec would also take a base64 string as bytes: not an engine's hash)
+        return tuple(_hash(h, "a block hash") for h in v)
+
+
+def _token_ids(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise KVEventDecodeError(f"token_ids must be an array, got {type(v).__name__}")
+    try:
+        return tuple(msgspec.convert(v, _TOKEN_IDS))
+    except msgspec.ValidationError as exc:
+        raise KVEventDecodeError(f"token_ids must be non-negative 64-bit integers: {exc}") from None
 
 
 def _opt(v: Any, kind: type, what: str) -> Any:
@@ -202,9 +223,7 @@ def _event(raw: Any) -> KVEvent | _Skip | None:
         parent = f["parent_block_hash"]
         if parent is not None:
             parent = _hash(parent, "parent_block_hash")
-        ids = f["token_ids"]
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 1 << 63 for t in ids):
-            raise KVEventDecodeError("token_ids must be an array of non-negative 64-bit integers")
+        ids = _token_ids(f["token_ids"])
         size = f["block_size"]
         if type(size) is not int or size < 1:
             raise KVEventDecodeError(f"block_size must be a positive integer, got {size!r}")
@@ -213,7 +232,7 @@ def _event(raw: Any) -> KVEvent | _Skip | None:
         extra = f.get("extra_keys")
         if extra is not None and not isinstance(extra, list):
             raise KVEventDecodeError(f"extra_keys must be an array or nil, got {type(extra).__name__}")
-        return BlockStored(hashes, parent, tuple(ids), size, _opt(f.get("lora_id"), int, "lora_id"),
+        return BlockStored(hashes, parent, ids, size, _opt(f.get("lora_id"), int, "lora_id"),
                            _opt(f.get("medium"), str, "medium"), _opt(f.get("lora_name"), str, "lora_name"),
                            tuple(extra) if extra and any(e is not None for e in extra) else None)
     if kind == "BlockRemoved":

@@ -93,6 +93,13 @@ def test_replay_frames_and_end_marker() -> None:
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2, 3], 2, None]]])],  # 3 ids, 1 block
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, -2], 2, None]]])],
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1.5], None, [1, 2], 2, None]]])],
+    # checked in C (msgspec): no bool, no string (not even one that reads as base64 bytes), no id >= 2^63
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [True], None, [1, 2], 2, None]]])],
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", ["aGk="], None, [1, 2], 2, None]]])],
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, True], 2, None]]])],
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, 1 << 63], 2, None]]])],
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, "2"], 2, None]]])],
+    [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockRemoved", [b"x", False], None]]])],
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 0, None]]])],
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [["BlockStored", [1], None]]])],
     [b"t", b"\x00" * 8, msgpack.packb([1.0, [{"type": "BlockRemoved"}]])],
