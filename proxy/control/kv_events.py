@@ -36,7 +36,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Mapping, cast
 
 import xxhash
 import zmq
@@ -291,8 +291,8 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sockets.setdefault(name, []).append(monitor)
-        raw = zmq.Socket.shadow(sub.underlying)
-        fd = raw.getsockopt(zmq.FD)
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        fd = raw.fileno()
         wake = asyncio.Event()
         loop.add_reader(fd, wake.set)
         watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
@@ -307,7 +307,7 @@ class KVEventSubscriber:
             while True:
                 wake.clear()
                 got = 0
-                while raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                while cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     frames = raw.recv_multipart(zmq.NOBLOCK)
                     await self.on_message(name, frames)
                     got += 1

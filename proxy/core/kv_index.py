@@ -197,7 +197,7 @@ def _mark_extra(keys: list[int], extra_keys: Sequence[object], lora_name: str | 
 
 
 class _Backend:
-    __slots__ = ("model", "state", "block_size", "own_by_engine", "refs", "born", "orphans", "stores", "removes",
+    __slots__ = ("model", "state", "block_size", "own_by_engine", "held", "extra", "orphans", "stores", "removes",
                  "clears", "rejected")
 
     def __init__(self, model: str) -> None:
@@ -205,9 +205,13 @@ class _Backend:
         self.state = STALE
         self.block_size: int | None = None
         self.own_by_engine: dict[EngineHash, int] = {}
-        self.refs: dict[int, int] = {}  # own key -> how many engine hashes name it
-        # own key -> the index's store sequence number when it became held (KVIndex._seq): its age
-        self.born: dict[int, int] = {}
+        # The blocks held: own key -> the index's store sequence number when it became held (KVIndex._seq:
+        # its age; 0 without eviction ages). One dict read per block to match, one write to store, one pop
+        # to remove.
+        self.held: dict[int, int] = {}
+        # own key -> how many engine hashes name it beyond the first (rare: the engine keyed on an input
+        # ours ignore, such as a cache salt); a key leaves `held` with its last engine hash.
+        self.extra: dict[int, int] = {}
         self.orphans = 0  # blocks skipped: parent unknown
         self.stores = 0
         self.removes = 0
@@ -216,8 +220,8 @@ class _Backend:
 
     def clear(self) -> None:
         self.own_by_engine = {}
-        self.refs = {}
-        self.born = {}
+        self.held = {}
+        self.extra = {}
 
 
 class KVIndex:
@@ -373,8 +377,8 @@ class KVIndex:
             self._front.pop(backend, None)
         b.block_size = block_size
         b.stores += 1
-        own_by_engine, refs = b.own_by_engine, b.refs
-        born = b.born if self._ages else None
+        own_by_engine, held = b.own_by_engine, b.held
+        step = 1 if self._ages else 0
         seq = self._seq
         new = 0
         for engine_hash, key in zip(block_hashes, keys):
@@ -385,11 +389,11 @@ class KVIndex:
             if old is not None:
                 self._unref(b, old)
             own_by_engine[engine_hash] = key
-            count = refs.get(key, 0)
-            refs[key] = count + 1
-            if not count and born is not None:
-                born[key] = seq
-                seq += 1
+            if key in held:
+                b.extra[key] = b.extra.get(key, 0) + 1
+            else:
+                held[key] = seq
+                seq += step
         self._seq = seq
         if new and n > 1:
             self._stored[backend] = self._stored.get(backend, 0) + new * block_size
@@ -400,16 +404,20 @@ class KVIndex:
         b = self._get(backend)
         b.removes += 1
         known = 0
-        own_by_engine = b.own_by_engine
+        own_by_engine, held, extra = b.own_by_engine, b.held, b.extra
         front = self._front.get(backend, -1)
         for engine_hash in block_hashes:
             key = own_by_engine.pop(engine_hash, None)
-            if key is not None:
-                known += 1
-                s = self._unref(b, key)
-                if s is not None and s > front:
-                    front = s
-        if front >= 0:
+            if key is None:
+                continue
+            known += 1
+            if extra and key in extra:
+                self._unref(b, key)
+                continue
+            s = held.pop(key, -1)
+            if s > front:
+                front = s
+        if self._ages and front >= 0:
             self._front[backend] = front
         return known
 
@@ -417,12 +425,14 @@ class KVIndex:
     def _unref(b: _Backend, key: int) -> int | None:
         """Drop one engine hash's reference to `key`; the key's store sequence number when that was the
         last one (the block left the cache), else None."""
-        left = b.refs.get(key, 0) - 1
+        left = b.extra.get(key, 0)
         if left > 0:
-            b.refs[key] = left
+            if left > 1:
+                b.extra[key] = left - 1
+            else:
+                del b.extra[key]
             return None
-        b.refs.pop(key, None)
-        return b.born.pop(key, None)
+        return b.held.pop(key, None)
 
     # ---- lookups --------------------------------------------------------------------------------------
     def block_sizes(self) -> set[int]:
@@ -435,10 +445,10 @@ class KVIndex:
         for name, b in self._backends.items():
             if b.state != FRESH or (b.block_size is not None and b.block_size != block_size):
                 continue
-            refs = b.refs
+            held = b.held
             n = 0
             for key in keys:
-                if key not in refs:
+                if key not in held:
                     break
                 n += 1
             out[name] = n
@@ -470,9 +480,9 @@ class KVIndex:
     # ---- counts -----------------------------------------------------------------------------------------
     def num_blocks(self, backend: str) -> int:
         """Distinct blocks (own keys) the backend holds according to its events."""
-        return len(self._get(backend).refs)
+        return len(self._get(backend).held)
 
     def stats(self, backend: str) -> dict[str, int]:
         b = self._get(backend)
-        return {"blocks": len(b.refs), "engine_hashes": len(b.own_by_engine), "orphans": b.orphans,
+        return {"blocks": len(b.held), "engine_hashes": len(b.own_by_engine), "orphans": b.orphans,
                 "stores": b.stores, "removes": b.removes, "clears": b.clears, "rejected": b.rejected}
