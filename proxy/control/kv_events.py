@@ -148,6 +148,8 @@ class KVEventSubscriber:
         self._wall = wall_clock
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._sockets: dict[str, list[zmq.asyncio.Socket]] = {}  # per backend: its SUB, then its monitor
+        # per backend: the loop watching its SUB socket's descriptor, and the descriptor (see _run)
+        self._readers: dict[str, tuple[asyncio.AbstractEventLoop, int]] = {}
         self._started = False
         self.metrics = KVEventMetrics(registry) if registry is not None else None
         if registry is not None:
@@ -181,6 +183,9 @@ class KVEventSubscriber:
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
+        reader = self._readers.pop(name, None)
+        if reader is not None:  # before the socket closes: its descriptor number may be reused at once
+            reader[0].remove_reader(reader[1])
         for sock in self._sockets.pop(name, ()):
             sock.close(linger=0)
         return task
@@ -295,6 +300,7 @@ class KVEventSubscriber:
         fd = raw.fileno()
         wake = asyncio.Event()
         loop.add_reader(fd, wake.set)
+        self._readers[name] = (loop, fd)
         watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
         silent = False
 
@@ -330,7 +336,9 @@ class KVEventSubscriber:
                         timer.cancel()
         finally:
             watcher.cancel()
-            loop.remove_reader(fd)
+            if self._readers.get(name) == (loop, fd):  # still ours (not already removed by _unsubscribe)
+                del self._readers[name]
+                loop.remove_reader(fd)
 
     async def _watch(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
         """The SUB socket's monitor: a disconnected publisher makes the backend stale."""

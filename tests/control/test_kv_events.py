@@ -226,6 +226,22 @@ async def test_a_burst_is_drained_in_order_and_the_socket_wakes_the_loop_again(r
     assert r.index.match(_prompt(3), MODEL) == {"b0": 8}
 
 
+async def test_a_dropped_subscription_stops_watching_its_socket_before_the_socket_closes(rig) -> None:
+    """The descriptor of a closed socket can be reused at once (by the next subscription's socket): the
+    loop must not keep the old reader on it until the cancelled task gets to run."""
+    r = rig()
+    r.pub.start()
+    await r.sub.start()
+    await r.connected()
+    r.pub.publish(_chain(1))
+    await _until(lambda: r.index.num_blocks("b0") == 1)
+    loop, fd = r.sub._readers["b0"]
+    assert r.sub.reconfigure({}, {}) == ["b0"]
+    assert not loop.remove_reader(fd)  # already removed, synchronously
+    await asyncio.sleep(0.05)  # the cancelled task finishes without touching what is no longer its own
+    assert "b0" not in r.sub._readers and r.sub.feeds() == {}.keys()
+
+
 async def test_garbage_is_counted_and_the_stream_goes_on(rig) -> None:
     r = rig(replay=False)
     raw = r.ctx.socket(zmq.PUB)
