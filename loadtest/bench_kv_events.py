@@ -16,7 +16,8 @@ Two measurements per encoding (positional arrays, vLLM <= 0.10; tagged maps, vLL
 - ``sockets``: a publisher process sends the stream over PUB/SUB on 127.0.0.1 (one socket per engine), paced
   at `--pace` times the window's real time, to a `KVEventSubscriber` started in this process the way the
   proxy starts it; this process's CPU (getrusage: the event loop, ZeroMQ's I/O thread, decoding, the index)
-  from the first message sent to the last one applied. That is what a worker pays, idle wake-ups included.
+  from the first message sent to the last one applied, and in brackets the event loop's thread alone (the
+  rest is ZeroMQ's I/O thread). That is what a worker pays, idle wake-ups included.
 
 Both check the index ends holding what the engines hold (blocks per engine), so a faster path that drops
 events fails here. Reported per batch, per event and per request of the window, with the best of
