@@ -53,6 +53,7 @@ from __future__ import annotations
 import sys
 from array import array
 from dataclasses import dataclass
+from itertools import repeat
 from types import MappingProxyType
 from typing import Hashable, Iterable, Mapping, Sequence, Union
 
@@ -381,6 +382,16 @@ class KVIndex:
         step = 1 if self._ages else 0
         seq = self._seq
         new = 0
+        if (own_by_engine.keys().isdisjoint(block_hashes) and held.keys().isdisjoint(keys)
+                and len(set(keys)) == n and len(set(block_hashes)) == n):
+            # The usual event: blocks new to the engine and to this index, each named once. The loop
+            # below would do the same, one block at a time; done in C (~2x less CPU per block).
+            own_by_engine.update(zip(block_hashes, keys))
+            held.update(zip(keys, range(seq, seq + n)) if step else zip(keys, repeat(seq)))
+            self._seq = seq + n * step
+            if n > 1:
+                self._stored[backend] = self._stored.get(backend, 0) + n * block_size
+            return n
         for engine_hash, key in zip(block_hashes, keys):
             old = own_by_engine.get(engine_hash)
             if old == key:
@@ -403,20 +414,23 @@ class KVIndex:
         """Forget blocks by engine hash; returns how many were known."""
         b = self._get(backend)
         b.removes += 1
-        known = 0
         own_by_engine, held, extra = b.own_by_engine, b.held, b.extra
         front = self._front.get(backend, -1)
-        for engine_hash in block_hashes:
-            key = own_by_engine.pop(engine_hash, None)
-            if key is None:
-                continue
-            known += 1
-            if extra and key in extra:
-                self._unref(b, key)
-                continue
-            s = held.pop(key, -1)
-            if s > front:
-                front = s
+        # One C-level pass per dict (map over the bound methods) rather than a Python loop per block.
+        keys = list(map(own_by_engine.pop, block_hashes, repeat(None)))
+        known = len(keys) - keys.count(None)
+        if extra:  # some key is named by several engine hashes: drop references one at a time
+            for key in keys:
+                if key is None:
+                    continue
+                if key in extra:
+                    self._unref(b, key)
+                    continue
+                s = held.pop(key, -1)
+                if s > front:
+                    front = s
+        elif known:
+            front = max(front, max(map(held.pop, keys, repeat(-1))))
         if self._ages and front >= 0:
             self._front[backend] = front
         return known

@@ -138,6 +138,87 @@ def test_duplicate_engine_hashes_share_a_key_until_the_last_goes() -> None:
     assert index.match(_ids(4), MODEL) == {"b0": 0}
 
 
+class _RefCounts:
+    """The index's bookkeeping written the plain way (a reference count per own key, one block at a time):
+    what KVIndex's C-level fast paths must agree with."""
+
+    def __init__(self) -> None:
+        self.own: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.born: dict[int, int] = {}
+        self.seq = 0
+        self.front = -1
+        self.stored = 0
+
+    def store(self, hashes: list[int], keys: list[int]) -> None:
+        new = 0
+        for h, k in zip(hashes, keys):
+            old = self.own.get(h)
+            if old == k:
+                continue
+            new += 1
+            if old is not None:
+                self._unref(old)
+            self.own[h] = k
+            count = self.refs.get(k, 0)
+            self.refs[k] = count + 1
+            if not count:
+                self.born[k] = self.seq
+                self.seq += 1
+        if new and len(hashes) > 1:
+            self.stored += new * BS
+
+    def remove(self, hashes: list[int]) -> None:
+        for h in hashes:
+            k = self.own.pop(h, None)
+            if k is not None:
+                s = self._unref(k)
+                if s is not None and s > self.front:
+                    self.front = s
+
+    def _unref(self, k: int) -> int | None:
+        left = self.refs.get(k, 0) - 1
+        if left > 0:
+            self.refs[k] = left
+            return None
+        self.refs.pop(k, None)
+        return self.born.pop(k, None)
+
+
+_event = st.one_of(
+    # stored from the seed: 1-3 blocks whose tokens come from a small set (own keys repeat across events)
+    # under engine hashes from a small range (repeated, re-used for other blocks, twice in one event)
+    st.tuples(st.just("store"), st.lists(st.integers(0, 2), min_size=1, max_size=3),
+              st.lists(st.integers(0, 7), min_size=3, max_size=3)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 9), max_size=4)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_event, max_size=30))
+def test_stores_and_removals_agree_with_plain_reference_counting(events: list) -> None:
+    index = KVIndex(eviction_ages=True)
+    index.track("b0", model=MODEL)
+    index.mark_fresh("b0")
+    ref = _RefCounts()
+    seen: set[int] = set()
+    for kind, a, b in [(e[0], e[1], e[2] if len(e) > 2 else None) for e in events]:
+        if kind == "store":
+            tokens = [t for choice in a for t in _ids(BS, 100 * choice)]
+            hashes = b[: len(a)]
+            keys = block_keys(tokens, BS, chain_seed(MODEL))
+            seen.update(keys)
+            index.stored("b0", hashes, None, tokens, BS)
+            ref.store(hashes, keys)
+        else:
+            index.removed("b0", a)
+            ref.remove(a)
+        assert index.num_blocks("b0") == len(ref.refs)
+        assert {k for k in seen if index.match_keys([k], BS) == {"b0": 1}} == set(ref.refs)
+        assert index.lru_front is not None and index.lru_front.get("b0", -1) == ref.front
+        assert index.progress.get("b0", 0) == ref.stored
+
+
 def test_stale_backends_are_left_out_of_every_answer() -> None:
     index = KVIndex()
     index.track("b0", model=MODEL)
