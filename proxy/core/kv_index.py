@@ -55,7 +55,7 @@ from array import array
 from dataclasses import dataclass
 from itertools import repeat
 from types import MappingProxyType
-from typing import Hashable, Iterable, Mapping, Sequence, Union
+from typing import Hashable, Iterable, Mapping, Sequence, Union, cast
 
 import xxhash
 
@@ -430,7 +430,8 @@ class KVIndex:
                 if s > front:
                     front = s
         elif known:
-            front = max(front, max(map(held.pop, keys, repeat(-1))))
+            # (a None, an unknown hash, pops nothing: -1)
+            front = max(front, max(map(held.pop, cast("list[int]", keys), repeat(-1))))
         if self._ages and front >= 0:
             self._front[backend] = front
         return known
