@@ -77,6 +77,14 @@ class Rig:
     async def connected(self) -> None:
         await asyncio.sleep(0.6)  # PUB drops messages until the SUB's subscription reached it
 
+    async def running_with(self, blocks: int) -> None:
+        """Publisher and subscriber started and connected, the first `blocks` blocks of W indexed."""
+        self.pub.start()
+        await self.sub.start()
+        await self.connected()
+        self.pub.publish(_chain(blocks))
+        await _until(lambda: self.index.num_blocks("b0") == blocks)
+
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, {"backend": "b0", **labels}) or 0.0
 
@@ -122,11 +130,7 @@ async def test_live_events_fill_the_index_and_removals_empty_it(rig) -> None:
 
 async def test_a_gap_is_replayed_and_restores_the_index(rig) -> None:
     r = rig()
-    r.pub.start()
-    await r.sub.start()
-    await r.connected()
-    r.pub.publish(_chain(1))
-    await _until(lambda: r.index.num_blocks("b0") == 1)
+    await r.running_with(1)
     r.pub.drop_next = 2  # lost on the PUB socket, still in the replay buffer
     r.pub.publish([_stored(1, 100)])
     r.pub.publish([_stored(2, 101)])
@@ -209,11 +213,7 @@ async def test_a_burst_is_drained_in_order_and_the_socket_wakes_the_loop_again(r
     """The subscriber reads its socket without a future per message: everything queued while the loop was
     busy is applied in order on one wake-up, and the (edge-triggered) socket wakes it for the next one."""
     r = rig()
-    r.pub.start()
-    await r.sub.start()
-    await r.connected()
-    r.pub.publish(_chain(1))
-    await _until(lambda: r.index.num_blocks("b0") == 1)
+    await r.running_with(1)
     for _ in range(150):  # queued faster than one wake-up each: stored and removed again, block 1
         r.pub.publish([_stored(1, 100)])
         r.pub.publish([Removed((101,))])
@@ -230,11 +230,7 @@ async def test_a_dropped_subscription_stops_watching_its_socket_before_the_socke
     """The descriptor of a closed socket can be reused at once (by the next subscription's socket): the
     loop must not keep the old reader on it until the cancelled task gets to run."""
     r = rig()
-    r.pub.start()
-    await r.sub.start()
-    await r.connected()
-    r.pub.publish(_chain(1))
-    await _until(lambda: r.index.num_blocks("b0") == 1)
+    await r.running_with(1)
     loop, fd = r.sub._readers["b0"]
     assert r.sub.reconfigure({}, {}) == ["b0"]
     assert not loop.remove_reader(fd)  # already removed, synchronously
