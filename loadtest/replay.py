@@ -144,6 +144,10 @@ class ReplayConfig:
     score: ScoreConfig = ScoreConfig()
     poll_ms: int = 200
     net_ms: float = 0.0
+    # A first sighting that waits for its tokenisation (precise lookup "proxy": `tokenise_now` tokenised it)
+    # is picked this much virtual time after it arrived, other arrivals meanwhile picked first, as live
+    # (~15 ms mean there: loadtest/results/scaleout-live.md Round 19). 0: picked at once (the default).
+    tokenise_wait_ms: float = 0.0
     seed: int = 0
     sample_s: float = 1.0
     # Scale-out (issue 13): R replicas behind a Service (a random replica per request), W workers in each
@@ -337,6 +341,8 @@ def scaleout_label(cfg: ReplayConfig) -> str:
             parts.append(f"events at {cfg.kv_events_at}")
         if cfg.precise_lookup != "proxy":
             parts.append(f"lookup {cfg.precise_lookup}")
+        if cfg.tokenise_wait_ms:
+            parts.append(f"tokenise wait {cfg.tokenise_wait_ms:g}ms")
     if cfg.load_view != "own":
         parts.append(f"load {cfg.load_view}")
     if cfg.load_view == "peers":
@@ -637,8 +643,14 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
         for _r, table, _ledger in host_procs:  # each worker's subscriber publishes its count (on_progress)
             table.publish_count(name)
 
+    tok_wait = cfg.tokenise_wait_ms / 1000.0
+    # (pick time, order, request index, time sent, path, body, prompt, summary, process): waited first sightings
+    postponed: list[tuple[float, int, int, float, str, dict[str, Any], str, Any, int]] = []
     while True:
         t_arr = arrivals[i] + net if i < len(items) else inf
+        t_post = postponed[0][0] if postponed else inf
+        if t_post < t_arr:
+            t_arr = t_post
         # An engine's next step time changes only when it is given a request or runs a step: cached.
         step_name = min(next_step, key=next_step.__getitem__)
         t_step = next_step[step_name]
@@ -671,26 +683,39 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             next_poll += cfg.poll_ms / 1000.0
             continue
         if t_next == t_arr:
-            item = items[i]
-            path, body = build_body(item, text, model=cfg.model, stream=True)
-            prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
-            p_i = pick_rng.randrange(n_procs) if n_procs > 1 else 0
-            inflight, router = procs[p_i][1], routers[p_i]
-            c0 = time.perf_counter()
-            if precise and cfg.precise_lookup == "inline":
-                routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
-            summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None,
-                                          adapters=adapters | router.adapter_names())
-            if waits[p_i] is not None and waits[p_i](summary):
-                waited += 1
+            if t_arr == t_post:  # a waited first sighting, tokenised: its pick
+                _, _, k, t_sent, path, body, prompt, summary, p_i = heapq.heappop(postponed)
+                item, nxt, inflight, router = items[k], i, procs[p_i][1], routers[p_i]
+                i = k
+                c0 = time.perf_counter()
+            else:
+                nxt, t_sent = i + 1, t_arr - net
+                item = items[i]
+                path, body = build_body(item, text, model=cfg.model, stream=True)
+                prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
+                p_i = pick_rng.randrange(n_procs) if n_procs > 1 else 0
+                inflight, router = procs[p_i][1], routers[p_i]
+                c0 = time.perf_counter()
+                if precise and cfg.precise_lookup == "inline":
+                    routing_ids[0] = token_ids(prompt)  # the proxy tokenises with the model's tokenizer
+                summary = summary_from_openai(path, body, session_key=item.session if cfg.session_header else None,
+                                              adapters=adapters | router.adapter_names())
+                if waits[p_i] is not None and waits[p_i](summary):
+                    waited += 1
+                    if tok_wait > 0:
+                        route_cpu += time.perf_counter() - c0
+                        order += 1
+                        heapq.heappush(postponed, (t_arr + tok_wait, order, i, t_sent, path, body, prompt, summary, p_i))
+                        i = nxt
+                        continue
             try:
                 decision, _ = router.pick(summary, frozenset())
             except NoBackendAvailable as exc:  # answered by the proxy itself, as live (404 / 503)
                 route_cpu += time.perf_counter() - c0
                 status = 404 if isinstance(exc, UnknownModel) else 503
-                records.append(Record(index=i, sent=t_arr - net, scheduled=arrivals[i],
+                records.append(Record(index=i, sent=t_sent, scheduled=arrivals[i],
                                       input_tokens=item.input_tokens, status=status, error=str(exc)[:300]))
-                i += 1
+                i = nxt
                 continue
             if matchers:
                 await asyncio.sleep(0)  # the loop runs the tokeniser's done-callbacks, as the proxy's would
@@ -701,7 +726,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             route_cpu += time.perf_counter() - c0
             reasons[decision.reason.value] += 1
             rid = f"r{i}"
-            rec = Record(index=i, sent=t_arr - net, scheduled=arrivals[i], input_tokens=item.input_tokens, backend=decision.backend)
+            rec = Record(index=i, sent=t_sent, scheduled=arrivals[i], input_tokens=item.input_tokens, backend=decision.backend)
             b = backends[decision.backend]
             b.now = t_arr
             try:
@@ -717,11 +742,11 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                     fleet_table.release(decision.backend, tokens)
                 records.append(rec)
             else:
-                live[rid] = (rec, decision.backend, tokens, t_arr - net, inflight)
+                live[rid] = (rec, decision.backend, tokens, t_sent, inflight)
                 refresh(decision.backend)
                 if observe is not None:
                     observe(i, decision.backend, rid, engines)
-            i += 1
+            i = nxt
             continue
         b = backends[step_name]
         result = b.engine.step(t_step)
@@ -809,6 +834,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--score-weights", help="design score weights memory,queue,kv_rate (e.g. 0.4,0.35,0.25)")
     ap.add_argument("--poll-ms", type=int, default=200)
     ap.add_argument("--net-ms", type=float, default=0.0, help="fixed client<->engine delay added to every request")
+    ap.add_argument("--tokenise-wait-ms", type=float, default=0.0,
+                    help="a first sighting that waits for its tokenisation is picked this much later (live: ~15 ms)")
     ap.add_argument("--session-header", action="store_true", help="route with the workload's session ids")
     ap.add_argument("--adapters", default="", help="comma-separated LoRA adapter names the engines know")
     ap.add_argument("--replicas", type=int, default=1, help="proxy replicas behind a Service: each request goes to a random one")
@@ -863,6 +890,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             affinity_overrides=tuple(parse_affinity_sets(args.affinity_set).items()),
             speed=args.speed, epsilon=args.epsilon, block_bytes=args.block_bytes,
             min_prefix_blocks=args.min_prefix_blocks, score=score, poll_ms=args.poll_ms, net_ms=args.net_ms,
+            tokenise_wait_ms=args.tokenise_wait_ms,
             session_header=args.session_header, seed=args.seed,
             adapters=tuple(a for a in args.adapters.split(",") if a),
             replicas=args.replicas, workers=args.workers, shared_worker_load=args.shared_worker_load,

@@ -142,6 +142,25 @@ async def test_the_proxys_lookup_waits_for_long_first_sightings_as_the_proxy_doe
     assert abs(hit["proxy"] - hit["inline"]) < 0.05 * hit["inline"], hit
 
 
+async def test_a_tokenise_wait_picks_a_waited_first_sighting_later_and_the_others_first() -> None:
+    """`tokenise_wait_ms`: a first sighting that waits for its tokenisation reaches its engine that much
+    later, requests arriving meanwhile are routed first, and no request is lost or sent twice; what the
+    client sent (and when) is unchanged."""
+    w = load_workload("mooncake", prefer_sample=True).window(0, 15, None)
+    base = replace(BASE, backends=4, max_model_len=131072, index="precise")
+    orders: dict[float, list[int]] = {0.0: [], 400.0: []}
+    runs = {}
+    for wait, order in orders.items():
+        runs[wait] = await replay(w, replace(base, tokenise_wait_ms=wait),
+                                  observe=lambda i, _b, _r, _e, order=order: order.append(i))
+    assert runs[0.0].meta["precise_waited"] == runs[400.0].meta["precise_waited"] > 0
+    assert orders[0.0] == sorted(orders[0.0]) and sorted(orders[400.0]) == orders[0.0]
+    assert orders[400.0] != orders[0.0]  # a later arrival overtook a waiting one
+    assert "tokenise wait 400ms" in runs[400.0].meta["label"] and "wait" not in runs[0.0].meta["label"]
+    sent = {wait: sorted((r.index, r.sent) for r in run.records) for wait, run in runs.items()}
+    assert sent[0.0] == sent[400.0] and len(sent[0.0]) == len(w.items)
+
+
 def test_affinity_settings_take_their_field_types() -> None:
     """`--affinity-set cost_aware=false` and a suite's `float(band)` reach the policy as the config's own
     types: the compiled policy (proxy/native) refuses an int where the config says bool."""
