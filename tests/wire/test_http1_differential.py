@@ -74,7 +74,7 @@ def stream(draw: Any) -> tuple[list[bytes], int, bool]:
     return pieces, draw(st.sampled_from([64 * 1024, 64, 30])), draw(st.booleans())
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream())
 def test_llhttp_parser_matches_the_reference(case: tuple[list[bytes], int, bool]) -> None:
     pieces, max_head, eof = case
