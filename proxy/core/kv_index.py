@@ -388,23 +388,22 @@ class KVIndex:
             # below would do the same, one block at a time; done in C (~2x less CPU per block).
             own_by_engine.update(zip(block_hashes, keys))
             held.update(zip(keys, range(seq, seq + n)) if step else zip(keys, repeat(seq)))
-            self._seq = seq + n * step
-            if n > 1:
-                self._stored[backend] = self._stored.get(backend, 0) + n * block_size
-            return n
-        for engine_hash, key in zip(block_hashes, keys):
-            old = own_by_engine.get(engine_hash)
-            if old == key:
-                continue  # stored again (replay overlap): idempotent
-            new += 1
-            if old is not None:
-                self._unref(b, old)
-            own_by_engine[engine_hash] = key
-            if key in held:
-                b.extra[key] = b.extra.get(key, 0) + 1
-            else:
-                held[key] = seq
-                seq += step
+            seq += n * step
+            new = n
+        else:
+            for engine_hash, key in zip(block_hashes, keys):
+                old = own_by_engine.get(engine_hash)
+                if old == key:
+                    continue  # stored again (replay overlap): idempotent
+                new += 1
+                if old is not None:
+                    self._unref(b, old)
+                own_by_engine[engine_hash] = key
+                if key in held:
+                    b.extra[key] = b.extra.get(key, 0) + 1
+                else:
+                    held[key] = seq
+                    seq += step
         self._seq = seq
         if new and n > 1:
             self._stored[backend] = self._stored.get(backend, 0) + new * block_size
@@ -421,13 +420,7 @@ class KVIndex:
         known = len(keys) - keys.count(None)
         if extra:  # some key is named by several engine hashes: drop references one at a time
             for key in keys:
-                if key is None:
-                    continue
-                if key in extra:
-                    self._unref(b, key)
-                    continue
-                s = held.pop(key, -1)
-                if s > front:
+                if key is not None and (s := self._unref(b, key)) is not None and s > front:
                     front = s
         elif known:
             # (a None, an unknown hash, pops nothing: -1)
