@@ -39,8 +39,6 @@ from typing import Any
 
 import msgpack
 import uvloop
-import zmq
-import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from loadtest.replay import ReplayConfig, make_profile, replay

@@ -219,8 +219,8 @@ INDEXES = ("learned", "precise")
 #   proxy   the data plane's own `PreciseMatcher` with the simulator's tokenizer folder and the proxy's
 #           defaults (proxy/dataplane/tokenize.py), each process with its own chunk cache and memo, as each
 #           proxy worker has (a --workers host's workers also share their chunks since round 18: with
-#           tokenisation taking no virtual time here, that changes no decision): a prompt whose untokenised part exceeds the tokenizer's `offload_chars` waits
-#           for its tokenisation off the event loop (the router's `prepare` hook, bounded by
+#           tokenisation taking no virtual time here, that changes no decision): a prompt whose untokenised
+#           part exceeds the tokenizer's `offload_chars` waits for its tokenisation off the event loop (the router's `prepare` hook, bounded by
 #           `telemetry.kv_events.precise_wait_ms`) and is then routed precisely. The tokenisation is
 #           taken to cost no virtual time (`PreciseMatcher.tokenise_now` before the pick): ~30 ms for 64k
 #           tokens (`python -m proxy.dataplane.tokenize`) is never near the 200 ms bound, so no wait falls
@@ -683,14 +683,15 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
             next_poll += cfg.poll_ms / 1000.0
             continue
         if t_next == t_arr:
+            # k: the request picked now; i: the next one to arrive
             if t_arr == t_post:  # a waited first sighting, tokenised: its pick
                 _, _, k, t_sent, path, body, prompt, summary, p_i = heapq.heappop(postponed)
-                item, nxt, inflight, router = items[k], i, procs[p_i][1], routers[p_i]
-                i = k
+                item, inflight, router = items[k], procs[p_i][1], routers[p_i]
                 c0 = time.perf_counter()
             else:
-                nxt, t_sent = i + 1, t_arr - net
-                item = items[i]
+                k, t_sent = i, t_arr - net
+                i += 1
+                item = items[k]
                 path, body = build_body(item, text, model=cfg.model, stream=True)
                 prompt = render_chat(body["messages"]) if path == CHAT else body["prompt"]
                 p_i = pick_rng.randrange(n_procs) if n_procs > 1 else 0
@@ -705,17 +706,15 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                     if tok_wait > 0:
                         route_cpu += time.perf_counter() - c0
                         order += 1
-                        heapq.heappush(postponed, (t_arr + tok_wait, order, i, t_sent, path, body, prompt, summary, p_i))
-                        i = nxt
+                        heapq.heappush(postponed, (t_arr + tok_wait, order, k, t_sent, path, body, prompt, summary, p_i))
                         continue
             try:
                 decision, _ = router.pick(summary, frozenset())
             except NoBackendAvailable as exc:  # answered by the proxy itself, as live (404 / 503)
                 route_cpu += time.perf_counter() - c0
                 status = 404 if isinstance(exc, UnknownModel) else 503
-                records.append(Record(index=i, sent=t_sent, scheduled=arrivals[i],
+                records.append(Record(index=k, sent=t_sent, scheduled=arrivals[k],
                                       input_tokens=item.input_tokens, status=status, error=str(exc)[:300]))
-                i = nxt
                 continue
             if matchers:
                 await asyncio.sleep(0)  # the loop runs the tokeniser's done-callbacks, as the proxy's would
@@ -725,8 +724,8 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 fleet_table.acquire(decision.backend, tokens)
             route_cpu += time.perf_counter() - c0
             reasons[decision.reason.value] += 1
-            rid = f"r{i}"
-            rec = Record(index=i, sent=t_sent, scheduled=arrivals[i], input_tokens=item.input_tokens, backend=decision.backend)
+            rid = f"r{k}"
+            rec = Record(index=k, sent=t_sent, scheduled=arrivals[k], input_tokens=item.input_tokens, backend=decision.backend)
             b = backends[decision.backend]
             b.now = t_arr
             try:
@@ -745,8 +744,7 @@ async def replay(workload: Workload, cfg: ReplayConfig, *, policy: Policy | None
                 live[rid] = (rec, decision.backend, tokens, t_sent, inflight)
                 refresh(decision.backend)
                 if observe is not None:
-                    observe(i, decision.backend, rid, engines)
-            i = nxt
+                    observe(k, decision.backend, rid, engines)
             continue
         b = backends[step_name]
         result = b.engine.step(t_step)
