@@ -1,7 +1,7 @@
 """KV-event subscriber CPU: what one proxy process spends keeping its precise index in step with the engines.
 
     python -m loadtest.bench_kv_events [--workload PATH] [--window 900:1200] [--speed 1] [--encoding array,map]
-        [--pace 10] [--repeat 2] [--frames-out F | --frames-in F] [--out results.json]
+        [--pace 10] [--drain-interval-ms 0,250] [--repeat 2] [--frames-out F | --frames-in F] [--out results.json]
 
 Every `--workers` worker (and every replica) runs its own subscriber to every engine, so this cost is paid
 once per process (issue 13). The stream is real: the offline replay (`loadtest.replay`, R = 1, precise index,
@@ -17,7 +17,9 @@ Two measurements per encoding (positional arrays, vLLM <= 0.10; tagged maps, vLL
   at `--pace` times the window's real time, to a `KVEventSubscriber` started in this process the way the
   proxy starts it; this process's CPU (getrusage: the event loop, ZeroMQ's I/O thread, decoding, the index)
   from the first message sent to the last one applied, and in brackets the event loop's thread alone (the
-  rest is ZeroMQ's I/O thread). That is what a worker pays, idle wake-ups included.
+  rest is ZeroMQ's I/O thread). That is what a worker pays, idle wake-ups included. `--drain-interval-ms`
+  compares the subscriber's `drain_interval_ms` settings (alternated run by run); no pick drains here, so a
+  setting > 0 applies everything on its timer.
 
 Both check the index ends holding what the engines hold (blocks per engine), so a faster path that drops
 events fails here. Reported per batch, per event and per request of the window, with the best of
@@ -97,11 +99,12 @@ def record(args: argparse.Namespace, encodings: list[str]) -> Stream:
                   {n: m["engine_cached_blocks"] for n, m in meta.items()})
 
 
-def _subscriber(names: list[str], endpoints: dict[str, str] | None = None) -> tuple[KVEventSubscriber, KVIndex]:
+def _subscriber(names: list[str], endpoints: dict[str, str] | None = None, drain_interval_s: float = 0.0
+                ) -> tuple[KVEventSubscriber, KVIndex]:
     index = KVIndex(eviction_ages=True)  # as the proxy builds it (routing.affinity.eviction_band_tokens > 0)
     eps = {n: KVEventsEndpoint(endpoint=(endpoints or {}).get(n, "tcp://127.0.0.1:1"), model=MODEL) for n in names}
     sub = KVEventSubscriber(index, eps, models={n: MODEL for n in names}, registry=CollectorRegistry(),
-                            stale_after_s=0)
+                            stale_after_s=0, drain_interval_s=drain_interval_s)
     return sub, index
 
 
@@ -151,7 +154,8 @@ sys.stdin.readline()
 """
 
 
-def bench_sockets(stream: Stream, enc: str, path: str, pace: float) -> tuple[float, float, float]:
+def bench_sockets(stream: Stream, enc: str, path: str, pace: float, drain_interval_s: float = 0.0
+                  ) -> tuple[float, float, float]:
     """(CPU seconds of this process, of its event loop's thread, wall seconds) from the first message sent
     to the last one applied; the rest of the process's CPU is ZeroMQ's I/O thread."""
     names = sorted(stream.engine_blocks)
@@ -161,7 +165,7 @@ def bench_sockets(stream: Stream, enc: str, path: str, pace: float) -> tuple[flo
     assert pub.stdin is not None and pub.stdout is not None
     try:
         ports = dict(pub.stdout.readline().split() for _ in names)
-        sub, index = _subscriber(names, {n: f"tcp://127.0.0.1:{ports[n]}" for n in names})
+        sub, index = _subscriber(names, {n: f"tcp://127.0.0.1:{ports[n]}" for n in names}, drain_interval_s)
         def applied() -> int:  # batches applied so far (each engine's next expected sequence number)
             status = sub.status()
             return sum(int(status[n]["expected_seq"] or 0) for n in names)
@@ -172,10 +176,12 @@ def bench_sockets(stream: Stream, enc: str, path: str, pace: float) -> tuple[flo
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             th0 = time.thread_time()
             t0 = time.monotonic()
+            wall_hint = (stream.messages[enc][-1][1] - stream.messages[enc][0][1]) / pace
             pub.stdin.write("go\n")
             pub.stdin.flush()
             while applied() < total:
-                await asyncio.sleep(0.05)
+                # (seldom: this wake-up and its status() count against the loop's CPU measured)
+                await asyncio.sleep(0.05 if time.monotonic() - t0 > wall_hint else 0.5)
                 if time.monotonic() - t0 > 600:
                     raise SystemExit(f"only {applied()} of {total} batches applied after 600 s")
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -203,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--encoding", default=",".join(ENCODINGS), help="comma list of array, map")
     ap.add_argument("--pace", type=float, default=10.0, help="the sockets run sends at this many times real time")
+    ap.add_argument("--drain-interval-ms", default="0",
+                    help="sockets: comma list of the subscriber's drain_interval_ms (0: each message as it "
+                         "arrives); the runs alternate between them")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--modes", default="messages,sockets")
     ap.add_argument("--frames-out", help="save the recorded stream here")
@@ -224,32 +233,38 @@ def main(argv: list[str] | None = None) -> int:
                  for _n, _t, fr in first)
     print(f"stream: {stream.requests} requests, {len(first)} batches, {events} events, block size {stream.block_size}",
           file=sys.stderr)
+    drains = [int(x) for x in args.drain_interval_ms.split(",") if x.strip()]
     rows = []
     for enc in encodings:
         for mode in modes:
-            runs: list[tuple[float, float]] = []  # (process CPU, event loop thread's CPU)
+            variants = drains if mode == "sockets" else [None]
+            # (process CPU, event loop thread's CPU) per variant, the variants alternated run by run
+            runs: dict[int | None, list[tuple[float, float]]] = {d: [] for d in variants}
             for k in range(args.repeat):
-                if mode == "messages":
-                    cpu = bench_messages(stream, enc)
-                    runs.append((cpu, cpu))
-                    print(f"  {enc} {mode} run {k + 1}/{args.repeat}: {cpu:.3f} s CPU", file=sys.stderr)
-                else:
-                    cpu, loop_cpu, wall = bench_sockets(stream, enc, path, args.pace)
-                    runs.append((cpu, loop_cpu))
-                    print(f"  {enc} {mode} run {k + 1}/{args.repeat}: {cpu:.3f} s CPU ({loop_cpu:.3f} s in the "
-                          f"loop's thread) over {wall:.1f} s", file=sys.stderr)
-            best, best_loop = min(runs)
-            n = len(stream.messages[enc])
-            rows.append({"encoding": enc, "mode": mode, "cpu_s": [c for c, _ in runs],
-                         "loop_cpu_s": [c for _, c in runs], "batches": n, "events": events,
-                         "requests": stream.requests, "us_per_batch": best / n * 1e6,
-                         "loop_us_per_batch": best_loop / n * 1e6,
-                         "us_per_event": best / events * 1e6, "ms_per_request": best / stream.requests * 1e3})
-    print("\n| encoding | measured | CPU, best of runs | µs per batch (in the loop's thread) | µs per event | "
-          "ms per request of the window |")
-    print("|---|---|---|---|---|---|")
+                for drain in variants:
+                    if drain is None:
+                        cpu = bench_messages(stream, enc)
+                        runs[drain].append((cpu, cpu))
+                        print(f"  {enc} {mode} run {k + 1}/{args.repeat}: {cpu:.3f} s CPU", file=sys.stderr)
+                    else:
+                        cpu, loop_cpu, wall = bench_sockets(stream, enc, path, args.pace, drain / 1000.0)
+                        runs[drain].append((cpu, loop_cpu))
+                        print(f"  {enc} {mode} drain {drain} ms, run {k + 1}/{args.repeat}: {cpu:.3f} s CPU "
+                              f"({loop_cpu:.3f} s in the loop's thread) over {wall:.1f} s", file=sys.stderr)
+            for drain, got in runs.items():
+                best, best_loop = min(got)
+                n = len(stream.messages[enc])
+                rows.append({"encoding": enc, "mode": mode, "drain_interval_ms": drain,
+                             "cpu_s": [c for c, _ in got], "loop_cpu_s": [c for _, c in got], "batches": n,
+                             "events": events, "requests": stream.requests, "us_per_batch": best / n * 1e6,
+                             "loop_us_per_batch": best_loop / n * 1e6, "us_per_event": best / events * 1e6,
+                             "ms_per_request": best / stream.requests * 1e3})
+    print("\n| encoding | measured | drain interval | CPU, best of runs | µs per batch (in the loop's thread) | "
+          "µs per event | ms per request of the window |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['encoding']} | {r['mode']} | {min(r['cpu_s']):.2f} s | {r['us_per_batch']:.0f} "
+        drain = "-" if r["drain_interval_ms"] is None else f"{r['drain_interval_ms']} ms"
+        print(f"| {r['encoding']} | {r['mode']} | {drain} | {min(r['cpu_s']):.2f} s | {r['us_per_batch']:.0f} "
               f"({r['loop_us_per_batch']:.0f}) | {r['us_per_event']:.1f} | {r['ms_per_request']:.2f} |")
     if args.out:
         with open(args.out, "w") as f:

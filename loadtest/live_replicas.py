@@ -68,6 +68,8 @@ class LiveSpec:
     # own default, under which a prompt with more uncached text than that is routed by the learned index on
     # that sighting (tokenised off the loop for the next). The replay tokenises every prompt inline.
     offload_chars: int | None = None
+    # telemetry.kv_events.drain_interval_ms of every replica (None: the proxy's default).
+    drain_interval_ms: int | None = None
     # load_view "peers": the redis-server the replicas share their load through (routing.peer_load).
     redis_url: str | None = None
     peer_refresh_ms: int = 10  # routing.peer_load.refresh_ms's default
@@ -138,6 +140,8 @@ def replica_config_yaml(spec: LiveSpec, servers: Sequence[dict[str, Any]], port:
                 raise RuntimeError(f"{s['name']} publishes no KV events (simulator output lacks kv_events=)")
             replay_ep = f", replay_endpoint: '{s['kv_replay']}'" if s.get("kv_replay") else ""
             lines.append(f"      {s['name']}: {{endpoint: '{s['kv_events']}'{replay_ep}}}")
+        if spec.drain_interval_ms is not None:
+            lines.append(f"    drain_interval_ms: {int(spec.drain_interval_ms)}")
     return "\n".join(lines) + "\n"
 
 
@@ -437,7 +441,8 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str]) -> dict[str,
         spec = LiveSpec(backends=args.backends, replicas=args.replicas, workers=args.workers, index=index,
                         load_view=args.load_view or default_load_view(index), max_model_len=args.max_model_len,
                         speed=args.speed, seed=args.seed, timeout_s=args.timeout, progress=not args.no_progress,
-                        offload_chars=args.proxy_offload_chars, policy=args.policy)
+                        offload_chars=args.proxy_offload_chars, policy=args.policy,
+                        drain_interval_ms=args.proxy_drain_interval_ms)
         print(f"== live: {spec}", file=sys.stderr, flush=True)
         live = await live_run(workload, spec, workdir)
         ls = summarize(live, workload, label=live.meta["label"])
@@ -541,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--proxy-offload-chars", type=int, default=None,
                     help="diagnostic: the proxy tokenizer's offload threshold in chars (default: the proxy's own); "
                          "a huge value tokenises every prompt inline, as the replay does")
+    ap.add_argument("--proxy-drain-interval-ms", type=int, default=None,
+                    help="telemetry.kv_events.drain_interval_ms of the replicas (default: the proxy's own; 0: "
+                         "each KV-event message applied as it arrives)")
     ap.add_argument("--out", type=Path, help="write runs, summaries and the table (JSON) here")
     ap.add_argument("--records", type=Path, help="also write every request's live and replay record (JSON) here, "
                     "and print the slowest live first tokens beside their replay (where the tail comes from)")

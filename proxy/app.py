@@ -336,6 +336,8 @@ class AffinityProxy:
             self.kv_events.on_progress = self.inflight.publish_count
         if self.kv_events is not None:
             on_reload.append(self.kv_events.reload)
+            if self.kv_events.drain_interval_s > 0:
+                self.router.refresh = self.kv_events.drain  # every pick sees the events that have arrived
         if self.peer_load is not None:
             peer_load = self.peer_load
 

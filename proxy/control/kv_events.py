@@ -99,6 +99,15 @@ class _Feed:
     last_ts: float | None = None
     lag_s: float | None = None
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, events)
+    # With a drain interval (`KVEventSubscriber.drain`): the SUB socket read without asyncio, the messages
+    # read there that need the sequence logic's awaits (a first batch, a gap, a reconnect: its task takes
+    # them), whether the task is handling some now (drain() then leaves the feed to it), the task's wake-up,
+    # and when the last message was read (a silence of stale_after_s makes the backend stale).
+    raw: "zmq.Socket[bytes] | None" = None
+    held: deque[list[bytes]] = field(default_factory=deque)
+    busy: bool = False
+    wake: asyncio.Event | None = None
+    heard_at: float = 0.0
 
 
 class KVEventSubscriber:
@@ -117,6 +126,7 @@ class KVEventSubscriber:
         config: Config | None = None,
         store: SnapshotStore | None = None,
         load_tokenizers: Callable[[Mapping[str, str]], object] | None = None,
+        drain_interval_s: float = 0.0,
     ) -> None:
         """`models`: base model name per backend (seeds the keys of blocks without a LoRA name); a backend's
         own `model:` in the configuration wins. `config` and `store`: the configuration `backends` came
@@ -125,7 +135,11 @@ class KVEventSubscriber:
         by its service, with ``{host}`` in its endpoints) is subscribed, and unsubscribed once it left the
         snapshot (every --workers worker gets the supervisor's snapshots, so each follows by itself).
         `load_tokenizers`: called with `telemetry.kv_events.tokenizers` of every reloaded configuration
-        (`PreciseMatcher.load_tokenizers`: a model added, or whose folder changed, gets its tokenizer)."""
+        (`PreciseMatcher.load_tokenizers`: a model added, or whose folder changed, gets its tokenizer).
+        `drain_interval_s` (`telemetry.kv_events.drain_interval_ms`): 0 applies each message as it arrives
+        (the loop wakes for every one); > 0 applies what arrived when `drain` is called (the router calls it
+        before every pick, so a pick sees every message that has reached the socket) and at least this
+        often otherwise: one wake-up a period for every engine together, the batches applied back to back."""
         self.index = index
         # Called with a backend's name after each batch of its events is applied (a --workers worker:
         # `SharedInflightTable.publish_count`, so its host-mates read its index's count as of now).
@@ -142,6 +156,8 @@ class KVEventSubscriber:
             self._tracked[name] = model
         self.stale_after_s = stale_after_s
         self.replay_timeout_s = replay_timeout_s
+        self.drain_interval_s = drain_interval_s
+        self._drain_timer: asyncio.TimerHandle | None = None
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._clock = clock
@@ -166,6 +182,8 @@ class KVEventSubscriber:
         self._started = True
         for feed in self._feeds.values():
             self._subscribe(feed)
+        if self.drain_interval_s > 0:
+            self._drain_timer = asyncio.get_running_loop().call_later(self.drain_interval_s, self._tick)
 
     def _subscribe(self, feed: _Feed) -> None:
         loop = asyncio.get_running_loop()
@@ -176,13 +194,24 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, feed.config.topic.encode("utf-8"))
         sub.connect(feed.config.endpoint)
         self._sockets[feed.name] = [sub]
-        self._tasks[feed.name] = loop.create_task(self._run(feed, sub), name=f"kv-events-{feed.name}")
+        if self.drain_interval_s > 0:
+            feed.raw = zmq.Socket.shadow(sub.underlying)
+            feed.wake = asyncio.Event()
+            feed.heard_at = self._clock()
+            run = self._run_drained(feed, sub)
+        else:
+            run = self._run(feed, sub)
+        self._tasks[feed.name] = loop.create_task(run, name=f"kv-events-{feed.name}")
 
     def _unsubscribe(self, name: str) -> asyncio.Task[None] | None:
         """Stop one backend's subscription now (its task is cancelled; await the returned task to see it end)."""
         task = self._tasks.pop(name, None)
         if task is not None:
             task.cancel()
+        feed = self._feeds.get(name)
+        if feed is not None:  # drain() no longer reads it (its socket closes below)
+            feed.raw = None
+            feed.held.clear()
         reader = self._readers.pop(name, None)
         if reader is not None:  # before the socket closes: its descriptor number may be reused at once
             reader[0].remove_reader(reader[1])
@@ -192,6 +221,9 @@ class KVEventSubscriber:
 
     async def stop(self) -> None:
         self._started = False
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
         tasks = [t for name in list(self._tasks) if (t := self._unsubscribe(name)) is not None]
         for t in tasks:
             try:
@@ -339,6 +371,104 @@ class KVEventSubscriber:
             if self._readers.get(name) == (loop, fd):  # still ours (not already removed by _unsubscribe)
                 del self._readers[name]
                 loop.remove_reader(fd)
+
+    # ---- drained mode (drain_interval_s > 0) ------------------------------------------------------------
+    def drain(self) -> None:
+        """Apply every message that has reached the backends' SUB sockets, now, without awaiting: a batch
+        that continues its backend's sequence is applied here; one that needs the sequence logic's replays
+        (a first batch, a gap, a reconnect) is handed to the backend's task, which also reads what follows
+        it. The router calls this before every pick (`Router.refresh`), the timer at least every
+        `drain_interval_s`. Never raises."""
+        now = self._clock()
+        for feed in self._feeds.values():
+            raw = feed.raw
+            if raw is None or feed.busy or feed.held:
+                continue
+            try:
+                while cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    frames = raw.recv_multipart(zmq.NOBLOCK)
+                    feed.heard_at = now
+                    if not self._apply_in_sequence(feed, frames):
+                        feed.held.append(frames)
+                        assert feed.wake is not None
+                        feed.wake.set()
+                        break
+            except zmq.ZMQError as exc:  # not expected: the socket is open while feed.raw is set
+                _log.warning("KV events from %s: read failed: %s", feed.name, exc)
+
+    def _apply_in_sequence(self, feed: _Feed, frames: list[bytes]) -> bool:
+        """`on_message` for a message that needs no await: True when it was dealt with (applied: the batch
+        expected next, or a first batch with no history to replay; or counted as undecodable), False when it
+        must go through `handle`."""
+        name = feed.name
+        try:
+            batch = decode_message(frames)
+        except KVEventDecodeError as exc:
+            self._decode_error(name, exc)
+            return True
+        expected = feed.expected
+        if feed.reconnected or (batch.seq != expected if expected is not None
+                                else batch.seq > 0 and feed.config.replay_endpoint):
+            return False  # a gap, a restart, a reconnect, or history to replay first: `handle`
+        try:
+            self._apply(feed, batch, _digest(frames[2]))
+        except Exception:  # as in on_message: a bug here must not end the subscription
+            _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
+            self.index.mark_stale(name)
+            return True
+        feed.expected = batch.seq + 1
+        self.index.mark_fresh(name)
+        return True
+
+    def _tick(self) -> None:
+        """The drain timer: apply what arrived, and mark stale a fresh backend silent for stale_after_s."""
+        self._drain_timer = None
+        try:
+            self.drain()
+            if self.stale_after_s > 0:
+                now = self._clock()
+                for feed in self._feeds.values():
+                    if (feed.raw is not None and not feed.busy and now - feed.heard_at >= self.stale_after_s
+                            and self.index.is_fresh(feed.name)):
+                        _log.info("KV events from %s silent for %.1f s: stale, routing falls back to the "
+                                  "learned index", feed.name, self.stale_after_s)
+                        self.index.mark_stale(feed.name)
+        finally:
+            if self._started:
+                self._drain_timer = asyncio.get_running_loop().call_later(self.drain_interval_s, self._tick)
+
+    async def _run_drained(self, feed: _Feed, sub: zmq.asyncio.Socket) -> None:
+        """A backend's task in drained mode: it sleeps until `drain` hands it a message that needs the
+        sequence logic, handles it (replays included), then reads and handles what follows until the socket
+        is empty, and gives the feed back to `drain`."""
+        name = feed.name
+        loop = asyncio.get_running_loop()
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.setdefault(name, []).append(monitor)
+        watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
+        wake, raw = feed.wake, feed.raw
+        assert wake is not None and raw is not None
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                feed.busy = True
+                try:
+                    got = 0
+                    while feed.held or cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                        if feed.held:
+                            frames = feed.held.popleft()
+                        else:
+                            frames = raw.recv_multipart(zmq.NOBLOCK)
+                            feed.heard_at = self._clock()
+                        await self.on_message(name, frames)
+                        got += 1
+                        if got % 64 == 0:
+                            await asyncio.sleep(0)  # a long backlog does not hold the loop
+                finally:
+                    feed.busy = False
+        finally:
+            watcher.cancel()
 
     async def _watch(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
         """The SUB socket's monitor: a disconnected publisher makes the backend stale."""
@@ -584,6 +714,7 @@ class PreciseRouting:
     models: Mapping[str, str]
     stale_after_s: float
     replay_timeout_s: float
+    drain_interval_s: float = 0.0  # telemetry.kv_events.drain_interval_ms (KVEventSubscriber)
     # The router's `prepare` hook (`PreciseMatcher.prepare`): a long prompt waits for its tokenisation.
     prepare: Callable[[Any], Awaitable[None] | None] | None = None
     config: Config | None = None  # what it was built from (discovered backends are resolved against it)
@@ -597,7 +728,7 @@ class PreciseRouting:
         return KVEventSubscriber(self.index, self.endpoints, models=self.models, registry=registry,
                                  stale_after_s=self.stale_after_s, replay_timeout_s=self.replay_timeout_s,
                                  config=self.config, store=store,
-                                 load_tokenizers=self.load_tokenizers)
+                                 load_tokenizers=self.load_tokenizers, drain_interval_s=self.drain_interval_s)
 
 
 def _zmq_host(host: str) -> str:
@@ -666,5 +797,6 @@ def build_precise_routing(config: Config, shared_chunks: SharedChunks | None = N
     matcher = PreciseMatcher(index, tokenizers, wait_s=ke.precise_wait_ms / 1000.0, paths=ke.tokenizers,
                              max_warming=ke.precise_wait_concurrency, shared_chunks=shared_chunks)
     return PreciseRouting(index, matcher, endpoints, models, ke.stale_after_s, ke.replay_timeout_ms / 1000.0,
+                          drain_interval_s=ke.drain_interval_ms / 1000.0,
                           prepare=matcher.prepare if ke.precise_wait_ms > 0 else None, config=config,
                           load_tokenizers=matcher.load_tokenizers)

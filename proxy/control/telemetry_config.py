@@ -55,6 +55,9 @@ class KVEventsConfig:
         precise_wait_concurrency: 4   # at most this many prompts are tokenised off the event loop at once
                                       # (per process); a long first sighting past that does not wait: the
                                       # learned index routes it
+        drain_interval_ms: 250       # the events that arrived are applied before every pick, and at least
+                                      # this often otherwise, all engines' batches back to back (0 = as each
+                                      # message arrives: a wake-up of the process per batch)
     ```
     """
 
@@ -64,6 +67,7 @@ class KVEventsConfig:
     replay_timeout_ms: int = field(default=2000, metadata={"ge": 1})
     precise_wait_ms: int = field(default=200, metadata={"ge": 0, "le": 60000})
     precise_wait_concurrency: int = field(default=4, metadata={"ge": 1, "le": 1024})
+    drain_interval_ms: int = field(default=250, metadata={"ge": 0, "le": 60000})
 
     def validate(self) -> Iterable[tuple[str, str]]:
         # Each folder must load, checked when the config is loaded and on every reload (as TLS files are):

@@ -281,6 +281,9 @@ class Router:
         # Awaited before a request's first pick when it answers an awaitable (None: pick at once), e.g.
         # `PreciseMatcher.prepare`: a long, uncached prompt waits (bounded) for its own tokenisation.
         self.prepare = prepare
+        # Called before every pick when set: the KV-event subscriber's `drain` (telemetry.kv_events
+        # .drain_interval_ms > 0), so the pick reads an index holding every event that has arrived.
+        self.refresh: Callable[[], None] | None = None
 
     def reconfigure(self, *, policy: Policy | None = None, overload: OverloadConfig | None = None,
                     panic: PanicView | None = None) -> None:
@@ -347,6 +350,9 @@ class Router:
         if self.max_inflight_total is not None and self.inflight.total_requests >= self.max_inflight_total:
             self.metrics.error("overloaded")
             raise self._overloaded(f"the proxy is at its limit of {self.max_inflight_total} requests in flight")
+        refresh = self.refresh
+        if refresh is not None:
+            refresh()
         snapshot = self.store.current
         if self.panic is not None:
             snapshot = self.panic(snapshot)  # too few healthy: the unhealthy ones count as routable again

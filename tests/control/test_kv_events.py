@@ -53,7 +53,8 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 class Rig:
-    def __init__(self, replay: bool = True, stale_after_s: float = 30.0, silent_backend: bool = False) -> None:
+    def __init__(self, replay: bool = True, stale_after_s: float = 30.0, silent_backend: bool = False,
+                 drain_interval_s: float = 0.0) -> None:
         self.pub_port, self.replay_port = _port(), _port()
         self.replay = replay
         self.ctx = zmq.asyncio.Context()
@@ -66,7 +67,7 @@ class Rig:
             backends["quiet"] = KVEventsEndpoint(endpoint=f"tcp://127.0.0.1:{_port()}")
         self.sub = KVEventSubscriber(self.index, backends, models={"b0": MODEL, "quiet": MODEL},
                                      registry=self.registry, stale_after_s=stale_after_s, replay_timeout_s=2.0,
-                                     context=self.ctx)
+                                     context=self.ctx, drain_interval_s=drain_interval_s)
         self.pub = self.new_publisher()
 
     def new_publisher(self) -> KVEventPublisher:
@@ -94,11 +95,11 @@ class Rig:
         self.ctx.destroy(linger=0)
 
 
-@pytest.fixture
-async def rig():
+async def _rigs(drain_interval_s: float):
     rigs: list[Rig] = []
 
     def make(**kw) -> Rig:
+        kw.setdefault("drain_interval_s", drain_interval_s)
         r = Rig(**kw)
         rigs.append(r)
         return r
@@ -106,6 +107,22 @@ async def rig():
     yield make
     for r in rigs:
         await r.close()
+
+
+@pytest.fixture(params=[0.0, 0.05], ids=["each-message", "drained"])
+async def rig(request):
+    """Rigs whose subscriber applies each message as it arrives, then (telemetry.kv_events.drain_interval_ms)
+    what arrived every 50 ms: the sequence logic is the same either way."""
+    async for make in _rigs(request.param):
+        yield make
+
+
+@pytest.fixture
+async def rig_each():
+    """Rigs whose subscriber applies each message as it arrives (a reader on the socket's descriptor),
+    unless the test names a drain interval."""
+    async for make in _rigs(0.0):
+        yield make
 
 
 async def test_live_events_fill_the_index_and_removals_empty_it(rig) -> None:
@@ -226,10 +243,10 @@ async def test_a_burst_is_drained_in_order_and_the_socket_wakes_the_loop_again(r
     assert r.index.match(_prompt(3), MODEL) == {"b0": 8}
 
 
-async def test_a_dropped_subscription_stops_watching_its_socket_before_the_socket_closes(rig) -> None:
+async def test_a_dropped_subscription_stops_watching_its_socket_before_the_socket_closes(rig_each) -> None:
     """The descriptor of a closed socket can be reused at once (by the next subscription's socket): the
     loop must not keep the old reader on it until the cancelled task gets to run."""
-    r = rig()
+    r = rig_each()
     await r.running_with(1)
     loop, fd = r.sub._readers["b0"]
     assert r.sub.reconfigure({}, {}) == ["b0"]
@@ -369,3 +386,44 @@ async def test_a_workers_host_mates_read_its_index_count_as_of_each_batch(rig) -
     r.pub.publish([Stored((100, 101, 102), None, tuple(W[:3 * BS]), None)])
     await _until(lambda: w1["b0"].backlog() == (100.0, 88.0))
     w0.release("b0", 100)
+
+
+async def test_drained_events_wait_for_a_pick_or_the_timer_and_then_apply_all_in_order(rig_each) -> None:
+    """With a drain interval, a message does not wake the process: what arrived is applied when the router
+    calls `drain` before a pick (synchronously: the pick reads it), or by the timer. A batch that needs a
+    replay (here a gap) goes to the backend's task, and what follows it waits its turn."""
+    r = rig_each(drain_interval_s=60.0)  # the timer never fires in this test
+    r.pub.start()
+    await r.sub.start()
+    await r.connected()
+    r.pub.publish(_chain(2))  # seq 0: nothing to replay before it, applied by the drain itself
+    await asyncio.sleep(0.3)
+    assert r.index.num_blocks("b0") == 0 and r.index.state("b0") == "stale"  # arrived, not applied
+    r.sub.drain()
+    assert r.index.num_blocks("b0") == 2 and r.index.is_fresh("b0")
+    r.pub.publish([_stored(2, 101)])
+    r.pub.publish([Removed((101, 102))])
+    await asyncio.sleep(0.3)
+    assert r.index.num_blocks("b0") == 2
+    r.sub.drain()
+    assert r.index.num_blocks("b0") == 1 and r.index.match(_prompt(3), MODEL) == {"b0": 4}
+    r.pub.drop_next = 1  # seq 3 lost on the socket, kept for replay
+    r.pub.publish([_stored(1, 100)])
+    r.pub.publish([_stored(2, 101)])  # seq 4: a gap
+    r.pub.publish([_stored(3, 102)])  # seq 5: behind the gap
+    await asyncio.sleep(0.3)
+    r.sub.drain()  # hands seq 4 to the task (a replay is awaited), leaves seq 5 to it
+    await _until(lambda: r.sub.status()["b0"]["expected_seq"] == 6)
+    assert r.index.num_blocks("b0") == 4 and r.index.is_fresh("b0")
+    assert r.metric("affinity_proxy_kv_event_replays_total", outcome="complete") == 1
+    assert r.sub.reconfigure({}, {}) == ["b0"]
+    r.sub.drain()  # the dropped backend's closed socket is not read
+
+
+async def test_drained_the_timer_applies_events_and_judges_silence(rig_each) -> None:
+    r = rig_each(drain_interval_s=0.1, stale_after_s=0.5)
+    await r.running_with(2)  # applied by the timer: no pick drains here
+    assert r.index.is_fresh("b0")
+    await _until(lambda: not r.index.is_fresh("b0"), timeout=3.0)  # silent past stale_after_s
+    r.pub.publish([_stored(2, 101)])
+    await _until(lambda: r.index.is_fresh("b0") and r.index.num_blocks("b0") == 3)

@@ -53,7 +53,7 @@ async def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 class Replica:
     """One proxy replica: its own index, subscriber, tokenizer and learned state."""
 
-    def __init__(self, fleet: Fleet, access_log: Path | None = None, affinity: str = "") -> None:
+    def __init__(self, fleet: Fleet, access_log: Path | None = None, affinity: str = "", kv_events: str = "") -> None:
         model = fleet.servers[0].backend.engine.model_name
         self.model = model
         lines = []
@@ -69,7 +69,7 @@ class Replica:
             "listen: {port: 0}\nadmin: {port: 0}\ndebug_headers: true\nhealth_checks: {enabled: false}\n"
             f"routing: {{policy: affinity{', affinity: {' + affinity + '}' if affinity else ''}}}\n"
             f"backends:\n{chr(10).join(lines)}\n"
-            "telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n"
+            f"telemetry:\n  interval_ms: 100\n  timeout_ms: 80\n  kv_events:\n    stale_after_s: 0\n{kv_events}"
             f"    tokenizers: {{'{model}': '{TOKENIZER_DIR}'}}\n    backends:\n{chr(10).join(kv)}\n"
         )
         if access_log is not None:
@@ -180,6 +180,31 @@ async def test_continuations_follow_the_engine_that_holds_the_prefix(fleet: Flee
     for rep in replicas:
         assert rep.index.is_fresh("sim-0") and not rep.index.is_fresh(QUIET)
         assert rep.registry.get_sample_value("affinity_proxy_kv_index_blocks", {"backend": "sim-0"}) > 0
+
+
+async def test_a_pick_applies_the_events_that_arrived_before_it(array_fleet: Fleet) -> None:
+    """telemetry.kv_events.drain_interval_ms: events are not applied as they arrive but by the router, just
+    before each pick (and by a timer, here a minute away). Prompts computed behind the proxy's back are
+    unknown to its index until a continuation is routed, and that pick already sends it to their holder."""
+    rep = Replica(array_fleet, kv_events="    drain_interval_ms: 60000\n")
+    await rep.start()
+    try:
+        await asyncio.sleep(0.5)  # SUB sockets connect
+        async with aiohttp.ClientSession() as s:
+            prompts = {}
+            for i in range(3):
+                for j in range(2):
+                    p = _words(300 + 100 * i + j, 320)
+                    await _direct(s, array_fleet, i, p)
+                    prompts[(i, j)] = p
+            await asyncio.sleep(0.3)  # the engines' batches reach the SUB sockets
+            assert all(_cached_on(rep, p, f"sim-{i}") == 0 for (i, _), p in prompts.items())  # not applied
+            for (i, j), p in prompts.items():
+                backend, cached = await rep.complete(s, p + " " + _words(9 + 10 * j + 100 * i, 40))
+                assert backend == f"sim-{i}", (i, j)
+                assert cached >= 304
+    finally:
+        await rep.stop()
 
 
 async def test_a_gap_is_replayed_and_the_index_restored(fleet: Fleet, replicas: list[Replica]) -> None:

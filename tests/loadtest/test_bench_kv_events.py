@@ -10,12 +10,14 @@ from loadtest import bench_kv_events
 def test_the_bench_feeds_a_recorded_stream_to_the_subscriber_and_checks_the_index(tmp_path, capsys) -> None:
     frames, out = tmp_path / "frames.msgpack", tmp_path / "rows.json"
     assert bench_kv_events.main(["--workload", "mooncake", "--sample", "--window", "0:8", "--encoding", "array",
-                                 "--repeat", "1", "--pace", "100", "--frames-out", str(frames),
-                                 "--out", str(out)]) == 0
+                                 "--repeat", "1", "--pace", "100", "--drain-interval-ms", "0,50",
+                                 "--frames-out", str(frames), "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["encoding"], r["mode"]) for r in rows] == [("array", "messages"), ("array", "sockets")]
+    assert [(r["encoding"], r["mode"], r["drain_interval_ms"]) for r in rows] == [
+        ("array", "messages", None), ("array", "sockets", 0), ("array", "sockets", 50)]
     assert all(r["batches"] > 0 and r["events"] >= r["batches"] and r["us_per_batch"] > 0 for r in rows)
-    assert "| array | sockets |" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "| array | sockets | 0 ms |" in table and "| array | sockets | 50 ms |" in table
     # The saved stream replays; an index that ends differently from the engines is an error, not a row.
     stream = bench_kv_events.Stream.load(str(frames))
     assert stream.requests == rows[0]["requests"]
