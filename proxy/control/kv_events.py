@@ -22,6 +22,11 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
   which makes it fresh again if it continues the sequence. An idle engine publishes nothing, so a quiet
   backend is "unknown", never "empty".
 
+Applying the events: by default (`telemetry.kv_events.drain_interval_ms` > 0) nothing wakes the process when
+a message arrives. The router calls `drain` before every pick, which reads every socket without awaiting and
+applies the batches in sequence, and a timer does the same every interval; a batch that needs a replay goes
+to its backend's task. With 0, a reader on each socket's descriptor applies each message as it arrives.
+
 Only events for the GPU medium (or none) are indexed: CPU-offload tiers (`medium: "CPU"`) do not decide
 prefill reuse the same way. Metrics (on the registry passed in): batches and events received, decode
 errors, gaps, replays by outcome, restarts, lag (our wall clock minus the batch's `ts`), events/s over the
@@ -375,8 +380,8 @@ class KVEventSubscriber:
     # ---- drained mode (drain_interval_s > 0) ------------------------------------------------------------
     def drain(self) -> None:
         """Apply every message that has reached the backends' SUB sockets, now, without awaiting: a batch
-        that continues its backend's sequence is applied here; one that needs the sequence logic's replays
-        (a first batch, a gap, a reconnect) is handed to the backend's task, which also reads what follows
+        in sequence is applied here; one that needs the sequence logic's replays (history before a first
+        batch, a gap, a restart, a reconnect) is handed to the backend's task, which also reads what follows
         it. The router calls this before every pick (`Router.refresh`), the timer at least every
         `drain_interval_s`. Never raises."""
         now = self._clock()
@@ -406,18 +411,13 @@ class KVEventSubscriber:
         except KVEventDecodeError as exc:
             self._decode_error(name, exc)
             return True
-        expected = feed.expected
-        if feed.reconnected or (batch.seq != expected if expected is not None
-                                else batch.seq > 0 and feed.config.replay_endpoint):
-            return False  # a gap, a restart, a reconnect, or history to replay first: `handle`
+        if not self._in_sequence(feed, batch):
+            return False
         try:
-            self._apply(feed, batch, _digest(frames[2]))
+            self._accept(feed, batch, _digest(frames[2]))
         except Exception:  # as in on_message: a bug here must not end the subscription
             _log.exception("KV events from %s: batch %d could not be handled", name, batch.seq)
             self.index.mark_stale(name)
-            return True
-        feed.expected = batch.seq + 1
-        self.index.mark_fresh(name)
         return True
 
     def _tick(self) -> None:
@@ -505,6 +505,9 @@ class KVEventSubscriber:
         the last batch applied here: after a disconnect or a gap, a restarted engine can be numbering new
         batches past where the old one stopped, which sequence numbers alone cannot tell apart.
         """
+        if self._in_sequence(feed, batch):
+            self._accept(feed, batch, digest)
+            return
         name, seq, expected = feed.name, batch.seq, feed.expected
         check = feed.reconnected or (expected is not None and seq > expected)
         feed.reconnected = False
@@ -527,9 +530,24 @@ class KVEventSubscriber:
                     expected = None
         if expected is None and seq > 0 and feed.config.replay_endpoint:
             await self._replay(feed, 0, seq, initial=True)
+        self._accept(feed, batch, digest)
+
+    @staticmethod
+    def _in_sequence(feed: _Feed, batch: EventBatch) -> bool:
+        """Whether `batch` is applied as it is: the batch expected next, or a first batch with no history
+        to replay, on a stream not interrupted since (else `handle` checks it, replaying as needed)."""
+        expected = feed.expected
+        if feed.reconnected:
+            return False
+        if expected is not None:
+            return batch.seq == expected
+        return batch.seq == 0 or not feed.config.replay_endpoint
+
+    def _accept(self, feed: _Feed, batch: EventBatch, digest: int | None) -> None:
+        """Apply a batch in sequence: the backend expects the next one and is fresh."""
         self._apply(feed, batch, digest)
-        feed.expected = seq + 1
-        self.index.mark_fresh(name)
+        feed.expected = batch.seq + 1
+        self.index.mark_fresh(feed.name)
 
     def _restarted(self, feed: _Feed, why: str) -> None:
         _log.warning("KV events from %s: the engine restarted (%s): index cleared", feed.name, why)
