@@ -19,7 +19,10 @@ Two measurements per encoding (positional arrays, vLLM <= 0.10; tagged maps, vLL
   from the first message sent to the last one applied, and in brackets the event loop's thread alone (the
   rest is ZeroMQ's I/O thread). That is what a worker pays, idle wake-ups included. `--drain-interval-ms`
   compares the subscriber's `drain_interval_ms` settings (alternated run by run); no pick drains here, so a
-  setting > 0 applies everything on its timer.
+  setting > 0 applies everything on its timer;
+- ``drain``: what `drain()`, which the router calls before every pick in drained mode, costs per pick with
+  `--subscriptions` SUB sockets on which nothing arrived (one poll of their descriptors, not one ZMQ_EVENTS
+  read each).
 
 Both check the index ends holding what the engines hold (blocks per engine), so a faster path that drops
 events fails here. Reported per batch, per event and per request of the window, with the best of
@@ -41,6 +44,8 @@ from typing import Any
 
 import msgpack
 import uvloop
+import zmq
+import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from loadtest.replay import ReplayConfig, make_profile, replay
@@ -199,6 +204,32 @@ def bench_sockets(stream: Stream, enc: str, path: str, pace: float, drain_interv
         pub.wait(10)
 
 
+def bench_drain(subscriptions: int, picks: int = 5000) -> float:
+    """µs of CPU per `drain()` (what the router calls before every pick) with `subscriptions` SUB sockets
+    on which nothing arrived: the cost every pick pays in drained mode, whatever the fleet's size."""
+
+    async def run() -> float:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        names = [f"sim-{i}" for i in range(subscriptions)]
+        sub, _index = _subscriber(names, {n: f"tcp://127.0.0.1:{port}" for n in names}, drain_interval_s=60.0)
+        try:
+            await sub.start()
+            await asyncio.sleep(0.3)  # connected: what the connections signalled is read once
+            sub.drain()
+            t0 = time.thread_time()
+            for _ in range(picks):
+                sub.drain()
+            return (time.thread_time() - t0) / picks * 1e6
+        finally:
+            await sub.stop()
+            pub.close(0)
+            ctx.destroy(0)
+
+    return uvloop.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
@@ -213,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="sockets: comma list of the subscriber's drain_interval_ms (0: each message as it "
                          "arrives); the runs alternate between them")
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--modes", default="messages,sockets")
+    ap.add_argument("--modes", default="messages,sockets",
+                    help="comma list of messages, sockets, drain (a pick's drain() over quiet sockets)")
+    ap.add_argument("--subscriptions", default="4,16,64", help="drain: comma list of subscription counts")
     ap.add_argument("--frames-out", help="save the recorded stream here")
     ap.add_argument("--frames-in", help="use a stream saved with --frames-out instead of recording one")
     ap.add_argument("--out", help="write the rows (JSON) here")
@@ -235,8 +268,14 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     drains = [int(x) for x in args.drain_interval_ms.split(",") if x.strip()]
     rows = []
+    drain_rows = []
+    if "drain" in modes:
+        for n in (int(x) for x in args.subscriptions.split(",") if x.strip()):
+            got = [bench_drain(n) for _ in range(args.repeat)]
+            print(f"  drain, {n} subscriptions: {' / '.join(f'{g:.2f}' for g in got)} µs per pick", file=sys.stderr)
+            drain_rows.append({"mode": "drain", "subscriptions": n, "us_per_pick": got})
     for enc in encodings:
-        for mode in modes:
+        for mode in (m for m in modes if m != "drain"):
             variants = drains if mode == "sockets" else [None]
             # (process CPU, event loop thread's CPU) per variant, the variants alternated run by run
             runs: dict[int | None, list[tuple[float, float]]] = {d: [] for d in variants}
@@ -266,9 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         drain = "-" if r["drain_interval_ms"] is None else f"{r['drain_interval_ms']} ms"
         print(f"| {r['encoding']} | {r['mode']} | {drain} | {min(r['cpu_s']):.2f} s | {r['us_per_batch']:.0f} "
               f"({r['loop_us_per_batch']:.0f}) | {r['us_per_event']:.1f} | {r['ms_per_request']:.2f} |")
+    if drain_rows:
+        print("\n| subscriptions (nothing arrived) | µs of CPU per pick's drain(), best of runs |\n|---|---|")
+        for r in drain_rows:
+            print(f"| {r['subscriptions']} | {min(r['us_per_pick']):.2f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"workload": args.workload, "window": args.window, "speed": args.speed, "rows": rows}, f, indent=1)
+            json.dump({"workload": args.workload, "window": args.window, "speed": args.speed, "rows": rows,
+                       "drain": drain_rows}, f, indent=1)
     if not args.frames_in and not args.frames_out:
         os.unlink(path)
     return 0

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import select
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,11 +105,13 @@ class _Feed:
     last_ts: float | None = None
     lag_s: float | None = None
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (monotonic time, events)
-    # With a drain interval (`KVEventSubscriber.drain`): the SUB socket read without asyncio, the messages
-    # read there that need the sequence logic's awaits (a first batch, a gap, a reconnect: its task takes
-    # them), whether the task is handling some now (drain() then leaves the feed to it), the task's wake-up,
-    # and when the last message was read (a silence of stale_after_s makes the backend stale).
+    # With a drain interval (`KVEventSubscriber.drain`): the SUB socket read without asyncio and its
+    # descriptor, the messages read there that need the sequence logic's awaits (history to replay before a
+    # first batch, a gap, a restart, a reconnect: its task takes them), whether the task is handling some
+    # now (drain() then leaves the feed to it), the task's wake-up, and when the last message was read (a
+    # silence of stale_after_s makes the backend stale).
     raw: "zmq.Socket[bytes] | None" = None
+    fd: int = -1
     held: deque[list[bytes]] = field(default_factory=deque)
     busy: bool = False
     wake: asyncio.Event | None = None
@@ -163,6 +166,10 @@ class KVEventSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.drain_interval_s = drain_interval_s
         self._drain_timer: asyncio.TimerHandle | None = None
+        # Drained mode: one poll set of every SUB socket's descriptor, so a drain asks the kernel once which
+        # sockets may have messages (a ZMQ_EVENTS read per socket costs µs each, per pick).
+        self._ready: "select.epoll | select.poll | None" = None
+        self._by_fd: dict[int, _Feed] = {}
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
         self._clock = clock
@@ -200,9 +207,14 @@ class KVEventSubscriber:
         sub.connect(feed.config.endpoint)
         self._sockets[feed.name] = [sub]
         if self.drain_interval_s > 0:
-            feed.raw = zmq.Socket.shadow(sub.underlying)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+            feed.raw, feed.fd = raw, raw.fileno()
             feed.wake = asyncio.Event()
             feed.heard_at = self._clock()
+            if self._ready is None:
+                self._ready = select.epoll() if hasattr(select, "epoll") else select.poll()
+            self._ready.register(feed.fd, select.POLLIN)
+            self._by_fd[feed.fd] = feed
             run = self._run_drained(feed, sub)
         else:
             run = self._run(feed, sub)
@@ -215,7 +227,11 @@ class KVEventSubscriber:
             task.cancel()
         feed = self._feeds.get(name)
         if feed is not None:  # drain() no longer reads it (its socket closes below)
-            feed.raw = None
+            if self._by_fd.get(feed.fd) is feed:
+                del self._by_fd[feed.fd]
+                assert self._ready is not None
+                self._ready.unregister(feed.fd)  # before the close: the number may be reused at once
+            feed.raw, feed.fd = None, -1
             feed.held.clear()
         reader = self._readers.pop(name, None)
         if reader is not None:  # before the socket closes: its descriptor number may be reused at once
@@ -235,6 +251,10 @@ class KVEventSubscriber:
                 await t
             except asyncio.CancelledError:
                 pass
+        if self._ready is not None:
+            if isinstance(self._ready, select.epoll):
+                self._ready.close()
+            self._ready = None
         if self._own_ctx:
             self._ctx.destroy(linger=0)
 
@@ -383,12 +403,24 @@ class KVEventSubscriber:
         in sequence is applied here; one that needs the sequence logic's replays (history before a first
         batch, a gap, a restart, a reconnect) is handed to the backend's task, which also reads what follows
         it. The router calls this before every pick (`Router.refresh`), the timer at least every
-        `drain_interval_s`. Never raises."""
+        `drain_interval_s`. Never raises.
+
+        The sockets' descriptors are asked first, in one poll: ZeroMQ signals a socket's descriptor when its
+        events may have changed, and reading the socket until ZMQ_EVENTS shows no message (as here and in
+        the task) clears it, so a socket whose descriptor is quiet has no message waiting."""
+        if self._ready is None:
+            return
+        ready = self._ready.poll(0)
+        if not ready:
+            return
         now = self._clock()
-        for feed in self._feeds.values():
-            raw = feed.raw
-            if raw is None or feed.busy or feed.held:
+        by_fd = self._by_fd
+        for fd, _ in ready:
+            feed = by_fd.get(fd)
+            if feed is None or feed.busy or feed.held:
                 continue
+            raw = feed.raw
+            assert raw is not None
             try:
                 while cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     frames = raw.recv_multipart(zmq.NOBLOCK)
