@@ -103,6 +103,18 @@ async def _direct(s: aiohttp.ClientSession, fleet: Fleet, i: int, prompt: str) -
         await resp.read()
 
 
+async def _computed_behind_the_proxy(s: aiohttp.ClientSession, fleet: Fleet, backends: int, each: int,
+                                     seed: int, step: int = 100) -> dict[tuple[int, int], str]:
+    """`each` prompts of 320 words (20 blocks of 16 tokens) computed directly on each of the first
+    `backends` backends, behind every proxy's back: (backend i, j) -> prompt, seeded seed + step * i + j."""
+    prompts = {}
+    for i in range(backends):
+        for j in range(each):
+            prompts[(i, j)] = p = _words(seed + step * i + j, 320)
+            await _direct(s, fleet, i, p)
+    return prompts
+
+
 async def _continuations_reach_holders(port: int, model: str, prompts: dict[tuple[int, int], str],
                                        names: list[str], workers: list[int], seed: int) -> None:
     """Through a real `run --workers N` on `port`: four continuations of each prompt (i, j), each on a
@@ -163,12 +175,7 @@ def _cached_on(rep: Replica, prompt: str, backend: str) -> int:
 
 async def test_continuations_follow_the_engine_that_holds_the_prefix(fleet: Fleet, replicas: list[Replica]) -> None:
     async with aiohttp.ClientSession() as s:
-        prompts = {}
-        for i in range(3):  # the publishing backends; placed directly, behind every proxy's back
-            for j in range(2):
-                p = _words(100 * i + j, 320)  # 20 blocks of 16 tokens
-                await _direct(s, fleet, i, p)
-                prompts[(i, j)] = p
+        prompts = await _computed_behind_the_proxy(s, fleet, 3, 2, seed=0)  # the publishing backends
         for rep in replicas:
             await _until(lambda: all(_cached_on(rep, p, f"sim-{i}") >= 304 for (i, _), p in prompts.items()))
         for (i, j), p in prompts.items():
@@ -191,12 +198,7 @@ async def test_a_pick_applies_the_events_that_arrived_before_it(array_fleet: Fle
     try:
         await asyncio.sleep(0.5)  # SUB sockets connect
         async with aiohttp.ClientSession() as s:
-            prompts = {}
-            for i in range(3):
-                for j in range(2):
-                    p = _words(300 + 100 * i + j, 320)
-                    await _direct(s, array_fleet, i, p)
-                    prompts[(i, j)] = p
+            prompts = await _computed_behind_the_proxy(s, array_fleet, 3, 2, seed=300)
             await asyncio.sleep(0.3)  # the engines' batches reach the SUB sockets
             assert all(_cached_on(rep, p, f"sim-{i}") == 0 for (i, _), p in prompts.items())  # not applied
             for (i, j), p in prompts.items():
@@ -275,11 +277,7 @@ async def test_every_worker_of_a_multiprocess_proxy_routes_by_the_events(tmp_pat
         workers = proxy.workers()
         assert len(workers) == 2
         async with aiohttp.ClientSession() as s:
-            prompts = {}
-            for i in range(4):
-                for j in range(3):
-                    prompts[(i, j)] = p = _words(500 + 10 * i + j, 320)
-                    await _direct(s, fleet, i, p)
+            prompts = await _computed_behind_the_proxy(s, fleet, 4, 3, seed=500, step=10)
         await asyncio.sleep(1.5)  # the workers' subscriptions have seen the events (or replayed them)
         await _continuations_reach_holders(proxy.port, model, prompts, [f"sim-{i}" for i in range(4)], workers, 9000)
     finally:

@@ -25,7 +25,7 @@ from sim.fleet import Fleet, start_fleet
 from sim.kv_events import KVEventsConfig
 from sim.tokenizer import TOKENIZER_DIR
 
-from .test_kv_events_e2e import _continuations_reach_holders, _direct, _until, _words
+from .test_kv_events_e2e import _computed_behind_the_proxy, _continuations_reach_holders, _until, _words
 
 
 def reversed_tokenizer(folder: Path) -> Path:
@@ -113,11 +113,7 @@ async def test_a_reload_loads_the_new_tokenizer_and_a_bad_one_is_refused(tmp_pat
     try:
         await asyncio.sleep(0.5)  # SUB sockets connect
         async with aiohttp.ClientSession() as s:
-            prompts = {}
-            for i in range(2):
-                for j in range(3):
-                    prompts[(i, j)] = p = _words(600 + 10 * i + j, 320)
-                    await _direct(s, fleet, i, p)
+            prompts = await _computed_behind_the_proxy(s, fleet, 2, 3, seed=600, step=10)
             await _until(lambda: all(proxy.precise.index.num_blocks(f"sim-{i}") >= 60 for i in range(2)))
 
             def held(i: int, p: str) -> int:
@@ -171,11 +167,7 @@ async def test_every_worker_loads_the_reloaded_tokenizer(tmp_path: Path, fleet: 
             async with s.post(proxy.admin + "/admin/reload") as r:
                 assert r.status == 200, await r.text()
             await _until(lambda: sum("tokenizers now" in line for line in proxy.log) == 2, timeout=20)
-            prompts = {}
-            for i in range(2):
-                for j in range(3):
-                    prompts[(i, j)] = p = _words(900 + 10 * i + j, 320)
-                    await _direct(s, fleet, i, p)
+            prompts = await _computed_behind_the_proxy(s, fleet, 2, 3, seed=900, step=10)
         await asyncio.sleep(1.5)  # every worker has applied the events
         await _continuations_reach_holders(proxy.port, model, prompts, ["sim-0", "sim-1"], workers, 9300)
     finally:
