@@ -23,8 +23,8 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
   backend is "unknown", never "empty".
 
 Applying the events: by default (`telemetry.kv_events.drain_interval_ms` > 0) nothing wakes the process when
-a message arrives. The router calls `drain` before every pick, which reads every socket without awaiting and
-applies the batches in sequence, and a timer does the same every interval; a batch that needs a replay goes
+a message arrives. The router calls `drain` before every pick, which reads, without awaiting, the sockets one poll
+of their descriptors reports, and applies the batches in sequence, and a timer does the same every interval; a batch that needs a replay goes
 to its backend's task. With 0, a reader on each socket's descriptor applies each message as it arrives.
 
 Only events for the GPU medium (or none) are indexed: CPU-offload tiers (`medium: "CPU"`) do not decide
@@ -252,8 +252,9 @@ class KVEventSubscriber:
             except asyncio.CancelledError:
                 pass
         if self._ready is not None:
-            if isinstance(self._ready, select.epoll):
-                self._ready.close()
+            close = getattr(self._ready, "close", None)  # an epoll has a descriptor to close; a poll has none
+            if close is not None:
+                close()
             self._ready = None
         if self._own_ctx:
             self._ctx.destroy(linger=0)
@@ -351,14 +352,12 @@ class KVEventSubscriber:
         stream is shown to continue ours."""
         name = feed.name
         loop = asyncio.get_running_loop()
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sockets.setdefault(name, []).append(monitor)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         fd = raw.fileno()
         wake = asyncio.Event()
         loop.add_reader(fd, wake.set)
         self._readers[name] = (loop, fd)
-        watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
+        watcher = self._watching(feed, sub)
         silent = False
 
         def timed_out() -> None:
@@ -438,10 +437,8 @@ class KVEventSubscriber:
         expected next, or a first batch with no history to replay; or counted as undecodable), False when it
         must go through `handle`."""
         name = feed.name
-        try:
-            batch = decode_message(frames)
-        except KVEventDecodeError as exc:
-            self._decode_error(name, exc)
+        batch = self._decoded(name, frames)
+        if batch is None:
             return True
         if not self._in_sequence(feed, batch):
             return False
@@ -474,10 +471,7 @@ class KVEventSubscriber:
         sequence logic, handles it (replays included), then reads and handles what follows until the socket
         is empty, and gives the feed back to `drain`."""
         name = feed.name
-        loop = asyncio.get_running_loop()
-        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._sockets.setdefault(name, []).append(monitor)
-        watcher = loop.create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{name}")
+        watcher = self._watching(feed, sub)
         wake, raw = feed.wake, feed.raw
         assert wake is not None and raw is not None
         try:
@@ -502,6 +496,12 @@ class KVEventSubscriber:
         finally:
             watcher.cancel()
 
+    def _watching(self, feed: _Feed, sub: zmq.asyncio.Socket) -> asyncio.Task[None]:
+        """The task watching `sub`'s monitor (`_watch`); the monitor socket closes with the subscription."""
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sockets.setdefault(feed.name, []).append(monitor)
+        return asyncio.get_running_loop().create_task(self._watch(feed, monitor), name=f"kv-events-monitor-{feed.name}")
+
     async def _watch(self, feed: _Feed, monitor: zmq.asyncio.Socket) -> None:
         """The SUB socket's monitor: a disconnected publisher makes the backend stale."""
         while True:
@@ -519,10 +519,8 @@ class KVEventSubscriber:
         feed = self._feeds.get(name)
         if feed is None:  # unsubscribed while this message was on its way
             return
-        try:
-            batch = decode_message(frames)
-        except KVEventDecodeError as exc:
-            self._decode_error(name, exc)
+        batch = self._decoded(name, frames)
+        if batch is None:
             return
         try:
             await self.handle(feed, batch, _digest(frames[2]))
@@ -669,6 +667,14 @@ class KVEventSubscriber:
         if self.metrics is not None:
             self.metrics.batches.labels(name).inc()
             self.metrics.events.labels(name).inc(applied)
+
+    def _decoded(self, name: str, frames: list[bytes]) -> EventBatch | None:
+        """The message's batch, or None when it does not decode (counted and logged)."""
+        try:
+            return decode_message(frames)
+        except KVEventDecodeError as exc:
+            self._decode_error(name, exc)
+            return None
 
     def _decode_error(self, name: str, exc: Exception) -> None:
         _log.warning("KV events from %s: %s", name, exc)
