@@ -171,6 +171,10 @@ class Response(Target):
             if eof:
                 events.extend(parser.feed_eof())
         except self.http1.ProtocolError as exc:
+            # What the bytes before the offending ones completed rides on the error (a consumer may
+            # deliver it before failing): fed whole, that is all of it; fed in pieces, the earlier
+            # pieces' events were returned already and the error carries only the last piece's.
+            events.extend(exc.events)
             events.append(("error", type(exc).__name__))
         return _normalise(events)
 

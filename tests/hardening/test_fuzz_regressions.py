@@ -152,3 +152,23 @@ async def test_tabs_and_non_ascii_in_header_values_still_pass() -> None:
         got, seen = await _exchange(head)
         assert got.startswith(b"HTTP/1.1 200 "), got[:100]
         assert len(seen) == 1
+
+
+def test_a_response_error_carries_what_the_bytes_before_it_completed() -> None:
+    # fuzz response #1: the smoke run's split-feeding oracle disagreed on a 100 Continue followed by a
+    # status line that is not HTTP. Fed in one piece, the Informational completed before the bad line rides
+    # on the error (ProtocolError.events); fed in two, the first feed returned it. The parser was right, the
+    # target read only the returned events; this pins the parser's side of that contract.
+    from proxy.wire.http1 import Informational, ProtocolError, ResponseParser
+
+    informational = b"HTTP/1.0 100 OK\r\n\r\n"
+    bad = b"untilos\x00\r\nTHTTP.210T0\r\n\r\n"
+    with pytest.raises(ProtocolError) as whole:
+        ResponseParser().feed(informational + bad)
+    assert [(type(e), e.status) for e in whole.value.events] == [(Informational, 100)]
+
+    parser = ResponseParser()
+    assert [(type(e), e.status) for e in parser.feed(informational)] == [(Informational, 100)]
+    with pytest.raises(ProtocolError) as split:
+        parser.feed(bad)
+    assert split.value.events == []
