@@ -3,8 +3,9 @@
 A small aiohttp app on 127.0.0.1 serves the observability routes over an Observer fed synthetic traffic in
 which gpu-2 stalled (TTFT x12) for eight windows and gpu-4 is stalled now with 15% 5xx. The test finds one
 heat-map cell per backend and window, the hot spot and the spreading anomaly marked on those backends only,
-switches the metric, sees the page update itself, and saves loadtest/results/dashboard-synthetic.png (the running proxy's page is
-test_dashboard_live_browser.py's, in dashboard.png).
+switches the metric, sees the page update itself, and saves dashboard-synthetic.png (the running proxy's page is
+test_dashboard_live_browser.py's, in dashboard.png) in the test's folder, or in $AFFINITY_PROXY_SCREENSHOTS
+(e.g. loadtest/results) where that is set.
 
 Needs `apt-get install -y chromium chromium-driver` (as root); skipped with that reason where they are absent.
 """
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.skipif(
     reason="headless Chromium not found: apt-get install -y chromium chromium-driver",
 )
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "loadtest" / "results" / "dashboard-synthetic.png"
+SCREENSHOT_NAME = "dashboard-synthetic.png"
 FLEET = ("gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-4")
 
 
@@ -106,7 +107,8 @@ def browser():
         driver.quit()
 
 
-def test_dashboard_heatmap_marks_the_stalled_backend(browser):
+def test_dashboard_heatmap_marks_the_stalled_backend(browser, screenshot_dir):
+    screenshot = screenshot_dir / SCREENSHOT_NAME
     clock = Clock(1_800_000_000.0)
     obs, _ = make_observer(clock, AccessLogConfig(enabled=False))
     feed_fleet(obs, clock, windows=30, backends=FLEET, seed=1)
@@ -156,7 +158,7 @@ def test_dashboard_heatmap_marks_the_stalled_backend(browser):
         assert set(mix) == {"prefix_hit", "exact_hit", "hash", "overload_fallback"}
         events = browser.find_element(By.ID, "events").text
         assert "gpu-2" in events and "left latency hot spot" in events
-        browser.save_screenshot(str(SCREENSHOT))  # the default metric, as an operator first sees it
+        browser.save_screenshot(str(screenshot))  # the default metric, as an operator first sees it
         # switch metric: the cells now carry error rates
         browser.find_element(By.CSS_SELECTOR, "button[data-metric='error_rate']").click()
         wait.until(lambda d: "on" in d.find_element(By.CSS_SELECTOR, "button[data-metric='error_rate']").get_attribute("class"))
@@ -169,4 +171,4 @@ def test_dashboard_heatmap_marks_the_stalled_backend(browser):
         clock.now += 10
         wait.until(lambda d: d.execute_script(last_window) != first)
         assert int(browser.execute_script(last_window)) == int(first) + 1
-    assert os.path.getsize(SCREENSHOT) > 10_000
+    assert os.path.getsize(screenshot) > 10_000

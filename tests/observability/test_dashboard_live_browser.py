@@ -1,7 +1,7 @@
 """/dashboard of a running proxy in headless Chromium: the real proxy in front of three simulated servers
 under load, one of them slowed by stall faults until the proxy marks it a hot spot. The page must show one
 heat-map cell per backend and window, the hot spot marked on that backend only, and the fleet table; the
-screenshot goes to loadtest/results/dashboard.png.
+screenshot, dashboard.png, goes to the test's folder (or to $AFFINITY_PROXY_SCREENSHOTS, e.g. loadtest/results).
 
 Selenium blocks, so every browser call runs in a thread while the proxy, the simulator and the load keep
 running on the test's event loop.
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
     reason="headless Chromium not found: apt-get install -y chromium chromium-driver",
 )
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "loadtest" / "results" / "dashboard.png"
+SCREENSHOT_NAME = "dashboard.png"
 HISTORY = 40
 
 
@@ -73,7 +73,9 @@ CELLS = ("return [...document.querySelectorAll('#heatmap .cell')].map(c => [c.da
          " c.dataset.mark || null])")
 
 
-async def test_the_dashboard_of_a_running_proxy_marks_its_stalled_backend(fleet: Fleet, proxy: AffinityProxy) -> None:
+async def test_the_dashboard_of_a_running_proxy_marks_its_stalled_backend(fleet: Fleet, proxy: AffinityProxy,
+                                                                            screenshot_dir: Path) -> None:
+    screenshot = screenshot_dir / SCREENSHOT_NAME
     model = fleet.servers[0].backend.engine.model_name
     names = [s.name for s in fleet.servers]
     browser = await asyncio.to_thread(_browser)
@@ -96,7 +98,7 @@ async def test_the_dashboard_of_a_running_proxy_marks_its_stalled_backend(fleet:
                 cells = await until(page_shows_the_hot_spot, timeout=20, interval=0.3)
                 rows = await asyncio.to_thread(browser.execute_script, (
                     "return [...document.querySelectorAll('#fleet tbody tr')].map(r => [r.dataset.backend, r.innerText])"))
-                await asyncio.to_thread(browser.save_screenshot, str(SCREENSHOT))
+                await asyncio.to_thread(browser.save_screenshot, str(screenshot))
     finally:
         await asyncio.to_thread(browser.quit)
     assert len(cells) == len(names) * HISTORY, "one cell per backend and window"
@@ -106,4 +108,4 @@ async def test_the_dashboard_of_a_running_proxy_marks_its_stalled_backend(fleet:
     assert "hot" in [c[2] for c in per_backend["sim-1"]]
     assert not any(c[2] in ("hot", "spreading") for n in ("sim-0", "sim-2") for c in per_backend[n])
     assert {r[0] for r in rows} == set(names) and all(r[1] for r in rows)
-    assert os.path.getsize(SCREENSHOT) > 10_000
+    assert os.path.getsize(screenshot) > 10_000
