@@ -61,6 +61,32 @@ def test_bad_token_ids_raise_value_error() -> None:
         block_keys([1, 2], 0, 0)
 
 
+def test_a_block_with_an_id_outside_uint32_is_keyed_on_its_own_ids_and_apart() -> None:
+    # Blocks are hashed as uint32s, and a block holding an id outside 0..2^32-1 as a zero byte then int64s.
+    # A block's key must depend on its own ids only (the same block keys alike whatever the rest of the
+    # prompt holds), and no wide block may share its bytes, so its key, with a narrow one.
+    seed = chain_seed(MODEL)
+    plain = block_keys(_ids(16), BS, seed)
+    for wide_id in (1 << 32, 1 << 40, (1 << 63) - 1, -1):
+        ids = _ids(4) + [wide_id, 5, 6, 7] + _ids(8, 16)
+        keys = block_keys(ids, BS, seed)
+        assert keys[0] == plain[0] and keys[1] != plain[1] and keys[2] != plain[2]
+        # the keys after it chain from its key as any block's do
+        assert keys[2:] == block_keys(ids[8:], BS, keys[1])
+        # and the first block is keyed alike whether or not a later block is wide
+        assert block_keys(ids[:4], BS, seed) == keys[:1]
+    # ids equal modulo 2^32 are different blocks
+    assert block_keys([1 << 32, 0, 0, 0], BS, seed) != block_keys([0, 0, 0, 0], BS, seed)
+    # a wide block of 4 ids against a narrow one of 8 whose bytes are the wide one's int64s: apart
+    narrow = [1, 0, 2, 0, 3, 0, 0xFFFFFFFF, 0x7FFFFFFF]
+    assert block_keys([1, 2, 3, (1 << 63) - 1], 4, seed) != block_keys(narrow, 8, seed)
+    # a failing block leaves a list being extended as it was
+    keys = block_keys(_ids(4), BS, seed)
+    with pytest.raises(ValueError):
+        extend_block_keys(keys, _ids(4) + [1, 2, 1 << 70, 4], BS, seed)
+    assert keys == plain[:1]
+
+
 def test_stored_blocks_match_by_recomputed_keys_not_engine_hashes() -> None:
     index = _fresh("b0", "b1")
     # engine hashes are arbitrary (bytes here, as sha256 engines send): ours are recomputed
