@@ -160,14 +160,13 @@ def _chain(out: list[int], token_ids: Sequence[int], block_size: int, parent: in
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return
-    ids = token_ids[: n_full * block_size] if len(token_ids) != n_full * block_size else token_ids
     digest = xxhash.xxh3_64_intdigest
     try:
-        packed = array(_U32, ids)
+        packed = array(_U32, token_ids)  # the partial tail too: cheaper than copying the ids without it
     except (OverflowError, TypeError):  # an id outside uint32 (or not an int): block by block
         keys: list[int] = []
-        for start in range(0, len(ids), block_size):
-            block = ids[start : start + block_size]
+        for start in range(0, n_full * block_size, block_size):
+            block = token_ids[start : start + block_size]
             try:
                 narrow = array(_U32, block)
             except (OverflowError, TypeError):
@@ -184,7 +183,7 @@ def _chain(out: list[int], token_ids: Sequence[int], block_size: int, parent: in
     data = packed.tobytes()
     width = 4 * block_size
     # Slicing bytes and a positional seed: 2x faster than memoryview slices and seed= (30k ids: 220 vs 475 µs).
-    for off in range(0, len(data), width):
+    for off in range(0, n_full * width, width):
         parent = digest(data[off : off + width], parent)
         out.append(parent)
 
