@@ -8,7 +8,8 @@ Keys are OUR OWN, never the engine's: an engine's block hash depends on its hash
 (`--prefix-caching-hash-algo`), its `PYTHONHASHSEED`-derived `NONE_HASH`, its version and extra keys, none of
 which the proxy can reproduce for an incoming prompt. So every `BlockStored` is re-keyed from its token ids:
 block i's key is xxh3_64 of its `block_size` token ids (packed little-endian uint32; a block with an id
-outside 0..2^32-1 as a zero byte then int64s, a length no uint32 block has), seeded by block i-1's key, and block 0 is seeded by `chain_seed(model)`, where `model` is the name a client sends in "model" for
+outside 0..2^32-1 as a zero byte then int64s, a length no uint32 block has), seeded by block i-1's key,
+and block 0 is seeded by `chain_seed(model)`, where `model` is the name a client sends in "model" for
 those blocks (the LoRA adapter's name when the event names one, else the backend's base model). Equal keys
 therefore mean equal *prefixes* for the same model/adapter, exactly the engine's own prefix-cache semantics.
 The engine-hash -> own-key map is kept per backend so `BlockRemoved` (which carries engine hashes only) and
