@@ -673,17 +673,26 @@ class PreciseMatcher:
 
 def _bench(argv: Sequence[str] | None = None) -> None:
     """`python -m proxy.dataplane.tokenize [TOKENIZER_DIR]`: the precise lookup's CPU per request (tokenise +
-    chained keys + index match over 4 backends) for 1k/16k/64k-token prompts, first sighting and repeat."""
+    chained keys + index match over 4 backends) for 1k/16k/64k-word prompts: first sighting, repeat and a
+    continuation."""
+    import argparse
     import random
-    import sys
     import timeit
 
     from proxy.core.kv_index import KVIndex
     from proxy.core.request import RequestSummary
     from sim.tokenizer import LOADTEST_WORDS, TOKENIZER_DIR
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    folder = args[0] if args else str(TOKENIZER_DIR)
+    ap = argparse.ArgumentParser(prog="python -m proxy.dataplane.tokenize", description=(
+        "The precise lookup's CPU per request (tokenise + chained keys + index match over 4 backends) for "
+        "1k/16k/64k-word prompts: first sighting, repeat, and a +200-word continuation; 5 runs each, min-max."))
+    ap.add_argument("folder", nargs="?", default=str(TOKENIZER_DIR),
+                    help="a tokenizer folder (tokenizer.json [+ tokenizer_config.json]); default: the simulator's")
+    folder = ap.parse_args(argv).folder
+    try:
+        ModelTokenizer.from_dir(folder)
+    except TokenizerError as exc:
+        ap.error(str(exc))
     rng = random.Random(0)
     index = KVIndex()
     for b in range(4):

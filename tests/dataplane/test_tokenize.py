@@ -180,3 +180,18 @@ def test_chat_requests_are_rendered_with_the_models_own_template() -> None:
     assert matcher(req).prompt_tokens == len("<s> user ba be </s>".split())
     # without the messages (a gRPC extractor's summary) this template cannot be reproduced: no answer
     assert matcher(RequestSummary(prompt=req.prompt, model="m", endpoint="/v1/chat/completions")) is None
+
+
+def test_the_cost_bench_says_its_usage_and_refuses_a_folder_without_a_tokenizer(tmp_path) -> None:
+    # The README's "cost per request" command: `--help` is its usage, not a folder to load, and a folder
+    # without tokenizer.json is a usage error, not a traceback.
+    import subprocess
+    import sys
+
+    helped = subprocess.run([sys.executable, "-m", "proxy.dataplane.tokenize", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "usage: python -m proxy.dataplane.tokenize" in helped.stdout
+    refused = subprocess.run([sys.executable, "-m", "proxy.dataplane.tokenize", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "tokenizer.json" in refused.stderr and "Traceback" not in refused.stderr
