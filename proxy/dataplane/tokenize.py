@@ -673,7 +673,7 @@ class PreciseMatcher:
 
 def _bench(argv: Sequence[str] | None = None) -> None:
     """`python -m proxy.dataplane.tokenize [TOKENIZER_DIR]`: the precise lookup's CPU per request (tokenise +
-    chained keys + index match over 4 backends) for 1k/16k/64k-word prompts: first sighting, repeat and a
+    chained keys + index match over 4 backends) for 1k/16k/64k-token prompts: first sighting, repeat and a
     continuation."""
     import argparse
     import random
@@ -685,7 +685,7 @@ def _bench(argv: Sequence[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m proxy.dataplane.tokenize", description=(
         "The precise lookup's CPU per request (tokenise + chained keys + index match over 4 backends) for "
-        "1k/16k/64k-word prompts: first sighting, repeat, and a +200-word continuation; 5 runs each, min-max."))
+        "1k/16k/64k-token prompts: first sighting, repeat, and a +200-token continuation; 5 runs each, min-max."))
     ap.add_argument("folder", nargs="?", default=str(TOKENIZER_DIR),
                     help="a tokenizer folder (tokenizer.json [+ tokenizer_config.json]); default: the simulator's")
     folder = ap.parse_args(argv).folder
