@@ -142,16 +142,22 @@ def chain_seed(model: str) -> int:
 _U32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
 
 
-def _pack_wide(token_ids: Sequence[int]) -> bytes:
+def _pack_block(token_ids: Sequence[int]) -> bytes:
+    """One block's bytes as hashed: uint32s, or a zero byte then int64s when an id does not fit in uint32."""
     try:
-        packed = array("q", token_ids)
-    except OverflowError as exc:
-        raise ValueError(f"token ids must fit in a signed 64-bit integer: {exc}") from None
-    except TypeError as exc:
-        raise ValueError(f"token ids must be integers: {exc}") from None
+        packed = array(_U32, token_ids)
+        wide = False
+    except (OverflowError, TypeError):
+        try:
+            packed = array("q", token_ids)
+        except OverflowError as exc:
+            raise ValueError(f"token ids must fit in a signed 64-bit integer: {exc}") from None
+        except TypeError as exc:
+            raise ValueError(f"token ids must be integers: {exc}") from None
+        wide = True
     if _SWAP:
         packed.byteswap()
-    return b"\x00" + packed.tobytes()
+    return b"\x00" + packed.tobytes() if wide else packed.tobytes()
 
 
 def _chain(out: list[int], token_ids: Sequence[int], block_size: int, parent: int) -> None:
@@ -167,15 +173,7 @@ def _chain(out: list[int], token_ids: Sequence[int], block_size: int, parent: in
     except (OverflowError, TypeError):  # an id outside uint32 (or not an int): block by block
         keys: list[int] = []
         for start in range(0, n_full * block_size, block_size):
-            block = token_ids[start : start + block_size]
-            try:
-                narrow = array(_U32, block)
-            except (OverflowError, TypeError):
-                parent = digest(_pack_wide(block), parent)
-            else:
-                if _SWAP:
-                    narrow.byteswap()
-                parent = digest(narrow.tobytes(), parent)
+            parent = digest(_pack_block(token_ids[start : start + block_size]), parent)
             keys.append(parent)
         out.extend(keys)
         return
