@@ -23,9 +23,10 @@ Sequence handling (vLLM numbers batches 0, 1, 2, ... per publisher process):
   backend is "unknown", never "empty".
 
 Applying the events: by default (`telemetry.kv_events.drain_interval_ms` > 0) nothing wakes the process when
-a message arrives. The router calls `drain` before every pick, which reads, without awaiting, the sockets one poll
-of their descriptors reports, and applies the batches in sequence, and a timer does the same every interval; a batch that needs a replay goes
-to its backend's task. With 0, a reader on each socket's descriptor applies each message as it arrives.
+a message arrives. The router calls `drain` before every pick, which reads, without awaiting, the sockets
+one poll of their descriptors reports, and applies the batches in sequence; a timer does the same every
+interval; a batch that needs a replay goes to its backend's task. With 0, a reader on each socket's
+descriptor applies each message as it arrives.
 
 Only events for the GPU medium (or none) are indexed: CPU-offload tiers (`medium: "CPU"`) do not decide
 prefill reuse the same way. Metrics (on the registry passed in): batches and events received, decode
